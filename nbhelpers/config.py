@@ -1,0 +1,223 @@
+"""Frozen, validated configuration objects shared by every notebook, backend and the engine.
+
+Contract: each dataclass is immutable and checks itself in ``__post_init__``; a bad value raises
+``ValueError`` whose message names the field and the fix. Notebook ``parameters`` cells map one to
+one onto these fields.
+
+Reference values (``GRPOSettings`` defaults) come from the public Unsloth notebook
+"Qwen3_(4B)-GRPO.ipynb" (unslothai/notebooks, nb/Qwen3_(4B)-GRPO.ipynb): LoRA r=32, alpha=64 (the
+notebook uses ``lora_alpha = lora_rank*2``), lr 5e-6, linear schedule, warmup_ratio 0.1,
+weight_decay 0.001, optim adamw_8bit (we use adamw_torch: bitsandbytes is optional), num_generations 4,
+vLLM sampling min_p=0.1, top_p=1.0, top_k=-1, seed 3407, max_seq_length 2048.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+LORA_TARGETS_ALL: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+"""The 7 projections the reference notebook adapts (``target_modules`` in Qwen3_(4B)-GRPO.ipynb)."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the lab can load.
+
+    Attributes:
+        name: registry key (``smollm2-135m-instruct``, ``qwen3-4b``...), a hub id or a local path.
+        kind: ``real`` (weights from a package or folder), ``random`` (architecture only, random
+            bf16 weights; speed work), ``hub`` (Hugging Face id or local folder).
+        architecture: HF ``config.architectures[0]`` (``Qwen3ForCausalLM``...), when known.
+        dtype: ``bfloat16`` | ``float32`` | ``float16``.
+    """
+
+    name: str
+    kind: Literal["real", "random", "hub"] = "real"
+    architecture: str | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "ModelSpec.name is empty: pass a registry key (see "
+                 "nbhelpers.models.list_models()), a hub id or a local path.")
+        _require(self.kind in ("real", "random", "hub"),
+                 f"ModelSpec.kind={self.kind!r}: use 'real', 'random' or 'hub'.")
+        _require(self.dtype in ("bfloat16", "float32", "float16"),
+                 f"ModelSpec.dtype={self.dtype!r}: use 'bfloat16', 'float32' or 'float16'.")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A PEFT LoRA adapter description (r, alpha, target module names).
+
+    ``init_b_std`` > 0 re-initialises ``lora_B`` from N(0, init_b_std^2) so the adapter is not a
+    no-op (PEFT initialises B to zero, which lets LoRA kernels skip work and flatters them).
+    """
+
+    rank: int = 32
+    alpha: int = 64
+    targets: tuple[str, ...] = LORA_TARGETS_ALL
+    dropout: float = 0.0
+    init_b_std: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.rank > 0, f"LoraSpec.rank={self.rank}: must be a positive int (e.g. 32).")
+        _require(self.alpha > 0, f"LoraSpec.alpha={self.alpha}: must be positive (e.g. 2*rank).")
+        _require(len(self.targets) > 0, "LoraSpec.targets is empty: name at least one module, "
+                 "e.g. nbhelpers.config.LORA_TARGETS_ALL.")
+        _require(0.0 <= self.dropout < 1.0, f"LoraSpec.dropout={self.dropout}: use [0, 1).")
+        _require(self.init_b_std >= 0.0, f"LoraSpec.init_b_std={self.init_b_std}: use >= 0.")
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's ``lora_alpha / r`` (no rsLoRA)."""
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings with vLLM's meaning (vllm/sampling_params.py).
+
+    ``top_k`` of -1 or 0 disables top-k (vLLM convention; transformers wants ``None``/0, which each
+    backend translates). ``temperature == 0`` means greedy. ``seed`` makes a request reproducible.
+    ``n`` is the number of samples per prompt (TRL's ``num_generations``).
+
+    Raises:
+        ValueError: temperature < 0, top_p not in (0, 1], top_k < -1, min_p not in [0, 1],
+            n < 1, max_new_tokens < 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.temperature >= 0.0, f"SamplingParams.temperature={self.temperature}: must "
+                 "be >= 0 (0 = greedy).")
+        _require(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p={self.top_p}: must be in (0, 1] "
+                 "(1.0 disables it).")
+        _require(isinstance(self.top_k, int) and self.top_k >= -1, f"SamplingParams.top_k="
+                 f"{self.top_k!r}: must be an int >= -1 (-1 or 0 disables it).")
+        _require(0.0 <= self.min_p <= 1.0, f"SamplingParams.min_p={self.min_p}: must be in "
+                 "[0, 1] (0 disables it).")
+        _require(self.n >= 1, f"SamplingParams.n={self.n}: must be >= 1.")
+        _require(self.max_new_tokens >= 1, f"SamplingParams.max_new_tokens="
+                 f"{self.max_new_tokens}: must be >= 1.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        """``top_k`` for transformers: ``None`` when disabled (transformers rejects -1)."""
+        return None if self.top_k <= 0 else self.top_k
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+GRPO_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.1, seed=3407)
+"""The reference notebook's vLLM sampling (``SamplingParams(min_p=0.1, top_p=1.0, top_k=-1,
+seed=3407)`` in Qwen3_(4B)-GRPO.ipynb); temperature 1.0 is TRL's GRPOConfig default."""
+
+SAMPLING_PRESETS: dict[str, SamplingParams] = {
+    "grpo": GRPO_SAMPLING,
+    "greedy": SamplingParams(temperature=0.0),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A rollout benchmark workload (DESIGN.md, workload W).
+
+    ``ignore_eos`` makes every request run to ``max_new_tokens`` so engines are compared on equal
+    token counts.
+    """
+
+    n_prompts: int = 32
+    prompt_tokens: int = 150
+    max_new_tokens: int = 512
+    ignore_eos: bool = True
+    sampling: str = "grpo"
+    rounds: int = 3
+    warmup_rounds: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.n_prompts >= 1, f"Workload.n_prompts={self.n_prompts}: must be >= 1.")
+        _require(self.prompt_tokens >= 1, f"Workload.prompt_tokens={self.prompt_tokens}: >= 1.")
+        _require(self.max_new_tokens >= 1, f"Workload.max_new_tokens={self.max_new_tokens}: >= 1.")
+        _require(self.sampling in SAMPLING_PRESETS, f"Workload.sampling={self.sampling!r}: use one "
+                 f"of {sorted(SAMPLING_PRESETS)}.")
+        _require(self.rounds >= 1, f"Workload.rounds={self.rounds}: must be >= 1.")
+        _require(self.warmup_rounds >= 0, f"Workload.warmup_rounds={self.warmup_rounds}: >= 0.")
+
+    def sampling_params(self) -> SamplingParams:
+        base = SAMPLING_PRESETS[self.sampling]
+        return SamplingParams(**{**base.to_dict(), "max_new_tokens": self.max_new_tokens,
+                                 "ignore_eos": self.ignore_eos})
+
+
+WORKLOAD_W = Workload()
+"""DESIGN.md workload W: 32 prompts x ~150 tokens, 512 new tokens, EOS ignored, GRPO sampling."""
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO run settings; defaults are the reference notebook's (module docstring gives the source).
+
+    ``per_device_train_batch_size`` counts completions (TRL); it is rounded up to a multiple of
+    ``num_generations`` by :func:`nbhelpers.grpo.build_config` with a logged message.
+    """
+
+    max_steps: int = 10
+    num_generations: int = 4
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_prompt_length: int = 256
+    max_completion_length: int = 128
+    learning_rate: float = 5e-6
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.001
+    beta: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.1
+    seed: int = 3407
+    logging_steps: int = 1
+    gradient_checkpointing: bool = False
+    lora: LoraSpec = field(default_factory=LoraSpec)
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, f"GRPOSettings.max_steps={self.max_steps}: must be >= 1.")
+        _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
+                 f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")
+        _require(self.per_device_train_batch_size >= 1, "GRPOSettings.per_device_train_batch_size"
+                 " must be >= 1.")
+        _require(self.max_completion_length >= 1, "GRPOSettings.max_completion_length >= 1.")
+        _require(self.max_prompt_length >= 1, "GRPOSettings.max_prompt_length >= 1.")
+        _require(self.learning_rate > 0, f"GRPOSettings.learning_rate={self.learning_rate}: > 0.")
+        _require(self.beta >= 0, f"GRPOSettings.beta={self.beta}: must be >= 0.")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       min_p=self.min_p)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, seed=self.seed, n=self.num_generations,
+                              max_new_tokens=self.max_completion_length)

@@ -1,0 +1,254 @@
+"""Timers, peak memory, robust summaries and the result sidecar (schema v1, DESIGN.md).
+
+Contract: one JSON sidecar per measurement. ``make_sidecar`` fills the schema's keys, ``write_sidecar``
+writes it atomically next to the executed notebook, ``read_sidecars`` loads every sidecar under a
+folder for the comparison notebooks. Values that are not finite are stored as ``None`` (never inf/NaN).
+
+Run: ``python -c "from nbhelpers.stats import env_info; print(env_info())"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+SIDECAR_KEYS = (
+    "schema", "run_id", "phase", "backend", "model", "lora", "workload", "rounds",
+    "decode_tok_per_s_median", "prompt_tok_per_s_median", "wall_s_median",
+    "peak_mem_allocated_gib", "peak_mem_device_gib", "env", "error",
+)
+_VERSIONED = ("torch", "transformers", "trl", "vllm", "peft", "accelerate", "unsloth", "triton")
+GIB = 1024**3
+
+
+def utc_stamp() -> str:
+    """UTC time as ``YYYYmmddTHHMMSSZ`` (sortable, filename-safe)."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def git_sha(repo: str | os.PathLike | None = None, short: bool = True) -> str:
+    """The checkout's HEAD sha (``nogit`` outside a repo); ``+dirty`` is not appended."""
+    cmd = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
+    try:
+        out = subprocess.run(cmd, cwd=repo or Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip() or "nogit"
+    except (OSError, subprocess.SubprocessError):
+        return "nogit"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_name() -> str:
+    """``torch.cuda.get_device_name(0)`` or ``cpu``; never imports torch when it is absent."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def device_tag(name: str | None = None) -> str:
+    """Short filename-safe device label: ``h200``, ``b200``, ``a100``... or ``cpu``."""
+    name = (name or gpu_name()).lower()
+    for tag in ("h200", "h100", "b200", "gb200", "a100", "l40s", "l4", "a10g", "rtx"):
+        if tag in name:
+            return tag
+    return "cpu" if name == "cpu" else "".join(c for c in name if c.isalnum())[:16] or "gpu"
+
+
+def env_info() -> dict[str, Any]:
+    """The run's environment: gpu name, driver, library versions, git sha, UTC time, host."""
+    info: dict[str, Any] = {"gpu": gpu_name(), "driver": None, "python": platform.python_version(),
+                            "platform": platform.platform(), "git_sha": git_sha(),
+                            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    info.update({name: _version(name) for name in _VERSIONED})
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return info
+
+
+def finite_or_none(x: Any) -> Any:
+    """``x`` as a float, or ``None`` when it is missing, NaN or infinite (JSON has no inf)."""
+    if x is None:
+        return None
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def median(values: Sequence[float]) -> float | None:
+    """Median of the finite values, ``None`` when there are none."""
+    vals = sorted(v for v in (finite_or_none(v) for v in values) if v is not None)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-th percentile (0..100) of the finite values (numpy's default)."""
+    vals = sorted(v for v in (finite_or_none(v) for v in values) if v is not None)
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def _cuda_sync() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def timer() -> Iterator[dict[str, float]]:
+    """Synchronised wall timer: ``with timer() as t: ...; t["s"]`` (seconds, CUDA synced)."""
+    out: dict[str, float] = {}
+    _cuda_sync()
+    t0 = time.perf_counter()
+    try:
+        yield out
+    finally:
+        _cuda_sync()
+        out["s"] = time.perf_counter() - t0
+
+
+def reset_peak_memory() -> None:
+    """Reset torch's peak-allocation counter (no-op on the CPU)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib() -> dict[str, float | None]:
+    """Peak memory in GiB.
+
+    ``allocated``: ``torch.cuda.max_memory_allocated`` (tensors only). ``device``: what the card has
+    in use now per ``torch.cuda.mem_get_info`` (total - free; includes other allocators such as
+    vLLM's reservation and the CUDA context). On the CPU: the process's peak RSS for both.
+    """
+    try:
+        import torch
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            return {"allocated": torch.cuda.max_memory_allocated() / GIB,
+                    "device": (total - free) / GIB}
+    except ImportError:
+        pass
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+    return {"allocated": rss, "device": rss}
+
+
+def rounds_summary(rounds: Sequence[dict[str, float]]) -> dict[str, float | None]:
+    """Medians over timed rounds, each ``{"wall_s", "new_tokens", "prompt_tokens"}``.
+
+    ``decode_tok_per_s`` = new tokens / wall seconds of the whole round (prefill included, as in
+    vLLM's ``benchmark_throughput`` output tok/s); ``prompt_tok_per_s`` = prompt tokens / wall.
+    """
+    dec = [r["new_tokens"] / r["wall_s"] for r in rounds if r.get("wall_s")]
+    pro = [r.get("prompt_tokens", 0) / r["wall_s"] for r in rounds if r.get("wall_s")]
+    return {"decode_tok_per_s_median": median(dec), "prompt_tok_per_s_median": median(pro),
+            "wall_s_median": median([r["wall_s"] for r in rounds])}
+
+
+def make_sidecar(*, phase: str, backend: str, model: dict[str, Any] | None = None,
+                 lora: dict[str, Any] | None = None, workload: dict[str, Any] | None = None,
+                 rounds: Sequence[dict[str, float]] = (), peak_mem: dict[str, Any] | None = None,
+                 error: str | None = None, run_id: str | None = None,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A schema-v1 sidecar dict. ``extra`` keys are added beside the schema's keys.
+
+    Raises:
+        ValueError: when ``extra`` would overwrite a schema key.
+    """
+    peak_mem = peak_mem or {}
+    side: dict[str, Any] = {
+        "schema": SCHEMA_VERSION, "run_id": run_id or utc_stamp(), "phase": phase,
+        "backend": backend, "model": model, "lora": lora, "workload": workload,
+        "rounds": [dict(r) for r in rounds], **rounds_summary(rounds),
+        "peak_mem_allocated_gib": finite_or_none(peak_mem.get("allocated")),
+        "peak_mem_device_gib": finite_or_none(peak_mem.get("device")),
+        "env": env_info(), "error": error,
+    }
+    clash = set(extra or {}) & set(SIDECAR_KEYS)
+    if clash:
+        raise ValueError(f"make_sidecar(extra=...) would overwrite schema keys {sorted(clash)}: "
+                         "rename them.")
+    side.update(extra or {})
+    return _sanitise(side)
+
+
+def _sanitise(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _sanitise(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_sanitise(v) for v in obj]
+    return obj
+
+
+def validate_sidecar(side: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the missing keys when ``side`` is not a schema-v1 sidecar."""
+    missing = [k for k in SIDECAR_KEYS if k not in side]
+    if missing or side.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"not a schema-v{SCHEMA_VERSION} sidecar: missing {missing}, schema="
+                         f"{side.get('schema')!r}. Build it with nbhelpers.stats.make_sidecar().")
+
+
+def write_sidecar(side: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Validate and write ``side`` as JSON to ``path`` atomically (tmp file + rename)."""
+    validate_sidecar(side)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(_sanitise(side), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_sidecars(root: str | os.PathLike, phase: str | None = None) -> list[dict[str, Any]]:
+    """Every valid sidecar ``*.json`` under ``root`` (optionally of one phase), with ``_path``."""
+    out = []
+    for p in sorted(Path(root).rglob("*.json")):
+        try:
+            side = json.loads(p.read_text())
+            validate_sidecar(side)
+        except (ValueError, json.JSONDecodeError, OSError):
+            continue
+        if phase is None or side.get("phase") == phase:
+            side["_path"] = str(p)
+            out.append(side)
+    return out

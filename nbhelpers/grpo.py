@@ -86,20 +86,20 @@ def build_config(settings: GRPOSettings, output_dir: str | os.PathLike, **overri
                     "_size * world_size * steps_per_generation divisible by num_generations=%d",
                     settings.per_device_train_batch_size, batch, settings.num_generations)
     on_gpu = _is_cuda()
-    kwargs: dict[str, Any] = dict(
-        output_dir=str(output_dir), max_steps=settings.max_steps,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
-        learning_rate=settings.learning_rate, lr_scheduler_type=settings.lr_scheduler_type,
-        warmup_steps=settings.warmup_ratio, weight_decay=settings.weight_decay,
-        beta=settings.beta, temperature=settings.temperature, top_p=settings.top_p,
-        top_k=vllm_top_k_to_transformers(settings.top_k), min_p=settings.min_p or None,
-        seed=settings.seed, logging_steps=settings.logging_steps,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        use_cpu=not on_gpu, bf16=on_gpu, report_to="none", save_strategy="no",
-        optim="adamw_torch")
+    kwargs: dict[str, Any] = {
+        "output_dir": str(output_dir), "max_steps": settings.max_steps,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": settings.gradient_accumulation_steps,
+        "num_generations": settings.num_generations,
+        "max_completion_length": settings.max_completion_length,
+        "learning_rate": settings.learning_rate, "lr_scheduler_type": settings.lr_scheduler_type,
+        "warmup_steps": settings.warmup_ratio, "weight_decay": settings.weight_decay,
+        "beta": settings.beta, "temperature": settings.temperature, "top_p": settings.top_p,
+        "top_k": vllm_top_k_to_transformers(settings.top_k), "min_p": settings.min_p or None,
+        "seed": settings.seed, "logging_steps": settings.logging_steps,
+        "gradient_checkpointing": settings.gradient_checkpointing,
+        "use_cpu": not on_gpu, "bf16": on_gpu, "report_to": "none", "save_strategy": "no",
+        "optim": "adamw_torch"}
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 

@@ -1,0 +1,208 @@
+"""``hf_cb``: transformers continuous batching (``model.generate_batch``) with a persistent manager.
+
+Contract (DESIGN.md "Backend contract"): vanilla HF model (+ unmerged PEFT LoRA); every call goes
+through ``generate_batch(..., persistent_manager=True)`` so the paged cache, the scheduler and the
+captured CUDA graphs are built once and reused; ``close`` destroys the manager.
+
+The ``ContinuousBatchingConfig`` is sized from the workload (:func:`cb_sizing`), never left at the
+small defaults that choke decode (Unsloth PR #5108 README, "known integration notes" 2). The
+backend sizes itself from the first ``generate`` call, or earlier through
+:meth:`HFCBBackend.size_for_workload` (the harness calls it before the warm-up so a short warm-up
+does not shrink the cache).
+
+Engine options: ``attn_implementation`` (``paged|sdpa`` default; ``paged|flash_attention_4`` needs
+the ``fa4`` extra), ``use_cuda_graph`` (default: True on CUDA, False on CPU), ``block_size`` (256),
+``q_padding_interval_size`` (32), ``kv_padding_interval_size`` (2048), ``headroom`` (1.25),
+``num_blocks`` / ``max_batch_tokens`` / ``max_requests_per_batch`` (override the sizing),
+``allow_block_sharing`` (False), ``device``, ``adapter_path``, ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nbhelpers.backends import _common
+from nbhelpers.backends.base import BackendNotInstalled, Completion
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+
+CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
+              "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
+              "max_requests_per_batch", "allow_block_sharing", "device", "adapter_path", "seed"}
+ATTN_CHOICES = ("paged|sdpa", "paged|eager", "paged|flash_attention_4")
+
+
+@dataclass(frozen=True)
+class CBSizing:
+    """Cache and batch limits for one workload (the :func:`cb_sizing` result)."""
+
+    num_blocks: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+
+
+def cb_sizing(prompt_lens: list[int], max_new_tokens: int, *, block_size: int = 256,
+              q_padding_interval_size: int = 32, headroom: float = 1.25) -> CBSizing:
+    """Size the paged cache so the whole workload runs at once.
+
+    - ``max_batch_tokens`` = sum of prompt tokens rounded up to ``q_padding_interval_size``: every
+      prompt is prefilled in one step.
+    - ``num_blocks`` = ceil(headroom * n_requests * ceil((max prompt + max_new_tokens) /
+      block_size)): every request holds its worst-case blocks at once, plus headroom.
+    - ``max_requests_per_batch`` = n_requests (decode all requests in one step).
+
+    Workload W (32 prompts, lengths 132-169, sum 4835, 512 new tokens, block 256) gives
+    num_blocks=120, max_batch_tokens=4864, max_requests_per_batch=32: the settings that produced the
+    H200 numbers in DESIGN.md "The H200 machine" (research/measurements/gold_hf_h200_2026-11-30.json).
+
+    Raises:
+        ValueError: empty ``prompt_lens`` or non-positive sizes.
+    """
+    if not prompt_lens or min(prompt_lens) < 1 or max_new_tokens < 1 or block_size < 1:
+        raise ValueError("cb_sizing needs >= 1 prompt of >= 1 token, max_new_tokens >= 1 and "
+                         "block_size >= 1.")
+    q_pad = max(1, q_padding_interval_size)
+    blocks_per_request = math.ceil((max(prompt_lens) + max_new_tokens) / block_size)
+    return CBSizing(num_blocks=math.ceil(headroom * len(prompt_lens) * blocks_per_request),
+                    max_batch_tokens=q_pad * math.ceil(sum(prompt_lens) / q_pad),
+                    max_requests_per_batch=len(prompt_lens))
+
+
+def _fits(have: CBSizing, need: CBSizing) -> bool:
+    return (have.num_blocks >= need.num_blocks and have.max_batch_tokens >= need.max_batch_tokens
+            and have.max_requests_per_batch >= need.max_requests_per_batch)
+
+
+def check_attn(attn: str) -> None:
+    """Raise ``ValueError`` for an unknown paged attention, BackendNotInstalled without FA4."""
+    if attn not in ATTN_CHOICES:
+        raise ValueError(f"hf_cb attn_implementation={attn!r}: use one of {ATTN_CHOICES}.")
+    if attn.endswith("flash_attention_4"):
+        from nbhelpers.shims import flash_attn4
+
+        if not flash_attn4.fa4_installed():
+            raise BackendNotInstalled("hf_cb (paged|flash_attention_4)", "fa4")
+        flash_attn4.apply()
+
+
+class HFCBBackend:
+    """transformers continuous batching with a persistent ``ContinuousBatchingManager``."""
+
+    name = "hf_cb"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.sizing: CBSizing | None = None
+        self.info: dict[str, Any] = {}
+        self._manager_key: Any = None
+
+    def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
+        _common.require("transformers.generation.continuous_batching", self.name, "cpu")
+        unknown = set(engine_options) - CB_OPTIONS
+        if unknown:
+            raise ValueError(f"{self.name}: unknown engine options {sorted(unknown)}; use "
+                             f"{sorted(CB_OPTIONS)}.")
+        opts = {"attn_implementation": "paged|sdpa", "block_size": 256, "headroom": 1.25,
+                "q_padding_interval_size": 32, "kv_padding_interval_size": 2048,
+                "allow_block_sharing": False, **engine_options}
+        check_attn(opts["attn_implementation"])
+        self.model, self.tokenizer, self.adapter_path = _common.load_hf(
+            model, lora, device=opts.get("device"), attn_implementation=opts["attn_implementation"],
+            adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))
+        is_cuda = next(self.model.parameters()).device.type == "cuda"
+        opts.setdefault("use_cuda_graph", is_cuda)
+        if opts["use_cuda_graph"] and not is_cuda:
+            raise ValueError(f"{self.name}: use_cuda_graph=True needs a CUDA device; pass "
+                             "use_cuda_graph=False on the CPU.")
+        self.options = opts
+        self.eos = _common.eos_ids(self.model, self.tokenizer)
+        self.pad_id = _common.pad_id_of(self.tokenizer, self.eos)
+
+    def size_for_workload(self, prompts: list[list[int]], sampling: SamplingParams) -> CBSizing:
+        """Fix the cache size for ``prompts`` x ``sampling.n`` (call before the warm-up)."""
+        o = self.options
+        need = cb_sizing([len(p) for p in prompts for _ in range(sampling.n)],
+                         sampling.max_new_tokens, block_size=o["block_size"],
+                         q_padding_interval_size=o["q_padding_interval_size"],
+                         headroom=o["headroom"])
+        if self.sizing is None or not _fits(self.sizing, need):
+            self.sizing = CBSizing(o.get("num_blocks", need.num_blocks),
+                                   o.get("max_batch_tokens", need.max_batch_tokens),
+                                   o.get("max_requests_per_batch", need.max_requests_per_batch))
+        return self.sizing
+
+    def cb_config(self, sampling: SamplingParams) -> Any:
+        """The ``ContinuousBatchingConfig`` for the current sizing (seed = ``sampling.seed``)."""
+        from transformers import ContinuousBatchingConfig
+
+        o, s = self.options, self.sizing
+        return ContinuousBatchingConfig(
+            block_size=o["block_size"], num_blocks=s.num_blocks, max_batch_tokens=s.max_batch_tokens,
+            max_requests_per_batch=s.max_requests_per_batch,
+            allow_block_sharing=o["allow_block_sharing"],
+            q_padding_interval_size=o["q_padding_interval_size"],
+            kv_padding_interval_size=o["kv_padding_interval_size"],
+            use_cuda_graph=bool(o["use_cuda_graph"]), seed=sampling.seed or 0)
+
+    def _ensure_manager(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        """Drop the cached manager when sampling or sizing changed (its logits processors and
+        cache are fixed at creation)."""
+        self.size_for_workload(prompts, sampling)
+        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
+               sampling.ignore_eos, sampling.stop_token_ids, self.sizing)
+        if key != self._manager_key:
+            self.model.destroy_cached_continuous_batching_manager()
+            self._manager_key = key
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        import torch
+
+        if self.model is None:
+            raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
+        _common.validate_prompts(prompts)
+        self._ensure_manager(prompts, sampling)
+        rows = _common.expand_prompts(prompts, sampling.n)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        gen_cfg = _common.generation_config(sampling, self.eos, self.pad_id)
+        out = self.model.generate_batch(rows, generation_config=gen_cfg,
+                                        continuous_batching_config=self.cb_config(sampling),
+                                        persistent_manager=True, progress_bar=False)
+        self._record_info()
+        return completions_from_cb(rows, list(out.values()), sampling, self.eos)
+
+    def _record_info(self) -> None:
+        mgr = getattr(self.model, "_cached_continuous_batching_manager", None)
+        cfg = getattr(mgr, "continuous_batching_config", None)
+        self.info = {"attn": self.options["attn_implementation"],
+                     "sizing": vars(self.sizing) if self.sizing else None,
+                     "use_cuda_graph": bool(self.options["use_cuda_graph"]),
+                     "cb_resolved": None if cfg is None else {
+                         k: getattr(cfg, k, None) for k in
+                         ("num_blocks", "max_batch_tokens", "max_requests_per_batch",
+                          "use_async_batching", "max_blocks_per_request")}}
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.destroy_cached_continuous_batching_manager()
+        self.model = None
+        _common.free_device_memory()
+
+
+def completions_from_cb(rows: list[list[int]], outputs: list[Any], sampling: SamplingParams,
+                        eos: list[int]) -> list[Completion]:
+    """Completions from ``GenerationOutput``s (ordered like ``rows``).
+
+    Raises:
+        RuntimeError: a request is missing or failed (the engine's error text is included).
+    """
+    if len(outputs) != len(rows):
+        raise RuntimeError(f"continuous batching returned {len(outputs)} of {len(rows)} requests; "
+                           "see the ContinuousBatchingLogger errors above.")
+    done = []
+    for prompt, res in zip(rows, outputs):
+        if getattr(res, "error", None):
+            raise RuntimeError(f"request {res.request_id} failed: {res.error}")
+        done.append(_common.trim_completion(prompt, list(res.generated_tokens), sampling, eos))
+    return done

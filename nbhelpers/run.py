@@ -1,0 +1,247 @@
+"""Papermill runner: parameterised notebook copies into the append-only ``executed/`` archive.
+
+Contract: :func:`run` resolves a phase (``phase0``...) or a notebook path to notebooks, reads
+``configs/<stem>.<profile>.yaml`` (literals) overridden by ``-p NAME VALUE``, and executes each
+notebook in its own subprocess, one at a time per GPU (``CUDA_VISIBLE_DEVICES`` set per worker;
+on a CPU profile one worker). Each run writes ``executed/<phase dir>/<stem>/<UTC>_<device>_<sha>
+.ipynb`` (papermill keeps the partial output when a cell fails) and the JSON sidecar beside it (the
+notebook writes it to the ``sidecar_path`` parameter; the runner writes one with ``error`` when the
+notebook did not, or marks the notebook's sidecar failed). Names are claimed with exclusive file
+creation, so no earlier run is overwritten and two runs at once never share a file.
+:func:`write_index` regenerates ``executed/INDEX.md`` from the sidecars.
+
+Run: ``python -m nbhelpers run phase0 --profile cpu`` (see ``nbhelpers/__main__.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+from nbhelpers.run_index import write_index
+from nbhelpers.stats import device_tag, git_sha, make_sidecar, utc_stamp, write_sidecar
+
+log = logging.getLogger(__name__)
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+"""Where ``nbhelpers`` lives; put on the child's ``PYTHONPATH`` so an uninstalled checkout works."""
+REPO = PACKAGE_ROOT
+PHASE_DIRS = {"phase0": "phase0_reference", "phase1": "phase1_rollout",
+              "phase2": "phase2_grpo", "phase3": "phase3_flex"}
+"""``run <phase>`` runs every ``notebooks/<dir>/*.ipynb`` in name order (``19_compare`` last)."""
+KERNEL_NAME = "nbhelpers"
+
+
+@dataclass
+class Job:
+    """One notebook execution: input, claimed output paths, parameters, GPU (or ``None``)."""
+
+    notebook: Path
+    output: Path
+    sidecar: Path
+    parameters: dict[str, Any]
+    gpu: str | None = None
+    returncode: int | None = None
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.returncode == 0 else "failed"
+
+
+def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
+    """Notebooks for a phase name (``phase0``), a phase folder, or one ``.ipynb`` path.
+
+    Raises:
+        ValueError: unknown phase, or a phase folder without notebooks.
+        FileNotFoundError: the notebook path does not exist.
+    """
+    if target.endswith(".ipynb"):
+        path = Path(target) if Path(target).is_absolute() else repo / target
+        if not path.is_file():
+            raise FileNotFoundError(f"notebook {target!r} not found (paths are relative to {repo}).")
+        return [path]
+    folder = PHASE_DIRS.get(target, target)
+    if folder not in PHASE_DIRS.values():
+        raise ValueError(f"unknown phase {target!r}: use one of {sorted(PHASE_DIRS)} or a path "
+                         "to an .ipynb file.")
+    found = sorted((repo / "notebooks" / folder).glob("*.ipynb"))
+    if not found:
+        raise ValueError(f"phase {target!r} has no notebooks yet under notebooks/{folder}/.")
+    return found
+
+
+def load_parameters(notebook: Path, profile: str, overrides: dict[str, Any] | None = None,
+                    configs: Path = REPO / "configs") -> dict[str, Any]:
+    """``configs/<stem>.<profile>.yaml`` overridden by ``overrides``.
+
+    A missing file is fine for ``profile="cpu"`` (the notebook's defaults are CPU smoke size).
+
+    Raises:
+        FileNotFoundError: no config file for a non-CPU profile.
+        ValueError: the file is not a mapping of names to literals.
+    """
+    import yaml
+    path = configs / f"{notebook.stem}.{profile}.yaml"
+    params: dict[str, Any] = {}
+    if path.is_file():
+        params = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"{path}: must map parameter names to literals, got {type(params)}.")
+    elif profile != "cpu":
+        raise FileNotFoundError(f"no {path.relative_to(configs.parent)} for profile "
+                                f"{profile!r}: write it (literals only) or use --profile cpu.")
+    return {**params, **(overrides or {})}
+
+
+def parse_overrides(pairs: list[tuple[str, str]] | None) -> dict[str, Any]:
+    """``-p NAME VALUE`` pairs with each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str)."""
+    import yaml
+    return {name: yaml.safe_load(value) for name, value in (pairs or [])}
+
+
+def claim_output(folder: Path, stem: str) -> tuple[Path, Path]:
+    """Exclusively create ``folder/<stem>[_N].ipynb`` and return it with its ``.json`` sibling.
+
+    ``O_CREAT | O_EXCL`` makes the claim atomic: concurrent runners never get the same name and
+    an existing run (notebook or sidecar) is never overwritten.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        name = stem if n == 0 else f"{stem}_{n}"
+        nb, side = folder / f"{name}.ipynb", folder / f"{name}.json"
+        if side.exists():
+            continue
+        try:
+            os.close(os.open(nb, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue
+        return nb, side
+    raise RuntimeError(f"could not claim a free name for {stem} in {folder} after 1000 tries.")
+
+
+def gpu_device_tag(gpu: str | None) -> str:
+    """Device label for the run's file name: ``cpu``, or the tag of GPU ``gpu`` per nvidia-smi."""
+    if gpu is None:
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i",
+                              gpu], capture_output=True, text=True, timeout=20, check=False)
+        if out.returncode == 0 and out.stdout.strip():
+            return device_tag(out.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "gpu"
+
+
+def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[str] | None,
+              executed: Path, repo: Path = REPO) -> list[Job]:
+    """Claim output names for every notebook of ``target``; one job per notebook."""
+    jobs, sha = [], git_sha(repo)
+    for nb in resolve_notebooks(target, repo):
+        params = load_parameters(nb, profile, overrides, repo / "configs")
+        gpu = gpus[len(jobs) % len(gpus)] if gpus else None
+        stem = f"{utc_stamp()}_{gpu_device_tag(gpu)}_{sha}"
+        out, side = claim_output(executed / nb.parent.name / nb.stem, stem)
+        params["sidecar_path"] = os.path.relpath(side, repo)
+        jobs.append(Job(nb, out, side, params, gpu))
+    return jobs
+
+
+def _kernel_env(env: dict[str, str]) -> dict[str, str]:
+    """Env whose ``JUPYTER_PATH`` holds a ``nbhelpers`` kernelspec running this interpreter."""
+    root = Path(tempfile.gettempdir()) / f"nbhelpers-jupyter-{os.getuid()}"
+    spec_dir = root / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": f"nbhelpers ({sys.executable})", "language": "python"}
+    tmp = spec_dir / f"kernel.json.{os.getpid()}"
+    tmp.write_text(json.dumps(spec))
+    tmp.replace(spec_dir / "kernel.json")
+    env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), env.get("JUPYTER_PATH")]))
+    return env
+
+
+def execute(job: Job, repo: Path = REPO) -> int:
+    """Run ``job`` in a subprocess (its own ``CUDA_VISIBLE_DEVICES``); fix up the sidecar."""
+    env = _kernel_env(dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    if job.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = job.gpu
+    spec = json.dumps({"input": str(job.notebook), "output": str(job.output),
+                       "parameters": job.parameters, "cwd": str(repo)})
+    log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
+    proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env, cwd=repo,
+                          check=False)
+    job.returncode = proc.returncode
+    if proc.returncode != 0:
+        mark_failed(job, f"notebook execution failed (exit {proc.returncode}); see {job.output}")
+    return proc.returncode
+
+
+def mark_failed(job: Job, error: str) -> None:
+    """Write an ``error`` sidecar when the notebook wrote none; set ``error`` on one it wrote."""
+    if job.sidecar.is_file():
+        side = json.loads(job.sidecar.read_text())
+        side["error"] = side.get("error") or error
+    else:
+        phase = job.notebook.parent.name.split("_")[0]
+        side = make_sidecar(phase=phase, backend=str(job.parameters.get("backend", "unknown")),
+                            error=error, extra={"notebook": job.notebook.name})
+    side["status"] = "failed"
+    write_sidecar(side, job.sidecar)
+
+
+def _worker(queue: Queue, gpu: str | None, repo: Path) -> None:
+    while True:
+        try:
+            job = queue.get_nowait()
+        except Empty:
+            return
+        job.gpu = gpu if gpu is not None else job.gpu
+        execute(job, repo)
+
+
+def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,
+        overrides: dict[str, Any] | None = None, repo: Path | None = None,
+        executed: Path | None = None) -> list[Job]:
+    """Execute ``target``'s notebooks (one worker per GPU, each a queue consumer) and rewrite
+    ``executed/INDEX.md``. Returns the jobs with their return codes (0 = ok)."""
+    repo = repo or REPO
+    executed = executed or repo / "executed"
+    jobs = plan_jobs(target, profile, overrides or {}, gpus, executed, repo)
+    queue: Queue = Queue()
+    for job in jobs:
+        queue.put(job)
+    workers = [threading.Thread(target=_worker, args=(queue, g, repo)) for g in (gpus or [None])]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    write_index(executed, repo)
+    return jobs
+
+
+def _execute_in_child(spec: dict[str, Any]) -> int:
+    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel."""
+    import papermill as pm
+    try:
+        pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
+                            kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True)
+    except pm.PapermillExecutionError as exc:
+        print(f"notebook failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_execute_in_child(json.loads(sys.argv[1])))

@@ -1,0 +1,114 @@
+"""nbhelpers.run on tiny throwaway notebooks: names, parameters, failures, INDEX.md, CLI."""
+
+import json
+import threading
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbhelpers import run as runner
+from nbhelpers.__main__ import main
+from nbhelpers.run_index import index_rows, render_index
+
+OK_SOURCE = """from nbhelpers.stats import make_sidecar, write_sidecar
+side = make_sidecar(phase="phase0", backend="hf_generate",
+                    extra={"headline": {"answer": answer, "step_time_s_median": 1.5}})
+write_sidecar(side, sidecar_path)
+print("answer is", answer)"""
+FAIL_SOURCE = 'print("partial output before the failure")\nraise RuntimeError("boom in cell")'
+
+
+def _notebook(path: Path, body: str, params: str = "answer = 1  # help\nsidecar_path = ''") -> Path:
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(params)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), cell, nbformat.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def repo(tmp_path):
+    _notebook(tmp_path / "notebooks/phase0_reference/00_ok.ipynb", OK_SOURCE)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/00_ok.cpu.yaml").write_text("answer: 7\n")
+    return tmp_path
+
+
+def test_claim_output_never_reuses_a_name(tmp_path):
+    first, side1 = runner.claim_output(tmp_path, "20260101T000000Z_cpu_abc")
+    second, _ = runner.claim_output(tmp_path, "20260101T000000Z_cpu_abc")
+    assert first != second and first.name == "20260101T000000Z_cpu_abc.ipynb"
+    assert second.name == "20260101T000000Z_cpu_abc_1.ipynb"
+    assert side1 == first.with_suffix(".json")
+    (tmp_path / "x_2.json").write_text("{}")  # an orphan sidecar also blocks its name
+    runner.claim_output(tmp_path, "x")
+    runner.claim_output(tmp_path, "x")
+    assert runner.claim_output(tmp_path, "x")[0].name == "x_3.ipynb"
+
+
+def test_claim_output_concurrent_claims_are_unique(tmp_path):
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(runner.claim_output(tmp_path, "s")[0]))
+               for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 16
+
+
+def test_resolve_notebooks_phase_path_and_errors(repo):
+    assert [p.name for p in runner.resolve_notebooks("phase0", repo)] == ["00_ok.ipynb"]
+    path = "notebooks/phase0_reference/00_ok.ipynb"
+    assert runner.resolve_notebooks(path, repo) == [repo / path]
+    with pytest.raises(ValueError, match="unknown phase"):
+        runner.resolve_notebooks("phase9", repo)
+    with pytest.raises(ValueError, match="no notebooks yet"):
+        runner.resolve_notebooks("phase1", repo)
+    with pytest.raises(FileNotFoundError):
+        runner.resolve_notebooks("notebooks/missing.ipynb", repo)
+
+
+def test_load_parameters_profile_and_overrides(repo):
+    nb = repo / "notebooks/phase0_reference/00_ok.ipynb"
+    over = runner.parse_overrides([("answer", "9"), ("name", "abc"), ("lr", "0.5"),
+                                   ("flag", "true")])
+    assert over == {"answer": 9, "name": "abc", "lr": 0.5, "flag": True}
+    assert runner.load_parameters(nb, "cpu", configs=repo / "configs") == {"answer": 7}
+    assert runner.load_parameters(nb, "cpu", {"answer": 9}, repo / "configs") == {"answer": 9}
+    with pytest.raises(FileNotFoundError, match="h200"):
+        runner.load_parameters(nb, "h200", configs=repo / "configs")
+    (repo / "configs/00_ok.h200.yaml").write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="must map"):
+        runner.load_parameters(nb, "h200", configs=repo / "configs")
+
+
+@pytest.mark.notebooks
+def test_run_ok_and_failed_notebooks(repo, monkeypatch):
+    _notebook(repo / "notebooks/phase0_reference/01_fail.ipynb", FAIL_SOURCE)
+    monkeypatch.setattr(runner, "REPO", repo)
+    assert main(["run", "phase0", "-p", "answer", "42"]) == 1  # one failure -> non-zero
+    ok, failed = (sorted((repo / "executed/phase0_reference" / s).glob("*.json"))
+                  for s in ("00_ok", "01_fail"))
+    side_ok, side_fail = json.loads(ok[0].read_text()), json.loads(failed[0].read_text())
+    assert side_ok["error"] is None and side_ok["headline"]["answer"] == 42
+    assert "failed" in side_fail["error"] and side_fail["status"] == "failed"
+    partial = nbformat.read(failed[0].with_suffix(".ipynb"), as_version=4)
+    texts = [o.get("text", "") for c in partial.cells if c.cell_type == "code"
+             for o in c.get("outputs", [])]
+    assert any("partial output before the failure" in t for t in texts)
+    index = (repo / "executed/INDEX.md").read_text()
+    assert "| failed |" in index and "| ok |" in index and "answer=42" in index
+    # a second run adds files, never overwrites the first
+    assert main(["run", "notebooks/phase0_reference/00_ok.ipynb"]) == 0
+    assert len(list((repo / "executed/phase0_reference/00_ok").glob("*.json"))) == 2
+    assert len(index_rows(repo / "executed")) == 3
+
+
+def test_index_rendering_without_runs(tmp_path):
+    assert "No runs yet" in render_index(index_rows(tmp_path))

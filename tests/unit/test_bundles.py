@@ -1,0 +1,144 @@
+"""Offline bundle sets and tools: pin consistency, split/join, bin packing, repack, manifest, closure.
+
+CPU only, no network (wheels here are tiny zips made in tmp_path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nbhelpers import bundle_verify, bundles
+from nbhelpers.bundle_sets import SETS, BundleSet
+
+
+def _name(pin: str) -> str:
+    return pin.split("==")[0].lower().replace("_", "-")
+
+
+def test_every_set_pins_each_name_once() -> None:
+    for bset in SETS.values():
+        names = [_name(p) for p in bset.pins]
+        assert len(names) == len(set(names)), bset.name
+
+
+def test_sets_sharing_a_site_agree_on_versions() -> None:
+    assert bundle_verify.all_pins_consistent() == []
+
+
+def test_vllm_and_fa4_clash_so_they_get_separate_sites() -> None:
+    tvm = {n: next(p for p in SETS[n].pins if _name(p) == "apache-tvm-ffi") for n in ("vllm", "fa4")}
+    assert tvm["vllm"] != tvm["fa4"]
+    assert SETS["vllm"].site != SETS["fa4"].site
+
+
+def test_with_sets_share_the_site() -> None:
+    for bset in SETS.values():
+        assert all(SETS[w].site == bset.site for w in bset.with_sets), bset.name
+
+
+def test_bad_pin_and_packing_are_rejected() -> None:
+    with pytest.raises(ValueError, match="name==version"):
+        BundleSet(name="x", pins=("trl>=1",), packing="wheels", site="/tmp/x", imports=())
+    with pytest.raises(ValueError, match="packing"):
+        BundleSet(name="x", pins=("trl==1",), packing="zip", site="/tmp/x", imports=())
+
+
+def test_split_join_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "blob.bin"
+    data = os.urandom(300_007)
+    src.write_bytes(data)
+    parts = bundles.split_file(src, 65_536, tmp_path / "parts")
+    assert len(parts) == 5
+    assert all(p.stat().st_size <= 65_536 for p in parts)
+    assert [p.name for p in parts] == sorted(p.name for p in parts)  # `cat part*` order
+    assert bundles.join_parts(parts, tmp_path / "joined").read_bytes() == data
+    with pytest.raises(ValueError, match="> 0"):
+        bundles.split_file(src, 0, tmp_path / "p0")
+
+
+def test_pack_bins_respects_the_limit() -> None:
+    sizes = {f"w{i}": s for i, s in enumerate([50, 30, 30, 20, 20, 10, 5])}
+    bins = bundles.pack_bins(sizes, 60)
+    assert sorted(n for b in bins for n in b) == sorted(sizes)
+    assert all(sum(sizes[n] for n in b) <= 60 for b in bins)
+    assert len(bins) == 3  # 165 bytes need at least 3 bins of 60
+    with pytest.raises(ValueError, match="site-xz"):
+        bundles.pack_bins({"huge": 61}, 60)
+
+
+def _tiny_wheel(path: Path, name: str, requires: list[str], members: dict[str, bytes]) -> Path:
+    dist = f"{name}-1.0.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    files = {**members, f"{dist}/METADATA": meta.encode()}
+    record = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    whl = path / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for f, data in files.items():
+            z.writestr(f, data)
+        z.writestr(f"{dist}/RECORD", record)
+    return whl
+
+
+def test_repack_wheel_drops_members_and_their_record_lines(tmp_path: Path) -> None:
+    src = _tiny_wheel(tmp_path, "pkg", [], {"pkg/__init__.py": b"", "studio/ui.js": b"x" * 100})
+    out = tmp_path / "out"
+    out.mkdir()
+    whl = bundles.repack_wheel(src, out, ("studio/*",))
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        record = z.read("pkg-1.0.dist-info/RECORD").decode()
+    assert "studio/ui.js" not in names and "pkg/__init__.py" in names
+    assert "studio/" not in record and "pkg/__init__.py" in record
+
+
+def test_find_wheel_picks_the_target_python(tmp_path: Path) -> None:
+    for tag in ("cp311-cp311", "cp312-cp312"):
+        (tmp_path / f"foo-1.0-{tag}-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    hit = bundles.find_wheel(tmp_path, "foo==1.0", "3.12")
+    assert hit is not None and "cp312" in hit.name
+    assert bundles.find_wheel(tmp_path, "foo==2.0", "3.12") is None
+
+
+def test_manifest_for_a_wheels_set(tmp_path: Path) -> None:
+    bset = BundleSet(name="mini", pins=("pkg==1.0",), packing="wheels", site="/tmp/site",
+                     imports=("import pkg",), env=(("HF_HUB_OFFLINE", "1"),))
+    whl = _tiny_wheel(tmp_path, "pkg", ["numpy>=1"], {"pkg/__init__.py": b""})
+    m = bundles.make_manifest(bset, [whl], [tmp_path], None, tmp_path, "3.12", 55, 0.5)
+    path = bundles.write_manifest(m, tmp_path / "mini" / "manifest.json")
+    back = json.loads(path.read_text())
+    assert back["wheels"][0]["bytes"] == whl.stat().st_size
+    assert len(back["wheels"][0]["sha256"]) == 64
+    begin = back["device"]["calls"][0]["begin"]
+    assert "--target /tmp/site" in begin and "PYTHONPATH=/tmp/site" in begin
+    assert back["device"]["calls"][0]["carry"] == ["."]
+
+
+def test_device_commands_for_a_split_site() -> None:
+    parts = [f".bundles/fa4/parts/fa4_site.tar.xz.part{i:02d}" for i in range(2)]
+    cmds = bundles.device_commands(SETS["fa4"], parts, "ab" * 32)
+    assert [c["carry"] for c in cmds["calls"]] == [[p] for p in parts]
+    last = cmds["calls"][-1]["begin"]
+    assert "xz -d | tar -x -C /tmp/fa4_site" in last and "ab" * 32 in last
+    assert "/tmp/fa4_site/nvidia_cutlass_dsl/dsl_packages" in cmds["after"]
+
+
+def test_closure_sorts_requirements() -> None:
+    records = {"a": ("1.0", ["b>=2", "torch==2.11.0", "numpy<2.5", "pandas", "zzz-missing",
+                             "xformers", "winonly; sys_platform == 'win32'", "dev; extra == 'x'"]),
+               "b": ("2.1", [])}
+    out = bundle_verify.closure(records, excluded=("xformers",))
+    assert out["ok"] == ["a -> b>=2", "a -> torch==2.11.0"]
+    assert out["conflict"] == ["a -> numpy<2.5 (have 2.5.2)"]
+    assert out["image_unknown"] == ["a -> pandas"]
+    assert out["missing"] == ["a -> zzz-missing"]
+    assert out["excluded"] == ["a -> xformers"]
+
+
+def test_unknown_set_names_the_choices() -> None:
+    with pytest.raises(SystemExit, match="choose one of"):
+        bundles.main(["verify", "nope"])

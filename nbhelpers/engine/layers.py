@@ -1,0 +1,128 @@
+"""The engine's forward pass over the HF model's own modules (no copy of any weight).
+
+Contract: :class:`EngineModel` wraps a ``*ForCausalLM`` (or a PEFT ``PeftModel`` around one) and
+runs a packed token batch against the paged KV cache. It calls the HF modules for embeddings,
+RMSNorms (incl. Qwen3's q/k norms), rotary cos/sin (so llama3 RoPE scaling is HF's own code) and the
+MLP activation; projections go through :mod:`nbhelpers.engine.lora` (live LoRA). Attention is
+``flex_attention`` over the paged cache with the BlockMasks of :mod:`nbhelpers.engine.attention`.
+
+Shapes: ``input_ids, positions, slot_mapping: [T]``; hidden ``[1, T, hidden]``; prefill queries
+``[1, H, T, D]``; decode queries ``[B, H, 1, D]`` (T = B, one token per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nbhelpers.engine.lora import LiveGroup, storage_signature
+from nbhelpers.engine.models import ArchSpec, get_arch_spec
+
+
+@dataclass
+class AttnBatch:
+    """Per-step attention metadata: one BlockMask per layer and whether queries are one per row.
+
+    ``block_masks[i]`` is layer ``i``'s mask (layers with the same mask factory share one object).
+    """
+
+    block_masks: list[Any]
+    is_decode: bool
+
+
+def base_causal_lm(model: Any) -> Any:
+    """The ``*ForCausalLM`` under a PEFT wrapper (``PeftModel.get_base_model()``) or itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class EngineModel:
+    """Forward over an HF causal LM's parameters; see the module docstring.
+
+    Raises:
+        ValueError: unsupported architecture (from the registry) or more than one LoRA adapter.
+    """
+
+    def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
+        self.hf = base_causal_lm(model)
+        self.config = self.hf.config
+        self.spec: ArchSpec = get_arch_spec(self.config)
+        inner = self.hf.model
+        self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.lm_head = self.hf.lm_head
+        self.layers = list(inner.layers)
+        self.qkv = [LiveGroup([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj],
+                              fuse_lora_a) for ly in self.layers]
+        self.o = [LiveGroup([ly.self_attn.o_proj]) for ly in self.layers]
+        self.gate_up = [LiveGroup([ly.mlp.gate_proj, ly.mlp.up_proj], fuse_lora_a)
+                        for ly in self.layers]
+        self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
+        cfg = self.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.spec.attn_scale or getattr(self.layers[0].self_attn, "scaling",
+                                                     self.head_dim ** -0.5)
+        if flex_fn is None:
+            from torch.nn.attention.flex_attention import flex_attention as flex_fn
+        self.flex = flex_fn
+
+    @property
+    def dtype(self) -> Any:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> Any:
+        return self.embed.weight.device
+
+    def signature(self) -> tuple[int, ...]:
+        """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
+        return storage_signature(self.qkv + self.o + self.gate_up + self.down)
+
+    def forward(self, input_ids: Any, positions: Any, slot_mapping: Any, attn: AttnBatch,
+                kv: Any) -> Any:
+        """Hidden states after the final norm, ``[T, hidden]``; writes K/V at ``slot_mapping``."""
+        x = self.embed(input_ids).unsqueeze(0)  # [1, T, hidden]
+        if self.spec.embed_scale != 1.0:
+            x = x * self.spec.embed_scale
+        cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, T, D]
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv)
+            h = layer.post_attention_layernorm(x)
+            gate, up = self.gate_up[i](h)
+            x = x + self.down[i](layer.mlp.act_fn(gate) * up)[0]
+        return self.norm(x)[0]
+
+    def logits(self, hidden: Any) -> Any:
+        """LM head in fp32, ``[N, vocab]`` (soft-capped when the architecture says so)."""
+        out = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcap
+        return cap * (out / cap).tanh() if cap else out
+
+    def _attention(self, i: int, layer: Any, h: Any, cos: Any, sin: Any, slot_mapping: Any,
+                   attn: AttnBatch, kv: Any) -> Any:
+        t = h.shape[1]
+        q, k, v = self.qkv[i](h)
+        q = q.view(1, t, self.num_heads, self.head_dim)
+        k = k.view(1, t, self.num_kv_heads, self.head_dim)
+        if self.spec.has_qk_norm:
+            q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
+        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        kv.k[i][0].index_copy_(1, slot_mapping, k[0])  # [H_kv, T, D] into physical slots
+        kv.v[i][0].index_copy_(1, slot_mapping, v[0])
+        if attn.is_decode:
+            q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        out = self.flex(q, kv.k[i], kv.v[i], score_mod=self.spec.attn_score_mod,
+                        block_mask=attn.block_masks[i], scale=self.scale, enable_gqa=True)
+        out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
+        return self.o[i](out.reshape(1, t, -1))[0]
+
+
+def _rope(x: Any, cos: Any, sin: Any) -> Any:
+    """HF ``apply_rotary_pos_emb`` (rotate_half form): ``x [1, H, T, D]``, ``cos/sin [1, T, D]``."""
+    import torch
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,136 @@
+"""The flex engine's facade: ``LLM(model).generate(prompts, SamplingParams) -> list[Completion]``.
+
+Contract (vLLM-like): prompts are token-id lists; ``sampling.n`` samples per prompt come back
+prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``); each :class:`~nbhelpers.backends.base.Completion`
+carries the generated ids, the sampled tokens' logprobs and ``finish_reason`` (``stop`` on EOS /
+``stop_token_ids``, else ``length``). The engine runs on the HF model's own parameters (PEFT LoRA
+live, see :mod:`nbhelpers.engine.lora`); ``sleep()`` frees the KV pool and the CUDA graphs,
+``wake_up()`` restores them. Seeds: ``sampling.seed`` + sample index (``seed=None``: drawn from
+torch's global RNG, so ``torch.manual_seed`` makes runs reproducible).
+
+Run::
+
+    from nbhelpers.engine import LLM
+    llm = LLM(hf_model, page_size=16, num_pages=64)
+    outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8))
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbhelpers.backends.base import Completion
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine.kv_cache import PagePool
+from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
+from nbhelpers.engine.scheduler import Scheduler, Sequence
+
+
+class LLM:
+    """Flex engine over an HF causal LM (see module docstring).
+
+    Args:
+        model: a ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (optionally PEFT-wrapped), on its device.
+        eos_token_id: ends a sequence unless ``ignore_eos``; default ``model.config.eos_token_id``.
+        max_num_seqs: most sequences decoding at once; max_prefill_tokens: tokens per prefill.
+        share_prefix: prefill the ``n`` samples of a prompt once (GRPO group prefix sharing).
+        **options: :class:`~nbhelpers.engine.model_runner.RunnerOptions` fields.
+    Raises:
+        ValueError: unsupported architecture, bad options, or a prompt longer than max_model_len.
+    """
+
+    def __init__(self, model: Any, eos_token_id: int | list[int] | None = None,
+                 max_num_seqs: int = 256, max_prefill_tokens: int = 8192,
+                 share_prefix: bool = True, **options: Any):
+        self.runner = ModelRunner(model, RunnerOptions(**options))
+        self.opt = self.runner.opt
+        eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.share_prefix = share_prefix
+        self.last_stats: dict[str, Any] = {}
+        self._next_id = 0
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """Generate ``sampling.n`` completions per prompt; see the module docstring."""
+        self._check(prompts, sampling)
+        if self.runner.kv is None:
+            raise RuntimeError("LLM.generate after sleep(): call wake_up() first.")
+        sched = Scheduler(PagePool(self.opt.num_pages, self.opt.page_size), self.max_num_seqs,
+                          self.max_prefill_tokens)
+        seqs = self._make_seqs(prompts, sampling, sched)
+        t0 = time.perf_counter()
+        while not sched.is_done:
+            self._step(sched, sampling)
+        self.last_stats = {"wall_s": time.perf_counter() - t0,
+                           "num_preemptions": sched.num_preemptions, **self.runner.timings}
+        return [Completion(list(s.prompt_ids), list(s.out_ids), list(s.out_logprobs),
+                           s.finish_reason or "length") for s in seqs]
+
+    def sleep(self) -> None:
+        """Free the KV pool and the CUDA graphs (weights stay: they are the trainer's)."""
+        self.runner.free_kv()
+        _empty_cache()
+
+    def wake_up(self) -> None:
+        """Re-allocate the KV pool (graphs are re-captured on the next decode)."""
+        if self.runner.kv is None:
+            self.runner.allocate_kv()
+
+    def reset_timings(self) -> None:
+        for k in self.runner.timings:
+            self.runner.timings[k] = 0 if isinstance(self.runner.timings[k], int) else 0.0
+
+    # ---------------------------------------------------------------- internals
+    def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError("LLM.generate(sampling=...) takes nbhelpers.config.SamplingParams.")
+        limit = self.opt.max_model_len
+        for i, p in enumerate(prompts):
+            if not p or len(p) + sampling.max_new_tokens > limit:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens="
+                                 f"{sampling.max_new_tokens} must be in [1, max_model_len="
+                                 f"{limit}]: raise max_model_len or shorten it.")
+
+    def _make_seqs(self, prompts: list[list[int]], sampling: SamplingParams,
+                   sched: Scheduler) -> list[Sequence]:
+        import torch
+        stop = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos
+                                                      else self.eos_ids)
+        out = []
+        for p_idx, prompt in enumerate(prompts):
+            group = []
+            for s_idx in range(sampling.n):
+                base = (sampling.seed if sampling.seed is not None
+                        else int(torch.randint(0, 2**62, (1,)).item()))
+                seed = base + p_idx * sampling.n + s_idx
+                group.append(Sequence(self._next_id, list(prompt), seed, sampling.max_new_tokens,
+                                      stop))
+                self._next_id += 1
+            for g in ([group] if self.share_prefix else [[s] for s in group]):
+                sched.add_group(g)
+            out += group
+        return out
+
+    def _step(self, sched: Scheduler, sampling: SamplingParams) -> None:
+        groups = sched.schedule_prefill()
+        if groups:
+            self.runner.prefill(groups, sampling)
+            for g in groups:
+                sched.start_running(g)
+            return
+        if not sched.running:
+            raise RuntimeError("flex engine: nothing runnable and nothing admitted; the pool "
+                               "is too small for the waiting request: raise num_pages.")
+        steps = min(self.opt.sync_every, min(s.remaining for s in sched.running))
+        sched.reserve_decode(steps)
+        self.runner.decode(sched.running, steps, sampling)
+        sched.retire_finished()
+
+
+def _empty_cache() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

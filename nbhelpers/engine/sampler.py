@@ -1,0 +1,92 @@
+"""Sampler: temperature, min_p, top_k, top_p, per-request seeds; graph-capturable, no host sync.
+
+Contract: :func:`sample` maps ``logits [B, V]`` (fp32) and per-row parameters (``[B]`` tensors) to
+``(tokens [B] int64, logprobs [B] fp32)``. Filters follow vLLM v1's order (vllm/v1/sample/
+sampler.py): temperature, then min_p (an argmax-invariant logits processor: drop tokens whose
+probability is below ``min_p * max prob``), then top-k, then top-p over the renormalised rest
+(vllm/v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p``). ``temperature == 0`` rows are
+greedy (argmax of the raw logits). The returned logprob is the log-probability of the sampled token
+under the processed distribution (greedy rows: the raw ``log_softmax``, as vLLM's raw logprobs).
+
+Randomness without RNG state: the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, draws a token
+with probability ``p`` (the Gumbel-max trick in another form). ``E = -log(u)`` with ``u`` from a
+counter-based hash of ``(seed, gen_idx, token id)`` (Chris Wellons' ``lowbias32`` integer hash), so a
+request's draw depends only on its seed and the index of the token it samples: reproducible across
+batch composition, preemption/resumption, CPU vs GPU and CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Any) -> Any:
+    """lowbias32 (nullprogram.com/blog/2018/07/31): int64 tensor holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: Any, gen_idx: Any, vocab_size: int) -> Any:
+    """``u [B, V]`` in (0, 1): a pure function of ``(seeds[b], gen_idx[b], v)``.
+
+    Args: ``seeds [B]`` int64 (any 64-bit value), ``gen_idx [B]`` int64.
+    """
+    import torch
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _mix32(_mix32(lo) ^ _mix32(hi ^ 0x9E3779B9) ^ ((gen_idx * 0x85EBCA6B) & _M32))
+    vid = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long) + 0x27D4EB2F)
+    h = _mix32(row.unsqueeze(1) ^ vid.unsqueeze(0))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def filtered_probs(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any,
+                   use_sort: bool = True) -> Any:
+    """Processed distribution ``[B, V]`` (rows sum to 1) for non-greedy sampling.
+
+    ``top_k`` ``[B]`` int64 (``>= V`` or ``<= 0`` disables), ``top_p`` ``[B]`` (1.0 disables).
+    ``use_sort=False`` skips top-k/top-p (callers pass it when no row uses them: the sort of a
+    151k vocabulary is the most expensive op of the sampler).
+    """
+    import torch
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits / t.unsqueeze(1)
+    probs = torch.softmax(x, dim=-1)
+    thresh = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    x = x.masked_fill(probs < thresh, float("-inf"))
+    if use_sort:
+        x = _top_k_top_p(x, top_k, top_p)
+    return torch.softmax(x, dim=-1)
+
+
+def _top_k_top_p(x: Any, top_k: Any, top_p: Any) -> Any:
+    import torch
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=x.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    sorted_x = sorted_x.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
+    p = torch.softmax(sorted_x, dim=-1)
+    mass_before = p.cumsum(dim=-1) - p  # probability of strictly better tokens
+    sorted_x = sorted_x.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+
+
+def sample(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any, seeds: Any,
+           gen_idx: Any, use_sort: bool = True) -> tuple[Any, Any]:
+    """Sample one token per row. Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
+    import torch
+    logits = logits.float()
+    probs = filtered_probs(logits, temperature, min_p, top_k, top_p, use_sort)
+    race = probs / -torch.log(uniform_noise(seeds, gen_idx, logits.shape[-1]))
+    sampled = race.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1)
+    is_greedy = temperature <= 0
+    tokens = torch.where(is_greedy, greedy, sampled)
+    lp_sampled = torch.log(probs.gather(1, sampled.unsqueeze(1))).squeeze(1)
+    lp_greedy = torch.log_softmax(logits, -1).gather(1, greedy.unsqueeze(1)).squeeze(1)
+    return tokens, torch.where(is_greedy, lp_greedy, lp_sampled)

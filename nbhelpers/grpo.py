@@ -130,8 +130,9 @@ def load_questions(dataset: str, n_questions: int, seed: int) -> list[dict[str, 
 
 
 def build_dataset(dataset: str, tokenizer, n_questions: int, max_prompt_length: int, seed: int):
-    """A ``datasets.Dataset`` of ``{"prompt": [system, user], "answer"}`` rows whose templated
-    prompt fits ``max_prompt_length`` tokens, plus the length filter's stats dict.
+    """A ``datasets.Dataset`` of ``{"prompt": [system, user], "answer", "id"}`` rows, filtered as
+    the reference does (:func:`nbhelpers.data.filter_by_prompt_length`: longest 10 % dropped, and
+    none over ``max_prompt_length`` tokens), plus the filter's stats dict.
 
     Raises:
         ValueError: no prompt fits ``max_prompt_length`` (raise it).
@@ -141,9 +142,6 @@ def build_dataset(dataset: str, tokenizer, n_questions: int, max_prompt_length: 
     from nbhelpers import data
     rows = data.to_grpo_rows(load_questions(dataset, n_questions, seed))
     rows, stats = data.filter_by_prompt_length(rows, tokenizer, max_prompt_length)
-    if not rows:
-        raise ValueError(f"no {dataset} prompt fits max_prompt_length={max_prompt_length} tokens "
-                         f"({stats}): raise max_prompt_length.")
     return Dataset.from_list(rows), stats
 
 
@@ -215,7 +213,10 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
 
     from nbhelpers import data, models, rewards
     from nbhelpers.grpo_stats import CompletionRecorder, StatisticsCallback
+    from nbhelpers.shims import trl_fused_logprob_cpu
 
+    if trl_fused_logprob_cpu.install():
+        log.info("TRL's Triton log-prob kernel is unavailable: using the pure-torch shim")
     on_gpu = _is_cuda()
     model, tokenizer = models.load_model(model_name, dtype="bfloat16" if on_gpu else "float32",
                                          device="cuda" if on_gpu else "cpu", seed=settings.seed)

@@ -35,6 +35,7 @@ TRL_LOG_KEYS: dict[str, str] = {
     "learning_rate": "learning_rate",
     "completions/mean_length": "completion_length_mean_tokens",
     "completions/clipped_ratio": "completion_clipped_ratio",
+    "num_tokens": "num_tokens_total",  # cumulative prompt + completion tokens seen
 }
 REWARD_PREFIX, REWARD_SUFFIX = "rewards/", "/mean"
 

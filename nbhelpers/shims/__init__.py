@@ -1,4 +1,5 @@
-"""Upstream quirks, one per file (DESIGN.md rule 7): why, affected versions, link, removal condition.
+"""Upstream quirks, one per file (DESIGN.md rule 7).
 
-- ``transformers_top_k``: vLLM's ``top_k=-1`` ("off") for transformers ``generate`` (TRL 1.15.0).
+Each module's docstring gives why, the affected versions, a link and its removal condition; each
+is applied explicitly by the code that needs it (nothing is patched at import of this package).
 """

@@ -1,0 +1,123 @@
+"""Notebook-side helpers for phase 0: completions table, reference comparison, sidecar, result.
+
+Contract: small pure functions over a :class:`~nbhelpers.grpo.GRPOResult` so that the phase 0
+notebook's cells stay a few lines each. The published reference numbers live in
+:data:`REFERENCE_PHASE0` with their source.
+
+Run: ``python -c "from nbhelpers.notebook import REFERENCE_PHASE0; print(REFERENCE_PHASE0)"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from nbhelpers.stats import GIB, make_sidecar
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import GRPOResult
+
+REFERENCE_PHASE0: dict[str, Any] = {
+    "step_time_s_median": 5.80,
+    "peak_mem_gb": 158.9,
+    "steps": 10,
+    "model": "Qwen3-4B-Base (real weights), LoRA r=32",
+    "engine": "vLLM colocated (Unsloth fast_inference=True)",
+    "device": "NVIDIA B200",
+    "source": "unslothai/unsloth PR #5108, scripts/benchmarks/results/notebook_ref_10.md "
+              "(the canonical Qwen3_(4B)-GRPO notebook, 10 steps; step 1 = 60.6 s of vLLM graph "
+              "capture); quoted in research/anchors.md",
+}
+"""Published 10-step numbers of the reference experiment (peak in GB as published, i.e. 1e9 B)."""
+
+
+def completions_table(result: GRPOResult, max_chars: int = 300) -> pd.DataFrame:
+    """The recorded completions with each reward function's score and their sum (``total``).
+
+    Text columns are cut to ``max_chars`` characters for display.
+    """
+    import pandas as pd
+    frame = pd.DataFrame(result.completions)
+    if frame.empty:
+        return frame
+    names = [n for n in result.reward_names if n in frame.columns]
+    frame["total"] = frame[names].sum(axis=1, min_count=1)
+    for col in ("question", "completion"):
+        frame[col] = frame[col].str.slice(0, max_chars)
+    return frame[["step", "question", "completion", "answer", *names, "total"]]
+
+
+def reference_table(result: GRPOResult, device: str) -> pd.DataFrame:
+    """This run beside :data:`REFERENCE_PHASE0` (median step seconds, peak memory in GB)."""
+    import pandas as pd
+    s, ref = result.summary, REFERENCE_PHASE0
+    peak = s.get("peak_mem_device_gib")
+    ours = {"model": result.model_name, "engine": f"TRL GRPOTrainer, {result.backend}",
+            "device": device, "steps": s["n_steps"],
+            "step_time_s_median": s["step_time_s_median"],
+            "peak_mem_gb": None if peak is None else peak * GIB / 1e9}
+    rows = {"this run": ours, "reference (published)": {k: ref[k] for k in ours}}
+    return pd.DataFrame(rows).T
+
+
+def grpo_rounds(result: GRPOResult, skip_first: int) -> list[dict[str, float]]:
+    """Sidecar ``rounds``: one per post-warm-up step, ``wall_s``, ``new_tokens`` (mean completion
+    length x completions per step), ``prompt_tokens`` (TRL's ``num_tokens`` increase minus them)."""
+    batch = result.config["generation_batch_size"]
+    rounds, prev = [], 0.0
+    for i, rec in enumerate(result.records):
+        total = rec.get("num_tokens_total") or prev
+        new = (rec.get("completion_length_mean_tokens") or 0.0) * batch
+        if i >= skip_first and rec.get("wall_s"):
+            rounds.append({"wall_s": rec["wall_s"], "new_tokens": new,
+                           "prompt_tokens": max(total - prev - new, 0.0)})
+        prev = total
+    return rounds or [{"wall_s": r["wall_s"], "new_tokens": 0.0, "prompt_tokens": 0.0}
+                      for r in result.records if r.get("wall_s")]
+
+
+def headline(result: GRPOResult) -> dict[str, Any]:
+    """The numbers ``executed/INDEX.md`` shows for a phase 0 run."""
+    s = result.summary
+    return {"step_time_s_median": s["step_time_s_median"], "peak_mem_gib": s["peak_mem_device_gib"],
+            "reward_median": s.get("reward_median"), "steps": s["n_steps"]}
+
+
+def phase0_sidecar(result: GRPOResult, settings: GRPOSettings, model_info: dict[str, Any],
+                   skip_first: int) -> dict[str, Any]:
+    """The schema-v1 sidecar of a phase 0 run (``phase0``, ``hf_generate``), GRPO stats as extras."""
+    s = result.summary
+    prompt_tokens_mean = result.dataset_stats.get("prompt_tokens_mean")
+    workload = {"n_prompts": result.config["generation_batch_size"] // settings.num_generations,
+                "prompt_tokens_mean": prompt_tokens_mean,
+                "max_new_tokens": settings.max_completion_length, "ignore_eos": False,
+                "sampling": settings.sampling_params().to_dict()}
+    return make_sidecar(
+        phase="phase0", backend=result.backend, model=model_info, lora=asdict(settings.lora),
+        workload=workload, rounds=grpo_rounds(result, skip_first),
+        peak_mem={"allocated": s["peak_mem_allocated_gib"], "device": s["peak_mem_device_gib"]},
+        extra={**result.sidecar_extra(), "headline": headline(result)})
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def losses_finite(result: GRPOResult) -> bool:
+    """True when every step logged a loss and all of them are finite (``finite_or_none``)."""
+    return bool(result.records) and all(r.get("loss") is not None for r in result.records)
+
+
+def result_line(result: GRPOResult, device: str) -> str:
+    """The notebook's "Result:" sentence, computed from the run."""
+    s, ref, fmt = result.summary, REFERENCE_PHASE0, _fmt
+    finite = "losses finite" if losses_finite(result) else "SOME LOSSES MISSING OR NOT FINITE"
+    return (f"**Result:** {s['n_steps']} GRPO steps of `{result.model_name}` on {device} "
+            f"({result.backend}): median step {fmt(s['step_time_s_median'], '.2f')} s after "
+            f"{s['skip_first']} warm-up steps, peak memory {fmt(s['peak_mem_device_gib'], '.2f')}"
+            f" GiB, median mean reward {fmt(s.get('reward_median'), '.2f')}, {finite}. "
+            f"Reference: {ref['step_time_s_median']} s and {ref['peak_mem_gb']} GB "
+            f"({ref['model']}, {ref['engine']}, {ref['device']}).")

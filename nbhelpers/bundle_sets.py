@@ -22,12 +22,17 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(text.split())
 
 
-# Image packages (KINDS.md), as canonical names; versions only where a pip list showed them.
+# Image packages (KINDS.md), as canonical names; versions only where a pip list showed them:
+# KINDS.md's pip-list row, DESIGN.md (peft), and `pip list` on the H200 on 2026-11-30 (the rest).
 IMAGE_VERSIONS: dict[str, str] = {
     "accelerate": "1.15.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2", "safetensors": "0.8.0",
     "tokenizers": "0.23.2", "torch": "2.11.0", "torchaudio": "2.11.0", "torchvision": "0.26.0",
     "transformers": "5.17.0", "triton": "3.6.0", "sentencepiece": "0.2.2", "tiktoken": "0.14.0",
-    "onnx": "1.23.1", "peft": "0.21.0",  # peft: DESIGN.md "The H200 machine"
+    "onnx": "1.23.1", "peft": "0.21.0", "aiohttp": "3.14.3", "certifi": "2026.7.22",
+    "click": "8.5.0", "einops": "0.8.2", "fsspec": "2026.7.0", "numba": "0.68.0",
+    "pandas": "3.0.6", "pillow": "12.3.0", "protobuf": "7.36.2", "psutil": "7.2.2",
+    "pyarrow": "25.0.1", "regex": "2026.9.3", "rich": "15.0.0", "setuptools": "81.0.0",
+    "typer": "0.27.2", "typing-extensions": "4.16.0", "wheel": "0.48.0",
 }
 IMAGE_PACKAGES: frozenset[str] = frozenset(_words("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
@@ -137,7 +142,8 @@ UNSLOTH = BundleSet(
            WheelTrim("bitsandbytes", _BNB_DROP,
                      "keep only libbitsandbytes_cuda130.so (+cpu): torch 2.11.0+cu130 loads it")),
     imports=("import unsloth; from unsloth import FastLanguageModel",
-             "import bitsandbytes, unsloth_zoo"),
+             # unsloth_zoo refuses to import before unsloth ("Please install Unsloth").
+             "import unsloth, unsloth_zoo, bitsandbytes, bitsandbytes.functional"),
     env=(("UNSLOTH_DISABLE_STATISTICS", "1"), ("HF_HUB_OFFLINE", "1")),
     excluded=("xformers",),
     note="gpu_stack.md section 2: xformers 0.0.35 is a cu12 build (unsloth falls back to SDPA); "

@@ -128,13 +128,13 @@ def test_device_commands_for_a_split_site() -> None:
 
 
 def test_closure_sorts_requirements() -> None:
-    records = {"a": ("1.0", ["b>=2", "torch==2.11.0", "numpy<2.5", "pandas", "zzz-missing",
+    records = {"a": ("1.0", ["b>=2", "torch==2.11.0", "numpy<2.5", "xxhash", "zzz-missing",
                              "xformers", "winonly; sys_platform == 'win32'", "dev; extra == 'x'"]),
                "b": ("2.1", [])}
     out = bundle_verify.closure(records, excluded=("xformers",))
     assert out["ok"] == ["a -> b>=2", "a -> torch==2.11.0"]
     assert out["conflict"] == ["a -> numpy<2.5 (have 2.5.2)"]
-    assert out["image_unknown"] == ["a -> pandas"]
+    assert out["image_unknown"] == ["a -> xxhash"]
     assert out["missing"] == ["a -> zzz-missing"]
     assert out["excluded"] == ["a -> xformers"]
 

@@ -193,7 +193,10 @@ vllm==0.26.0 watchfiles==1.3.0 websockets==17.4 xgrammar==0.2.7
                  "vllm/third_party/fmha_sm100"),
     imports=("from vllm import LLM, SamplingParams",
              "import vllm.v1.engine.core, vllm.v1.worker.gpu_model_runner",
-             "import vllm.v1.attention.backends.flash_attn, vllm.model_executor.models.qwen3"),
+             "import vllm.v1.attention.backends.flash_attn, vllm.model_executor.models.qwen3",
+             "import vllm.device_allocator.cumem",  # sleep mode; needs libcuda.so.1
+             ("from vllm.v1.attention.backends.fa_utils import is_fa_version_supported as f; "
+              "assert f(3), 'FA3 (_vllm_fa3_C) does not load'")),
     env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS", "1"),
          ("HF_HUB_OFFLINE", "1")),
     excluded=_VLLM_EXCLUDED,

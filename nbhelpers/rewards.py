@@ -74,7 +74,7 @@ def _texts(completions: Sequence[Any]) -> list[str]:
 
 
 def score_format_exact(text: str, pattern: re.Pattern[str]) -> float:
-    """+3.0 when ``pattern`` finds the full format, else 0.0 (notebook: ``match_format_exactly``)."""
+    """+3.0 when ``pattern`` finds the whole format, else 0.0 (``match_format_exactly``)."""
     return 3.0 if pattern.search(text) is not None else 0.0
 
 

@@ -38,7 +38,8 @@ def test_completion_text_accepts_chat_and_plain_and_rejects_other():
 
 
 def test_format_exact_scores_3_or_0():
-    texts = [GOOD, "<end_working_out><SOLUTION>  2  </SOLUTION>\n\n", "no tags", "<SOLUTION>1</SOLUTION>"]
+    texts = [GOOD, "<end_working_out><SOLUTION>  2  </SOLUTION>\n\n", "no tags",
+             "<SOLUTION>1</SOLUTION>"]
     assert match_format_exactly(completions=[chat(t) for t in texts]) == [3.0, 3.0, 0.0, 0.0]
     assert match_format_exactly(completions=texts) == [3.0, 3.0, 0.0, 0.0]
 

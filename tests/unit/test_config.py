@@ -64,3 +64,20 @@ def test_derived_sampling_and_scaling():
     assert (g.n, g.max_new_tokens, g.top_k, g.seed) == (8, 64, -1, 3407)
     assert LoraSpec().scaling == 2.0 and len(LoraSpec().targets) == 7
     assert Workload(sampling="greedy").sampling_params().is_greedy
+
+
+def test_environment_yml_mirrors_pyproject_gpu_extras():
+    """environment.yml's pip list == pyproject extras gpu + trl + notebooks (plus `-e .`)."""
+    import tomllib
+    from pathlib import Path
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    want = {*extras["gpu"], *extras["trl"], *extras["notebooks"], "-e ."}
+    env = yaml.safe_load((repo / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert set(pip) == want
+    assert "python=3.12" in env["dependencies"]

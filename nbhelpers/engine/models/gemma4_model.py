@@ -1,0 +1,237 @@
+"""Gemma-4 text forward for the flex engine: :class:`Gemma4EngineModel` and :class:`SharedKVCache`.
+
+Contract: same interface as :class:`nbhelpers.engine.layers.EngineModel` (``forward(input_ids,
+positions, slot_mapping, attn, kv) -> [T, hidden]``, ``logits``, ``signature``, ``allocate_kv``),
+over the HF ``Gemma4ForCausalLM`` modules' own tensors (live LoRA through
+:mod:`nbhelpers.engine.lora`). Every line of the block follows transformers 5.17
+``models/gemma4/modeling_gemma4.py``; the list of differences from the Llama block, with the line
+each comes from, is the docstring of :mod:`nbhelpers.engine.models.gemma4`.
+
+KV sharing in the paged cache: a KV-shared layer has no tensors of its own; ``SharedKVCache.k[i]``
+*is* the store layer's tensor (same object), so a shared layer reads the store layer's pages through
+the same ``block_table`` with its own mask (sliding or full). Nothing is copied, no dense
+``[max_batch, H_kv, max_seq, D]`` side buffer exists.
+
+Shapes: ``input_ids, positions, slot_mapping: [T]``; hidden ``[1, T, hidden]``; per-layer inputs
+``[1, T, L, P]`` (L layers, P = ``hidden_size_per_layer_input``); queries ``[1, H, T, D_i]``
+(prefill) or ``[B, H, 1, D_i]`` (decode); KV pool per storing layer ``[1, H_kv_i, S, D_i]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbhelpers.engine.kv_cache import KVCache
+from nbhelpers.engine.layers import EngineModel, _rope, base_causal_lm
+from nbhelpers.engine.lora import LiveGroup, storage_signature
+from nbhelpers.engine.models import get_arch_spec
+
+
+@dataclass
+class SharedKVCache(KVCache):
+    """Per-layer K/V where KV-shared layers alias their store layer's tensors.
+
+    ``store_of[i]`` is the layer whose pages layer ``i`` reads (``i`` itself for a storing layer).
+    ``bytes()`` and ``copy_page()`` visit each storing layer once.
+    """
+
+    store_of: list[int] = field(default_factory=list)
+
+    @classmethod
+    def allocate_shared(cls, shapes: list[tuple[int, int] | None], store_of: list[int],
+                        num_pages: int, page_size: int, dtype: Any, device: Any) -> SharedKVCache:
+        """``shapes[i] = (H_kv, D)`` for a storing layer, ``None`` for a shared one.
+
+        Raises:
+            ValueError: a shared layer points at a layer that stores nothing.
+        """
+        import torch
+        k: list[Any] = [None] * len(shapes)
+        v: list[Any] = [None] * len(shapes)
+        for i, shape in enumerate(shapes):
+            if shape is not None:
+                size = (1, shape[0], num_pages * page_size, shape[1])
+                k[i] = torch.zeros(size, dtype=dtype, device=device)
+                v[i] = torch.zeros(size, dtype=dtype, device=device)
+        for i, src in enumerate(store_of):
+            if shapes[src] is None:
+                raise ValueError(f"Gemma-4 KV sharing: layer {i} reads layer {src}, which stores "
+                                 "no K/V; check num_kv_shared_layers and layer_types.")
+            k[i], v[i] = k[src], v[src]
+        return cls(k, v, page_size, list(store_of))
+
+    def _unique(self) -> list[Any]:
+        owners = sorted(set(self.store_of))
+        return [self.k[i] for i in owners] + [self.v[i] for i in owners]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._unique())
+
+    def copy_page(self, src: int, dst: int) -> None:
+        ps = self.page_size
+        for t in self._unique():
+            t[:, :, dst * ps:(dst + 1) * ps].copy_(t[:, :, src * ps:(src + 1) * ps])
+
+
+class Gemma4EngineModel(EngineModel):
+    """Flex-engine forward over a (PEFT-wrapped or plain) ``Gemma4ForCausalLM``.
+
+    Raises:
+        ValueError: MoE blocks (``enable_moe_block``, Gemma-4 26B-A4B), bidirectional attention
+            (``use_bidirectional_attention='all'``) or a KV-shared layer without a store layer.
+    """
+
+    def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
+        self.hf = base_causal_lm(model)
+        self.config = cfg = self.hf.config
+        _check_supported(cfg)
+        self.spec = get_arch_spec(cfg)
+        inner = self.hf.model
+        self.inner, self.embed, self.norm = inner, inner.embed_tokens, inner.norm
+        self.rotary, self.lm_head = inner.rotary_emb, self.hf.lm_head
+        self.layers = list(inner.layers)
+        self.layer_types = [ly.self_attn.layer_type for ly in self.layers]
+        self.store_of = _store_layers(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.head_dims = [ly.self_attn.head_dim for ly in self.layers]
+        self.qkv = [_qkv_group(ly.self_attn, fuse_lora_a) for ly in self.layers]
+        self.o = [LiveGroup([ly.self_attn.o_proj]) for ly in self.layers]
+        self.gate_up = [LiveGroup([ly.mlp.gate_proj, ly.mlp.up_proj], fuse_lora_a)
+                        for ly in self.layers]
+        self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
+        self.ple_dim = cfg.hidden_size_per_layer_input or 0
+        self.ple = ([LiveGroup([ly.per_layer_input_gate]) for ly in self.layers],
+                    [LiveGroup([ly.per_layer_projection]) for ly in self.layers],
+                    LiveGroup([inner.per_layer_model_projection])) if self.ple_dim else None
+        self.scales = [ly.self_attn.scaling for ly in self.layers]  # 1.0 (line 1177)
+        if flex_fn is None:
+            from torch.nn.attention.flex_attention import flex_attention as flex_fn
+        self.flex = flex_fn
+
+    # ------------------------------------------------------------------ engine interface
+    def signature(self) -> tuple[int, ...]:
+        """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
+        groups = self.qkv + self.o + self.gate_up + self.down
+        if self.ple is not None:
+            groups = groups + self.ple[0] + self.ple[1] + [self.ple[2]]
+        return storage_signature(groups)
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> SharedKVCache:
+        """Pages for the storing layers only; shared layers alias them (see module docstring)."""
+        shapes = [None if self.store_of[i] != i else
+                  (ly.self_attn.k_proj.out_features // self.head_dims[i], self.head_dims[i])
+                  for i, ly in enumerate(self.layers)]
+        return SharedKVCache.allocate_shared(shapes, self.store_of, num_pages, page_size,
+                                             self.dtype, self.device)
+
+    def forward(self, input_ids: Any, positions: Any, slot_mapping: Any, attn: Any,
+                kv: Any) -> Any:
+        """Hidden states after the final norm, ``[T, hidden]``; writes K/V at ``slot_mapping``."""
+        x = self.embed(input_ids).unsqueeze(0)  # [1, T, hidden]; sqrt(hidden) inside (l. 1576)
+        ple = self.per_layer_inputs(input_ids, x)  # once per step  [1, T, L, P]
+        rope = {t: self.rotary(x, positions.unsqueeze(0), t)  # once per step per layer type
+                for t in sorted(set(self.layer_types))}
+        for i, layer in enumerate(self.layers):
+            h = self._attention(i, layer, layer.input_layernorm(x), rope[self.layer_types[i]],
+                                slot_mapping, attn, kv)
+            x = x + layer.post_attention_layernorm(h)
+            gate, up = self.gate_up[i](layer.pre_feedforward_layernorm(x))
+            h = self.down[i](layer.mlp.act_fn(gate) * up)[0]
+            x = x + layer.post_feedforward_layernorm(h)
+            if ple is not None:
+                x = x + self._per_layer_branch(i, layer, x, ple[:, :, i])
+            x = x * layer.layer_scalar
+        return self.norm(x)[0]
+
+    # ------------------------------------------------------------------ pieces
+    def per_layer_inputs(self, input_ids: Any, x: Any) -> Any:
+        """HF ``get_per_layer_inputs`` + ``project_per_layer_inputs`` (lines 1711-1788).
+
+        Shapes: ``input_ids [T]``, ``x [1, T, hidden]`` (scaled embeddings) -> ``[1, T, L, P]``,
+        or ``None`` when the model has no per-layer inputs.
+        """
+        if self.ple is None:
+            return None
+        inner, n = self.inner, len(self.layers)
+        tok = inner.embed_tokens_per_layer(input_ids).view(1, -1, n, self.ple_dim)
+        proj = self.ple[2](x)[0] * inner.per_layer_model_projection_scale
+        proj = inner.per_layer_projection_norm(proj.view(1, -1, n, self.ple_dim))
+        return (proj + tok) * inner.per_layer_input_scale
+
+    def _per_layer_branch(self, i: int, layer: Any, x: Any, ple_i: Any) -> Any:
+        """``norm(proj(act(gate(x)) * ple_i))`` (lines 1431-1438); ``x [1, T, hidden]``."""
+        h = layer.act_fn(self.ple[0][i](x)[0]) * ple_i
+        return layer.post_per_layer_input_norm(self.ple[1][i](h)[0])
+
+    def _attention(self, i: int, layer: Any, h: Any, cos_sin: tuple[Any, Any],
+                   slot_mapping: Any, attn: Any, kv: Any) -> Any:
+        sa, t, d = layer.self_attn, h.shape[1], self.head_dims[i]
+        cos, sin = cos_sin
+        outs = self.qkv[i](h)
+        q = _rope(sa.q_norm(outs[0].view(1, t, -1, d)).transpose(1, 2), cos, sin)  # [1, H, T, D]
+        if self.store_of[i] == i:
+            self._store_kv(i, sa, outs, t, d, cos, sin, slot_mapping, kv)
+        if attn.is_decode:
+            q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        src = self.store_of[i]
+        out = self.flex(q, kv.k[src], kv.v[src], block_mask=attn.block_masks[i],
+                        scale=self.scales[i], enable_gqa=True, **_kernel_kwargs(q, d))
+        out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
+        return self.o[i](out.reshape(1, t, -1))[0]
+
+    def _store_kv(self, i: int, sa: Any, outs: list[Any], t: int, d: int, cos: Any, sin: Any,
+                  slot_mapping: Any, kv: Any) -> None:
+        """k_norm + RoPE on K, v_norm on V (K itself when ``attention_k_eq_v``), into the pool."""
+        k_raw = outs[1].view(1, t, -1, d)
+        v_raw = outs[2].view(1, t, -1, d) if len(outs) == 3 else k_raw  # line 1243
+        k = _rope(sa.k_norm(k_raw).transpose(1, 2), cos, sin)  # [1, H_kv, T, D]
+        v = sa.v_norm(v_raw).transpose(1, 2)
+        kv.k[i][0].index_copy_(1, slot_mapping, k[0])
+        kv.v[i][0].index_copy_(1, slot_mapping, v[0])
+
+
+def _kernel_kwargs(q: Any, head_dim: int) -> dict[str, Any]:
+    """flex_attention ``kernel_options`` for this head_dim on CUDA (none on the CPU)."""
+    if q.device.type != "cuda":
+        return {}
+    from nbhelpers.engine.models.gemma4 import kernel_options
+    opts = kernel_options(head_dim, is_decode=q.shape[2] == 1)
+    return {"kernel_options": opts} if opts else {}
+
+
+def _qkv_group(sa: Any, fuse_lora_a: bool) -> LiveGroup:
+    """q/k/v of a storing layer (q/k when ``attention_k_eq_v``), q only for a KV-shared one."""
+    mods = [sa.q_proj] + ([] if sa.is_kv_shared_layer else [sa.k_proj])
+    if not sa.is_kv_shared_layer and sa.v_proj is not None:
+        mods.append(sa.v_proj)
+    return LiveGroup(mods, fuse_lora_a)
+
+
+def _store_layers(layers: list[Any]) -> list[int]:
+    """``store_of[i]``: ``i`` for a storing layer, else the last non-shared layer of the same
+    type (HF ``store_full_length_kv``, lines 1183-1187, read back at line 1237).
+
+    Raises:
+        ValueError: a KV-shared layer whose layer type has no store layer.
+    """
+    stores = {ly.self_attn.layer_type: i for i, ly in enumerate(layers)
+              if ly.self_attn.store_full_length_kv}
+    out = []
+    for i, ly in enumerate(layers):
+        sa = ly.self_attn
+        if sa.is_kv_shared_layer and sa.layer_type not in stores:
+            raise ValueError(f"Gemma-4 layer {i} ({sa.layer_type}) shares KV but no earlier "
+                             "layer of that type stores it: lower num_kv_shared_layers.")
+        out.append(stores[sa.layer_type] if sa.is_kv_shared_layer else i)
+    return out
+
+
+def _check_supported(cfg: Any) -> None:
+    if getattr(cfg, "enable_moe_block", False):
+        raise ValueError("flex engine: Gemma-4 MoE blocks (enable_moe_block=True, e.g. 26B-A4B) "
+                         "are not implemented; use a dense Gemma-4 (E2B/E4B/31B) or hf_generate.")
+    if getattr(cfg, "use_bidirectional_attention", None) == "all":
+        raise ValueError("flex engine: use_bidirectional_attention='all' is not causal LM "
+                         "decoding; set it to None for rollouts.")
+

@@ -69,11 +69,13 @@ def prefill_block_mask(p2l: Any, q_row: Any, q_pos: Any, kv_num_blocks: Any, kv_
 
 
 def prefill_pages(rows: list[int], positions: list[int], block_tables: list[list[int]],
-                  page_size: int, q_block: int = 128) -> tuple[list[int], list[list[int]]]:
+                  page_size: int, num_pages: int,
+                  q_block: int = 128) -> tuple[list[int], list[list[int]]]:
     """Host-side page lists per query block: pages of every row present, up to its max position.
 
     Args: ``rows``/``positions`` per packed token (padding rows are ``-1``), ``block_tables`` per
-    row. Returns ``(kv_num_blocks, kv_indices)`` padded with the null page 0.
+    row. Returns ``(kv_num_blocks, kv_indices)``, each list padded with the null page 0 to
+    ``num_pages`` entries (the compiled kernel wants kv_indices as wide as the KV length).
     """
     counts, lists = [], []
     for start in range(0, len(rows), q_block):
@@ -84,7 +86,7 @@ def prefill_pages(rows: list[int], positions: list[int], block_tables: list[list
         pages = [pg for r, n in need.items() for pg in block_tables[r][:n]]
         counts.append(len(pages))
         lists.append(pages)
-    width = max(1, max(counts))
+    width = num_pages
     return counts, [pg + [0] * (width - len(pg)) for pg in lists]
 
 
@@ -96,11 +98,14 @@ def decode_block_mask(p2l: Any, block_table: Any, num_pages_used: Any, pos: Any,
     the row's pages; the mask_mod hides slots past ``pos[b]`` in the last page.
     Shapes: ``block_table [B, max_pages]``, ``num_pages_used/pos [B]``; BlockMask ``(B, 1, 1, S)``.
     """
+    import torch
     from torch.nn.attention.flex_attention import BlockMask
-    rows = block_table.shape[0]
+    rows, width = block_table.shape
     mm = _paged_mask(p2l, page_size, lambda b, q: b, lambda b, q: pos[b], extra)
+    # the compiled kernel wants kv_indices as wide as the KV length in blocks (inductor asserts it)
+    wide = torch.nn.functional.pad(block_table, (0, num_slots // page_size - width))
     return BlockMask.from_kv_blocks(num_pages_used.view(rows, 1, 1).int(),
-                                    block_table.view(rows, 1, -1).int(), BLOCK_SIZE=page_size,
+                                    wide.view(rows, 1, -1).int(), BLOCK_SIZE=page_size,
                                     mask_mod=mm, seq_lengths=(1, num_slots),
                                     compute_q_blocks=False)  # forward only; kv_indices is
     # narrower than the page count, which the q-block transpose cannot take

@@ -79,6 +79,9 @@ class ModelRunner:
         self.use_graphs = on_cuda if opt.use_cuda_graphs is None else opt.use_cuda_graphs
         compile_attn = on_cuda if opt.compile_attention is None else opt.compile_attention
         from torch.nn.attention.flex_attention import flex_attention
+        if compile_attn:  # one compile per (batch bucket, prefill length): raise dynamo's limits
+            torch._dynamo.config.cache_size_limit = 64
+            torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = EngineModel(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.device = self.model.device
@@ -125,7 +128,8 @@ class ModelRunner:
             pos += list(range(n))
             rows += [r] * n
             slots += [seq.block_table[p // ps] * ps + p % ps for p in range(n)]
-        pad = (-len(ids)) % self.opt.prefill_pad if self.device.type == "cuda" else 0
+        unit = self.opt.prefill_pad if len(ids) <= 8 * self.opt.prefill_pad else 1024
+        pad = (-len(ids)) % unit if self.device.type == "cuda" else 0  # few compiled shapes
         return ids + [0] * pad, pos + [0] * pad, rows + [-1] * pad, slots + [0] * pad
 
     def _prefill_forward(self, ids: list[int], pos: list[int], rows: list[int],
@@ -138,7 +142,7 @@ class ModelRunner:
             bt[r, :len(t)] = torch.tensor(t)
         used = torch.tensor([len(t) for t in tables] + [0])
         p2l = phys_to_logical(bt, used, self.opt.num_pages).to(dev)
-        counts, lists = prefill_pages(rows, pos, tables, ps)
+        counts, lists = prefill_pages(rows, pos, tables, ps, self.opt.num_pages)
         q_row = torch.tensor([r if r >= 0 else n_rows for r in rows], device=dev)
         q_pos = torch.tensor(pos, device=dev)
         attn = self._masks(lambda extra: prefill_block_mask(

@@ -1,0 +1,76 @@
+"""``flex``: the lab's own rollout engine (:mod:`nbhelpers.engine`) behind the backend contract.
+
+Contract (DESIGN.md "Backend contract"): ``load`` builds the HF model (+ unmerged PEFT adapter, as
+the trainer holds it) exactly like ``hf_generate`` and wraps it in :class:`nbhelpers.engine.LLM`,
+which runs on the model's own parameters (no copy, LoRA live). ``generate`` returns the tokens and
+sampled-token logprobs the engine produced; ``close`` frees the KV pool, the graphs and the model.
+
+Engine options (``load(**engine_options)``): ``device``, ``adapter_path``, ``seed`` (random-init
+weights), ``kv_tokens`` (KV pool size in tokens, default 32 * 1024), and the
+:class:`~nbhelpers.engine.model_runner.RunnerOptions` / ``LLM`` fields ``page_size`` (default 128
+on CUDA, 16 on CPU), ``max_model_len`` (1024), ``sync_every``, ``use_cuda_graphs``,
+``compile_attention``, ``fuse_lora_a``, ``max_num_seqs``, ``max_prefill_tokens``, ``share_prefix``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbhelpers.backends import _common
+from nbhelpers.backends.base import Completion
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+
+_LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens"}
+_LLM_OPTIONS = {"page_size", "max_model_len", "sync_every", "use_cuda_graphs", "compile_attention",
+                "fuse_lora_a", "max_num_seqs", "max_prefill_tokens", "share_prefix",
+                "prefill_pad"}
+
+
+class FlexBackend:
+    """The flex engine. Raises ``RuntimeError`` when used before ``load``."""
+
+    name = "flex"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self.adapter_path: str | None = None
+
+    def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
+        _common.require("torch", self.name, "cpu")
+        unknown = set(engine_options) - _LOAD_OPTIONS - _LLM_OPTIONS
+        if unknown:
+            raise ValueError(f"{self.name}: unknown engine options {sorted(unknown)}; use "
+                             f"{sorted(_LOAD_OPTIONS | _LLM_OPTIONS)}.")
+        self.model, self.tokenizer, self.adapter_path = _common.load_hf(
+            model, lora, device=engine_options.get("device"),
+            adapter_path=engine_options.get("adapter_path"), seed=engine_options.get("seed", 0))
+        self.llm = build_llm(self.model, _common.eos_ids(self.model, self.tokenizer),
+                             **{k: v for k, v in engine_options.items() if k not in
+                                _LOAD_OPTIONS - {"kv_tokens"}})
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if self.llm is None:
+            raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
+        _common.validate_prompts(prompts)
+        return self.llm.generate(prompts, sampling)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.sleep()
+        self.llm, self.model = None, None
+        _common.free_device_memory()
+
+
+def build_llm(model: Any, eos: list[int], kv_tokens: int = 32 * 1024, **options: Any) -> Any:
+    """An :class:`nbhelpers.engine.LLM` over ``model`` with a pool of ``kv_tokens`` slots.
+
+    Defaults: page 128 tokens on CUDA (one flex KV block per page), 16 on the CPU.
+    """
+    from nbhelpers.engine import LLM
+    on_cuda = next(iter(model.parameters())).is_cuda
+    page_size = options.pop("page_size", 128 if on_cuda else 16)
+    options.setdefault("max_model_len", 1024)
+    num_pages = -(-kv_tokens // page_size) + 1
+    return LLM(model, eos_token_id=eos, page_size=page_size, num_pages=num_pages, **options)

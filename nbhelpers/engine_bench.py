@@ -1,0 +1,155 @@
+"""Benchmark helpers for the flex engine, shared by ``scripts/bench_flex.py`` and notebook 33.
+
+Contract: build a random-weight model of a named shape on the device (speed does not depend on the
+values: DESIGN.md workload W), attach a PEFT LoRA with non-zero B, time ``LLM.generate`` over
+rounds (warm-up apart), and return schema-v1 rows plus a per-step breakdown: prefill seconds,
+decode seconds per step (graph replays + one readback per ``sync_every`` window), host seconds, and
+a separate replay-only timing of one decode step (``replay_ms``) so host overhead is
+``decode_step_ms - replay_ms``. Heavy imports stay inside the functions.
+
+Run: ``python scripts/bench_flex.py --help``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbhelpers.config import LoraSpec, SamplingParams
+
+QWEN3_4B_SHAPE = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                      vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, max_position_embeddings=40960)
+"""Qwen/Qwen3-4B config.json shape (hub model card); random weights for speed work."""
+TINY_QWEN3_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                        vocab_size=1024, tie_word_embeddings=True)
+
+
+def random_qwen3(shape: dict[str, Any], dtype: str = "bfloat16", device: str = "cuda",
+                 seed: int = 0) -> Any:
+    """``Qwen3ForCausalLM`` with random weights built directly on ``device`` (eval mode)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**shape)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    return model.eval()
+
+
+def attach_lora(model: Any, lora: LoraSpec, b_std: float = 0.01, adapter_dtype: str = "model",
+                seed: int = 0) -> Any:
+    """PEFT LoRA on ``lora.targets`` with non-zero B (N(0, b_std^2)).
+
+    ``adapter_dtype="model"``: adapter in the model's dtype (``autocast_adapter_dtype=False``, as
+    Unsloth keeps it); ``"float32"``: PEFT's default upcast.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                     lora_dropout=0.0, init_lora_weights=False)
+    peft = get_peft_model(model, cfg, autocast_adapter_dtype=adapter_dtype == "float32")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    return peft.eval()
+
+
+def random_prompt_ids(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` uniform random token ids (speed work only)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def hf_greedy_reference(model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens + raw logprobs from full HF forwards (no cache), on the model's device."""
+    import torch
+    dev = next(iter(model.parameters())).device
+    ids, toks, lps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids], device=dev)).logits[0, -1].float()
+            logp = torch.log_softmax(logits, -1)
+            tok = int(logp.argmax())
+            toks, lps, ids = toks + [tok], lps + [float(logp[tok])], ids + [tok]
+    return toks, lps
+
+
+def parity(model: Any, llm: Any, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+    """Greedy engine vs HF: fraction of identical tokens up to the first divergence, and the max
+    |logprob difference| over that common prefix."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps,
+                                                ignore_eos=True))
+    same, total, drift = 0, 0, 0.0
+    for prompt, out in zip(prompts, outs):
+        ref, ref_lp = hf_greedy_reference(model, prompt, steps)
+        k = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), steps)
+        same, total = same + k, total + steps
+        drift = max([drift] + [abs(a - b) for a, b in zip(out.logprobs[:k], ref_lp[:k])])
+    return {"prefix_match_frac": same / total, "max_logprob_diff": drift,
+            "all_identical": same == total}
+
+
+def replay_ms(llm: Any, batch: int, iters: int = 20) -> float | None:
+    """Median milliseconds of one captured decode-step replay for ``batch`` (None: no graph)."""
+    import torch
+    states = [st for (b, _), st in llm.runner.states.items() if b >= batch and st.graph]
+    if not states or not torch.cuda.is_available():
+        return None
+    st, times = states[0], []
+    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    for _ in range(iters):  # replay from the same state each time (no position overflow)
+        st.col.zero_()
+        for buf, val in zip((st.pos, st.gen_idx, st.tokens), saved):
+            buf.copy_(val)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        st.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def time_rounds(llm: Any, prompts: list[list[int]], sampling: SamplingParams, rounds: int,
+                warmup: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Timed rounds (schema-v1 ``rounds`` rows) and the breakdown of the last timed round."""
+    from nbhelpers.stats import timer
+    for _ in range(warmup):
+        llm.generate(prompts, sampling)
+    rows, breakdown = [], {}
+    for _ in range(rounds):
+        llm.reset_timings()
+        with timer() as t:
+            outs = llm.generate(prompts, sampling)
+        st = dict(llm.last_stats)
+        steps = max(1, st["decode_steps"])
+        rows.append({"wall_s": t["s"], "new_tokens": sum(len(o.token_ids) for o in outs),
+                     "prompt_tokens": sum(len(p) for p in prompts) * sampling.n})
+        breakdown = {"prefill_s": st["prefill_s"], "decode_s": st["decode_s"],
+                     "host_s": st["host_s"], "decode_steps": st["decode_steps"],
+                     "decode_step_ms": 1e3 * st["decode_s"] / steps,
+                     "num_preemptions": st["num_preemptions"]}
+    return rows, breakdown
+
+
+def bench_one(llm: Any, prompts: list[list[int]], sampling: SamplingParams, rounds: int = 3,
+              warmup: int = 1) -> dict[str, Any]:
+    """Rounds + breakdown + replay timing + peak memory for one configuration."""
+    from nbhelpers.stats import peak_memory_gib, reset_peak_memory, rounds_summary
+    reset_peak_memory()
+    t0 = time.perf_counter()
+    rows, breakdown = time_rounds(llm, prompts, sampling, rounds, warmup)
+    breakdown["replay_ms"] = replay_ms(llm, len(prompts) * sampling.n)
+    if breakdown["replay_ms"] is not None:
+        breakdown["host_overhead_ms_per_step"] = (breakdown["decode_step_ms"]
+                                                  - breakdown["replay_ms"])
+    breakdown["bench_s"] = time.perf_counter() - t0
+    return {"rounds": rows, "breakdown": breakdown, "peak_mem": peak_memory_gib(),
+            **rounds_summary(rows)}

@@ -1,0 +1,25 @@
+"""The ``flex`` backend through the contract on tiny random Qwen3 (n=2 greedy samples agree)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbhelpers.backends import get_backend
+from nbhelpers.config import ModelSpec, SamplingParams
+
+
+def test_flex_backend_contract_shapes_and_group_greedy():
+    models = pytest.importorskip("nbhelpers.models")
+    name = next((n for n in models.list_models() if "tiny" in n and "qwen3" in n), None)
+    if name is None:
+        pytest.skip("no tiny-qwen3 entry in nbhelpers.models yet")
+    spec = ModelSpec(name=name, kind="random", dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, n=2)
+    flex = get_backend("flex")
+    flex.load(spec, None, device="cpu", kv_tokens=1024, max_model_len=128)
+    outs = flex.generate([[5, 6, 7, 8], [9, 10, 11]], greedy)
+    flex.close()
+    assert len(outs) == 4 and outs[0].token_ids == outs[1].token_ids
+    assert all(len(o.token_ids) == 6 and len(o.logprobs) == 6 for o in outs)
+    with pytest.raises(ValueError, match="unknown engine options"):
+        get_backend("flex").load(spec, None, page_sz=3)

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from nbhelpers import bench_worker
 from nbhelpers.config import LoraSpec, Workload
 
 HARNESS_KEYS = ("rounds", "warmup_rounds", "warmup_max_new_tokens", "timeout_s")
-LOG_TAIL_CHARS = 3000
 H200_COPY_BANDWIDTH_BYTES_PER_S = 4.3e12
 """Measured copy bandwidth on the H200 (DESIGN.md "Reference workloads", physical limit)."""
 
@@ -76,59 +73,6 @@ def _spec(name: str, options: dict[str, Any], common: dict[str, Any],
             "sidecar": str(out / f"{common['base']['run_id']}_{common['tag']}_{label}.json")}
 
 
-def _tail(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-    except OSError:
-        return ""
-
-
-def run_worker(spec: dict[str, Any], spec_path: Path, log_path: Path) -> tuple[int | None, str]:
-    """Run one worker process; returns (exit code or None on timeout, log tail). The worker runs in
-    its own session so a timeout kills its whole process group (vLLM's engine core included)."""
-    spec_path.write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "nbhelpers.bench_worker", str(spec_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=spec["timeout_s"])
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-    return rc, _tail(log_path)
-
-
-def failure_sidecar(spec: dict[str, Any], error: str) -> dict[str, Any]:
-    """A sidecar for a run whose worker died before writing one (crash, kill, timeout)."""
-    from nbhelpers.stats import make_sidecar
-
-    return make_sidecar(phase="phase1", backend=spec["label"], model=spec["model"],
-                        lora=spec.get("lora"), workload=spec["workload_block"], error=error,
-                        run_id=spec["run_id"],
-                        extra={"engine_options": spec["engine_options"], "init_s": None,
-                               "warmup_s": None, "versions": None, "engine": spec["backend"]})
-
-
-def collect(spec: dict[str, Any], rc: int | None, log_tail: str) -> dict[str, Any]:
-    """The worker's sidecar, or a failure sidecar naming the exit code / timeout and log tail."""
-    from nbhelpers.stats import validate_sidecar, write_sidecar
-
-    path = Path(spec["sidecar"])
-    if rc is not None and path.is_file():
-        side = json.loads(path.read_text())
-        validate_sidecar(side)
-        return side
-    why = (f"timeout after {spec['timeout_s']:.0f} s" if rc is None
-           else f"worker exited with code {rc} without a sidecar")
-    side = failure_sidecar(spec, f"{why}; log tail:\n{log_tail}")
-    write_sidecar(side, path)
-    return side
-
-
 def run_backends(backends: list[str], model: str, lora: LoraSpec | None, workload: Workload,
                  out_dir: str | os.PathLike, engine_options: dict[str, dict] | None = None, *,
                  timeout_s: float = 900.0, prompts: list[list[int]] | None = None,
@@ -173,9 +117,9 @@ def run_backends(backends: list[str], model: str, lora: LoraSpec | None, workloa
     for name in bar:
         spec = _spec(name, (engine_options or {}).get(name, {}), common, workload, out)
         bar.set_postfix_str(spec["label"])
-        rc, tail = run_worker(spec, work / f"{spec['label']}.spec.json",
+        rc, tail = bench_worker.spawn(spec, work / f"{spec['label']}.spec.json",
                               work / f"{spec['label']}.log")
-        sides.append(collect(spec, rc, tail))
+        sides.append(bench_worker.collect(spec, rc, tail))
     return sides
 
 
@@ -287,3 +231,35 @@ def bar_figure(frame: Any, columns: list[str], ylabel: str, title: str) -> Any:
     if len(columns) > 1:
         ax.legend(fontsize=8)
     return fig
+
+
+def workload_limits(model: str, workload: Workload, prompts: list[list[int]], lora: LoraSpec,
+                    bandwidth_bytes_per_s: float = H200_COPY_BANDWIDTH_BYTES_PER_S
+                    ) -> dict[bool, float]:
+    """:func:`decode_limit_tok_per_s` for ``model`` on these prompts, keyed by "LoRA active"."""
+    from nbhelpers import models
+
+    cfg, n = models.build_config(model), models.n_params(model)
+    mean = sum(map(len, prompts)) / len(prompts)
+    kw = {"bandwidth_bytes_per_s": bandwidth_bytes_per_s}
+    batch = len(prompts) * workload.sampling_params().n
+    return {False: decode_limit_tok_per_s(cfg, n, batch, mean, workload.max_new_tokens, **kw),
+            True: decode_limit_tok_per_s(cfg, n, batch, mean, workload.max_new_tokens,
+                                         lora=lora, **kw)}
+
+
+def summary_sidecar(sides: list[dict[str, Any]], table: Any, notebook: str,
+                    params: dict[str, Any]) -> dict[str, Any]:
+    """The notebook's own sidecar (``kind="summary"``, no rounds): the table rows, the backend
+    sidecar paths and, in ``error``, one line per failed backend (None when all succeeded)."""
+    from nbhelpers.stats import make_sidecar
+
+    failed = [f"{s['backend']}: {(s['error'] or '').strip().splitlines()[-1:]}" for s in sides
+              if s.get("error")]
+    return make_sidecar(phase="phase1", backend=f"summary:{notebook}",
+                        model=sides[0]["model"] if sides else None,
+                        workload=sides[0]["workload"] if sides else None,
+                        error="; ".join(failed) or None,
+                        extra={"kind": "summary", "notebook": notebook, "parameters": params,
+                               "table": json.loads(table.to_json(orient="records")),
+                               "backend_sidecars": [s.get("_path") for s in sides]})

@@ -6,11 +6,18 @@ backend, runs warm-up rounds then timed rounds on the same prompt ids, counts to
 returned Completions and writes one schema-v1 sidecar. Any exception is recorded in the sidecar's
 ``error`` (traceback tail) and the process exits 1; a crash or timeout that kills the process is
 recorded by the parent instead. Memory is freed with the process.
+
+Parent side (used by :func:`nbhelpers.bench.run_backends`): :func:`spawn` runs one worker in its
+own session with a wall limit (a timeout kills the whole process group), :func:`collect` returns
+the worker's sidecar or writes a failure sidecar with the exit code / timeout and the log tail.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import traceback
 from importlib import metadata
@@ -19,11 +26,12 @@ from typing import Any
 
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, Workload
 
-MY_ENGINES = ("hf_generate", "hf_cb", "cb_sync", "unsloth", "vllm")
+ADAPTER_ENGINES = ("hf_generate", "hf_cb", "cb_sync", "unsloth", "vllm", "flex")
 """Engines that accept the ``adapter_path`` option (the harness's shared adapter)."""
 VERSION_DISTS = ("torch", "transformers", "peft", "accelerate", "trl", "vllm", "unsloth",
                  "unsloth_zoo", "flash-attn-4", "triton")
 TRACEBACK_TAIL_CHARS = 4000
+LOG_TAIL_CHARS = 3000
 
 
 def versions() -> dict[str, str | None]:
@@ -72,7 +80,7 @@ def _load(spec: dict[str, Any], state: dict[str, Any]) -> Any:
 
     backend = get_backend(spec["backend"])
     opts = {**backend.default_options, **spec["engine_options"]}
-    if spec.get("adapter_path") and resolve(spec["backend"])[0] in MY_ENGINES:
+    if spec.get("adapter_path") and resolve(spec["backend"])[0] in ADAPTER_ENGINES:
         opts.setdefault("adapter_path", spec["adapter_path"])
     lora = lora_from_block(spec.get("lora"))
     state["backend"] = backend
@@ -132,17 +140,72 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         backend = _load(spec, state)
         _run_rounds(spec, backend, prompts, state)
         state["peak_mem"] = peak_memory_gib()
-    except BaseException:  # recorded in the sidecar; the parent sees exit code 1
+    except BaseException:  # noqa: BLE001 -- recorded in the sidecar; the parent sees exit 1
         state["error"] = traceback.format_exc()[-TRACEBACK_TAIL_CHARS:]
         state["peak_mem"] = state.get("peak_mem") or peak_memory_gib()
     finally:
         if state.get("backend") is not None:
             try:
                 state["backend"].close()
-            except Exception:  # closing after a failure must not hide the first error
+            except Exception:  # noqa: BLE001 -- must not hide the first error
                 state["close_error"] = traceback.format_exc()[-1000:]
     side = build_sidecar(spec, state)
     write_sidecar(side, spec["sidecar"])
+    return side
+
+
+# ---- parent side: spawn a worker, collect its sidecar or record its failure ----
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return ""
+
+
+def spawn(spec: dict[str, Any], spec_path: Path, log_path: Path) -> tuple[int | None, str]:
+    """Run one worker process; returns (exit code or None on timeout, log tail). The worker runs in
+    its own session so a timeout kills its whole process group (vLLM's engine core included)."""
+    spec_path.write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "nbhelpers.bench_worker", str(spec_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=spec["timeout_s"])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, _tail(log_path)
+
+
+def failure_sidecar(spec: dict[str, Any], error: str) -> dict[str, Any]:
+    """A sidecar for a run whose worker died before writing one (crash, kill, timeout)."""
+    from nbhelpers.stats import make_sidecar
+
+    return make_sidecar(phase="phase1", backend=spec["label"], model=spec["model"],
+                        lora=spec.get("lora"), workload=spec["workload_block"], error=error,
+                        run_id=spec["run_id"],
+                        extra={"engine_options": spec["engine_options"], "init_s": None,
+                               "warmup_s": None, "versions": None, "engine": spec["backend"]})
+
+
+def collect(spec: dict[str, Any], rc: int | None, log_tail: str) -> dict[str, Any]:
+    """The worker's sidecar, or a failure sidecar naming the exit code / timeout and log tail."""
+    from nbhelpers.stats import validate_sidecar, write_sidecar
+
+    path = Path(spec["sidecar"])
+    if rc is not None and path.is_file():
+        side = json.loads(path.read_text())
+        validate_sidecar(side)
+        return side
+    why = (f"timeout after {spec['timeout_s']:.0f} s" if rc is None
+           else f"worker exited with code {rc} without a sidecar")
+    side = failure_sidecar(spec, f"{why}; log tail:\n{log_tail}")
+    write_sidecar(side, path)
     return side
 
 

@@ -151,8 +151,7 @@ def normalise_lora_key(key: str) -> str:
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (saved adapter) both become
     ``model.layers.0.self_attn.q_proj.lora_A.weight``.
     """
-    if key.startswith(PEFT_PREFIX):
-        key = key[len(PEFT_PREFIX):]
+    key = key.removeprefix(PEFT_PREFIX)
     return key.replace(f".{ADAPTER_NAME}.", ".")
 
 

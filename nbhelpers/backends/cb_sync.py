@@ -71,7 +71,7 @@ class SyncCBDriver:
                     faulthandler.dump_traceback_later(driver.watchdog_s, exit=True,
                                                       file=sys.stderr)
 
-            def __exit__(self, *exc: Any) -> None:
+            def __exit__(self, *exc: object) -> None:
                 faulthandler.cancel_dump_traceback_later()
 
         return _Guard()

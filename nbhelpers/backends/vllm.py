@@ -37,7 +37,7 @@ def vllm_sampling_kwargs(sampling: SamplingParams, logprobs: bool = False) -> di
     ``max_new_tokens``, top_k disabled as 0 (vLLM prefers 0 and quietly accepts -1),
     ``logprobs=0`` asks for the sampled token's logprob only."""
     kw = {"n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
-          "top_k": sampling.top_k if sampling.top_k > 0 else 0, "min_p": sampling.min_p,
+          "top_k": max(0, sampling.top_k), "min_p": sampling.min_p,
           "seed": sampling.seed, "max_tokens": sampling.max_new_tokens,
           "ignore_eos": sampling.ignore_eos, "stop_token_ids": list(sampling.stop_token_ids)}
     if logprobs:

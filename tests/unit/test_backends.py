@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from nbhelpers import models
-from nbhelpers.backends import BACKENDS, BackendNotInstalled, get_backend, resolve
-from nbhelpers.backends import _common
+from nbhelpers.backends import BACKENDS, BackendNotInstalled, _common, get_backend, resolve
 from nbhelpers.backends.cb_sync import is_finished
 from nbhelpers.backends.hf_cb import cb_sizing
 from nbhelpers.backends.vllm import completions_from_vllm, llm_kwargs, vllm_sampling_kwargs

@@ -1,0 +1,113 @@
+"""``torch.compile`` of a GRPO trainer's policy (and reference) forward, with a per-run report.
+
+Contract: :func:`compile_trainer_models` compiles, in place, the innermost HF causal LM of the
+trainer's policy (under PEFT's wrappers, so the training forward, TRL's log-prob pass and
+``model.generate`` all go through it) and of ``trainer.ref_model`` when there is one, with
+``nn.Module.compile(mode=...)``, after the trainer is built (issue 6, item 3). vLLM keeps its own
+compilation: its engine never calls these modules. The flex engine reads the modules' tensors,
+not their forward, so compiling changes only the trainer side for it.
+
+:class:`CompileWatch` is a context manager that measures, for the code run inside it, the dynamo
+counters (``torch._dynamo.utils.counters``: graph breaks with their reasons, unique graphs, frames)
+and the recompiles (records of the ``torch._dynamo.guards.__recompiles`` logger, enabled with
+``torch._logging.set_logs(recompiles=True)``; the first lines of each reason are kept).
+:meth:`CompileWatch.report` returns a JSON-ready dict.
+
+Run::
+
+    with CompileWatch("default") as watch:
+        f = torch.compile(torch.nn.Linear(4, 4)); f(torch.randn(2, 4)); f(torch.randn(3, 4))
+    print(watch.report())   # 1 recompile (dynamic shape), 0 graph breaks
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Self
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+"""``compile_mode`` values: ``none`` = eager; the others are ``torch.compile`` modes."""
+_RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"
+
+
+def check_compile_mode(mode: str | None) -> str:
+    """``mode`` normalised (``None`` -> ``"none"``). Raises ``ValueError`` naming the choices."""
+    mode = "none" if mode in (None, "") else mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={mode!r}: use one of {COMPILE_MODES}.")
+    return mode
+
+
+def innermost_lm(model: Any) -> Any:
+    """The HF ``PreTrainedModel`` under accelerate / PEFT wrappers (``get_base_model``)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def compile_trainer_models(trainer: Any, mode: str) -> list[str]:
+    """Compile the policy (and reference model) forward in place; returns what was compiled.
+
+    Raises:
+        ValueError: unknown ``mode`` (see :data:`COMPILE_MODES`).
+    """
+    if check_compile_mode(mode) == "none":
+        return []
+    done = []
+    for name, model in (("policy", trainer.model), ("ref_model", trainer.ref_model)):
+        if model is not None:
+            innermost_lm(model).compile(mode=mode)
+            done.append(name)
+    return done
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append("\n".join(record.getMessage().splitlines()[:3]))
+
+
+class CompileWatch:
+    """Counts graph breaks and recompiles inside a ``with`` block (see module docstring)."""
+
+    def __init__(self, mode: str = "default", max_reasons: int = 10):
+        self.mode, self.max_reasons = check_compile_mode(mode), max_reasons
+        self._handler = _Collect()
+        self._before: dict[str, Counter] = {}
+        self._after: dict[str, Counter] = {}
+
+    def __enter__(self) -> Self:
+        import torch
+        import torch._dynamo.utils as dyn
+        self._before = {k: Counter(v) for k, v in dyn.counters.items()}
+        torch._logging.set_logs(recompiles=True)
+        logger = logging.getLogger(_RECOMPILE_LOGGER)
+        logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+        import torch._dynamo.utils as dyn
+        self._after = {k: Counter(v) for k, v in dyn.counters.items()}
+        logging.getLogger(_RECOMPILE_LOGGER).removeHandler(self._handler)
+        torch._logging.set_logs(recompiles=False)
+
+    def _delta(self, group: str) -> Counter:
+        after, before = self._after.get(group, Counter()), self._before.get(group, Counter())
+        return Counter({k: after[k] - before.get(k, 0) for k in after
+                        if after[k] - before.get(k, 0) > 0})
+
+    def report(self) -> dict[str, Any]:
+        """``{compile_mode, graph_breaks, graph_break_reasons, recompiles, recompile_reasons,
+        unique_graphs, frames_total, frames_ok}`` for the watched block (counts, ints)."""
+        breaks, stats, frames = (self._delta(g) for g in ("graph_break", "stats", "frames"))
+        reasons = Counter(self._handler.messages)
+        return {"compile_mode": self.mode, "graph_breaks": sum(breaks.values()),
+                "graph_break_reasons": dict(breaks.most_common(self.max_reasons)),
+                "recompiles": len(self._handler.messages),
+                "recompile_reasons": dict(reasons.most_common(self.max_reasons)),
+                "unique_graphs": stats.get("unique_graphs", 0),
+                "frames_total": frames.get("total", 0), "frames_ok": frames.get("ok", 0)}

@@ -1,0 +1,221 @@
+"""Coherence gate for GRPO runs: do the backends train sanely, and the same?
+
+Contract: :func:`check_run` takes one run's per-step rows (:func:`nbhelpers.grpo_backends.
+step_rows`: dicts with ``step``, ``loss``, ``grad_norm``, ``reward``, ``kl``,
+``sampling/sampling_logp_difference/mean``) and returns a :class:`GateResult` of named checks,
+each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
+
+* ``loss_finite``, ``grad_norm_finite``: every step logged a finite value.
+* ``reward_range``: every step's mean reward lies in ``Thresholds.reward_range``.
+* ``kl_early``: KL of the first ``kl_early_steps`` steps in ``[0, kl_max_early]``; the reference
+  experiment's KL trajectories stayed in [0, 0.015] over 10 steps for vLLM and Unsloth
+  (Unsloth PR #5108, ``scripts/benchmarks/results/grpo_equivalence.md``; research/anchors.md).
+  TRL logs KL only when ``beta > 0``: with ``beta == 0`` the check is skipped, saying so.
+* ``kl_vs_reference``: per step, ``|kl - kl_ref| <= kl_tolerance`` against the reference backend.
+* ``reward_vs_reference``: the median reward is within ``reward_tolerance`` of the reference's.
+* ``logprob_mismatch``: mean ``|engine logprob - trainer logprob|`` (nats/token) <=
+  ``logprob_mismatch_max``; skipped for backends that report no logprobs (hf_generate, hf_cb,
+  unsloth fi=False).
+
+:func:`check_runs` gates several backends against one reference; :func:`assert_gate` raises
+:class:`GateFailed` listing every failed check (the notebook's last cell calls it). A run that
+errored is a failure unless its error is a missing engine (``BackendNotInstalled``): that backend
+could not be staged, which the report states and the gate does not hide.
+
+Run: ``pytest tests/unit/test_gate.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from typing import Any
+
+MISMATCH_MEAN = "sampling/sampling_logp_difference/mean"
+REWARD_BOUNDS = (-10.0, 13.0)
+"""Sum of the reference reward functions' bounds (nbhelpers/rewards.py docstrings): format exact
+[0, 3], format approximate [-3, 1.5], answer [-4.5, 5], numbers [-2.5, 3.5]."""
+RANDOM_WEIGHTS_REWARD = (-10.0, -4.0)
+"""Random-weight models write no format tags: each completion scores -3 - 2 - 2.5 = -7.5
+(rewards.py: approximate -1.0 for each of 3 missing tags, answer -2.0, numbers -2.5). A chance
+tag lifts one completion by 1.5, so a step mean above -4 needs most completions to write tags:
+with random weights that means the rewards or the decoding are broken."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Gate limits (units: rewards as scored, KL in nats, logprob gaps in nats/token)."""
+
+    reward_range: tuple[float, float] = REWARD_BOUNDS
+    kl_max_early: float = 0.015
+    kl_early_steps: int = 10
+    kl_tolerance: float = 0.015
+    reward_tolerance: float = 3.0
+    logprob_mismatch_max: float = 0.1
+
+    def __post_init__(self) -> None:
+        lo, hi = self.reward_range
+        if not lo < hi:
+            raise ValueError(f"Thresholds.reward_range={self.reward_range}: need low < high.")
+        if min(self.kl_max_early, self.kl_tolerance, self.reward_tolerance,
+               self.logprob_mismatch_max) < 0 or self.kl_early_steps < 1:
+            raise ValueError("Thresholds: tolerances must be >= 0 and kl_early_steps >= 1.")
+
+
+def thresholds_for(model_kind: str, **overrides: Any) -> Thresholds:
+    """:class:`Thresholds` for a model kind (``random`` | ``real`` | ``hub``): random weights get
+    :data:`RANDOM_WEIGHTS_REWARD`, others the full :data:`REWARD_BOUNDS`."""
+    rng = RANDOM_WEIGHTS_REWARD if model_kind == "random" else REWARD_BOUNDS
+    return Thresholds(**({"reward_range": rng} | overrides))
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass" | "fail" | "skip"
+    detail: str
+
+
+@dataclass
+class GateResult:
+    """Checks of one backend's run; ``passed`` is True when no check failed."""
+
+    backend: str
+    checks: list[Check] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status != "fail" for c in self.checks)
+
+    def status(self, name: str) -> str:
+        return next(c.status for c in self.checks if c.name == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "passed": self.passed, "error": self.error,
+                "checks": [asdict(c) for c in self.checks]}
+
+
+class GateFailed(AssertionError):
+    """The coherence gate failed; the message lists every failed check."""
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> list[Any]:
+    return [r.get(key) for r in rows]
+
+
+def _check_finite(rows: list[dict[str, Any]], key: str) -> Check:
+    bad = [(r.get("step"), r.get(key)) for r in rows if not _finite(r.get(key))]
+    if not rows:
+        return Check(f"{key}_finite", "fail", "no steps recorded")
+    if bad:
+        return Check(f"{key}_finite", "fail", f"non-finite or missing {key} at (step, value) {bad}")
+    return Check(f"{key}_finite", "pass", f"{len(rows)} steps finite")
+
+
+def _check_reward(rows: list[dict[str, Any]], th: Thresholds) -> Check:
+    lo, hi = th.reward_range
+    bad = [(r.get("step"), r.get("reward")) for r in rows
+           if not (_finite(r.get("reward")) and lo <= r["reward"] <= hi)]
+    if bad:
+        return Check("reward_range", "fail", f"reward outside [{lo}, {hi}] at {bad}")
+    vals = [r["reward"] for r in rows]
+    return Check("reward_range", "pass", f"rewards {min(vals):.3g}..{max(vals):.3g} in [{lo}, {hi}]")
+
+
+def _check_kl_early(rows: list[dict[str, Any]], th: Thresholds) -> Check:
+    kls = _series(rows[:th.kl_early_steps], "kl")
+    if all(k is None for k in kls):
+        return Check("kl_early", "skip", "no KL logged (TRL logs it only with beta > 0)")
+    bad = [(r.get("step"), r.get("kl")) for r in rows[:th.kl_early_steps]
+           if not (_finite(r.get("kl")) and 0.0 <= r["kl"] <= th.kl_max_early)]
+    if bad:
+        return Check("kl_early", "fail", f"KL outside [0, {th.kl_max_early}] at {bad}")
+    return Check("kl_early", "pass", f"max KL {max(kls):.3g} <= {th.kl_max_early}")
+
+
+def _check_kl_ref(rows, ref_rows, th: Thresholds) -> Check:
+    if ref_rows is None:
+        return Check("kl_vs_reference", "skip", "this is the reference run (or none given)")
+    ref = {r.get("step"): r.get("kl") for r in ref_rows}
+    pairs = [(r.get("step"), r.get("kl"), ref.get(r.get("step"))) for r in rows]
+    pairs = [p for p in pairs if _finite(p[1]) and _finite(p[2])]
+    if not pairs:
+        return Check("kl_vs_reference", "skip", "no step with KL in both runs")
+    worst = max(pairs, key=lambda p: abs(p[1] - p[2]))
+    gap = abs(worst[1] - worst[2])
+    status = "pass" if gap <= th.kl_tolerance else "fail"
+    return Check("kl_vs_reference", status, f"max |KL - KL_ref| = {gap:.3g} at step {worst[0]} "
+                 f"(tolerance {th.kl_tolerance}, {len(pairs)} steps compared)")
+
+
+def _check_reward_ref(rows, ref_rows, th: Thresholds) -> Check:
+    mine = [r["reward"] for r in rows if _finite(r.get("reward"))]
+    theirs = [r["reward"] for r in (ref_rows or []) if _finite(r.get("reward"))]
+    if ref_rows is None or not mine or not theirs:
+        return Check("reward_vs_reference", "skip", "no reference rewards to compare")
+    gap = abs(median(mine) - median(theirs))
+    status = "pass" if gap <= th.reward_tolerance else "fail"
+    return Check("reward_vs_reference", status, f"|median reward - reference| = {gap:.3g} "
+                 f"(tolerance {th.reward_tolerance})")
+
+
+def _check_mismatch(rows: list[dict[str, Any]], th: Thresholds) -> Check:
+    vals = [v for v in _series(rows, MISMATCH_MEAN) if v is not None]
+    if not vals:
+        return Check("logprob_mismatch", "skip", "backend reports no sampled-token logprobs")
+    bad = [v for v in vals if not (_finite(v) and v <= th.logprob_mismatch_max)]
+    status = "fail" if bad else "pass"
+    return Check("logprob_mismatch", status, f"mean |engine - trainer| logprob per step max "
+                 f"{max(vals):.3g} nats/token (limit {th.logprob_mismatch_max})")
+
+
+def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
+              reference_rows: list[dict[str, Any]] | None = None) -> GateResult:
+    """Gate one run (see module docstring); ``reference_rows`` None = no cross-backend checks."""
+    return GateResult(backend, [
+        _check_finite(rows, "loss"), _check_finite(rows, "grad_norm"),
+        _check_reward(rows, thresholds), _check_kl_early(rows, thresholds),
+        _check_kl_ref(rows, reference_rows, thresholds),
+        _check_reward_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds)])
+
+
+def is_not_staged(error: str | None) -> bool:
+    """True for a run that failed only because its engine is not installed here."""
+    return bool(error) and error.startswith("BackendNotInstalled")
+
+
+def check_runs(runs: dict[str, dict[str, Any]], reference: str,
+               thresholds: Thresholds) -> dict[str, GateResult]:
+    """Gate every backend of ``runs`` (``{backend: {"rows": [...], "error": str | None}}``).
+
+    The ``reference`` backend is gated without cross checks; the others against it (when it ran).
+    Raises:
+        ValueError: ``reference`` is not a key of ``runs``.
+    """
+    if reference not in runs:
+        raise ValueError(f"reference={reference!r} is not among the runs {list(runs)}.")
+    ref = runs[reference]
+    ref_rows = None if ref.get("error") else ref.get("rows")
+    out = {}
+    for name, run in runs.items():
+        if run.get("error"):
+            status = "skip" if is_not_staged(run["error"]) else "fail"
+            out[name] = GateResult(name, [Check("ran", status, run["error"])], run["error"])
+            continue
+        out[name] = check_run(name, run["rows"], thresholds,
+                              None if name == reference else ref_rows)
+    return out
+
+
+def assert_gate(results: dict[str, GateResult]) -> None:
+    """Raise :class:`GateFailed` listing every failed check of every backend."""
+    failed = [f"{r.backend}.{c.name}: {c.detail}" for r in results.values() for c in r.checks
+              if c.status == "fail"]
+    if failed:
+        raise GateFailed("coherence gate failed:\n  " + "\n  ".join(failed))

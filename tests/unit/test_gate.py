@@ -1,0 +1,85 @@
+"""nbhelpers.gate on synthetic per-step rows (the real-run cases are in test_grpo_flex.py)."""
+
+import math
+
+import pytest
+
+from nbhelpers.gate import (
+    MISMATCH_MEAN,
+    RANDOM_WEIGHTS_REWARD,
+    GateFailed,
+    Thresholds,
+    assert_gate,
+    check_run,
+    check_runs,
+    thresholds_for,
+)
+
+
+def rows(n=4, kl=0.001, reward=-7.5, mismatch=None, **at_step2):
+    out = []
+    for step in range(1, n + 1):
+        r = {"step": step, "loss": 0.01 * step, "grad_norm": 0.3, "reward": reward,
+             "kl": None if kl is None else kl * step}
+        if mismatch is not None:
+            r[MISMATCH_MEAN] = mismatch
+        out.append(r | (at_step2 if step == 2 else {}))
+    return out
+
+
+TH = thresholds_for("random")
+
+
+def test_healthy_rows_pass_every_check():
+    res = check_run("flex", rows(mismatch=1e-3), TH, reference_rows=rows())
+    assert res.passed, res.as_dict()
+    assert {c.name: c.status for c in res.checks} == {
+        "loss_finite": "pass", "grad_norm_finite": "pass", "reward_range": "pass",
+        "kl_early": "pass", "kl_vs_reference": "pass", "reward_vs_reference": "pass",
+        "logprob_mismatch": "pass"}
+
+
+@pytest.mark.parametrize("bad,check", [
+    ({"loss": math.nan}, "loss_finite"), ({"loss": None}, "loss_finite"),
+    ({"grad_norm": math.inf}, "grad_norm_finite"), ({"reward": 2.0}, "reward_range"),
+    ({"kl": 0.02}, "kl_early"), ({"kl": -1e-3}, "kl_early"),
+    ({MISMATCH_MEAN: 0.5}, "logprob_mismatch")])
+def test_each_injected_fault_fails_its_check(bad, check):
+    res = check_run("flex", rows(mismatch=1e-3, **bad), TH)
+    assert not res.passed and res.status(check) == "fail"
+    with pytest.raises(GateFailed, match=f"flex.{check}"):
+        assert_gate({"flex": res})
+
+
+def test_kl_and_reward_vs_reference_use_stated_tolerances():
+    th = Thresholds(reward_range=RANDOM_WEIGHTS_REWARD, kl_tolerance=0.001, reward_tolerance=0.5)
+    res = check_run("flex", rows(kl=0.003), th, reference_rows=rows(kl=0.001, reward=-8.5))
+    assert res.status("kl_vs_reference") == "fail" and "tolerance 0.001" in \
+        next(c.detail for c in res.checks if c.name == "kl_vs_reference")
+    assert res.status("reward_vs_reference") == "fail"
+
+
+def test_beta_zero_and_no_logprobs_are_skipped_not_passed():
+    res = check_run("hf_generate", rows(kl=None), TH)
+    assert res.status("kl_early") == "skip" and res.status("logprob_mismatch") == "skip"
+    assert res.passed
+
+
+def test_check_runs_not_installed_is_skip_other_errors_fail():
+    runs = {"hf_generate": {"rows": rows(), "error": None},
+            "vllm": {"rows": [], "error": "BackendNotInstalled: pip install -e '.[vllm]'"},
+            "flex": {"rows": [], "error": "RuntimeError: boom"}}
+    res = check_runs(runs, "hf_generate", TH)
+    assert res["hf_generate"].passed and res["vllm"].passed and not res["flex"].passed
+    with pytest.raises(GateFailed, match="flex.ran: RuntimeError"):
+        assert_gate(res)
+    with pytest.raises(ValueError, match="reference='unsloth'"):
+        check_runs(runs, "unsloth", TH)
+
+
+def test_thresholds_validate():
+    assert thresholds_for("real").reward_range == (-10.0, 13.0)
+    with pytest.raises(ValueError, match="low < high"):
+        Thresholds(reward_range=(1.0, 0.0))
+    with pytest.raises(ValueError, match=">= 0"):
+        Thresholds(kl_tolerance=-1.0)

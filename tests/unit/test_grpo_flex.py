@@ -1,0 +1,179 @@
+"""The flex engine inside TRL's GRPOTrainer on the CPU: two GRPO steps on a tiny random model.
+
+Checks issue 6 item 2 (zero copy, live LoRA) and item 6: the LoRA weights change, the engine
+reads the trainer's own tensors, the second rollout's logprobs are those of the *updated* weights
+(and not of the initial ones), the engine-vs-trainer logprob metric is logged, and the coherence
+gate passes on this run and fails when a NaN loss is injected into it.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from nbhelpers import grpo_flex
+from nbhelpers.backends.base import BackendNotInstalled
+from nbhelpers.config import GRPOSettings, LoraSpec
+from nbhelpers.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
+from nbhelpers.grpo_backends import plan_backend, step_rows, train
+from nbhelpers.grpo_flex import group_prompts, logprob_mismatch
+
+
+# a step-varying reward so advantages (and the LoRA update) are non-zero on random weights
+def letter_e_reward(prompts=None, completions=(), **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(t.count("e")) for t in texts]
+
+
+class Snapshots(TrainerCallback):
+    """LoRA tensors before training and after each optimiser step."""
+
+    def __init__(self):
+        self.states = {}
+
+    @staticmethod
+    def lora(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.states[0] = self.lora(model)
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.states[state.global_step] = self.lora(model)
+
+
+@pytest.fixture(scope="module")
+def flex_run(tmp_path_factory):
+    torch.set_num_threads(1)  # tiny GEMMs on 2 shared cores (tests/engine/_tiny.py)
+    made = []
+
+    class Recorded(grpo_flex.FlexRollout):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    settings = GRPOSettings(max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                            max_completion_length=8, learning_rate=2e-2, warmup_ratio=0.0,
+                            lr_scheduler_type="constant", min_p=0.0, beta=0.04,
+                            lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
+    snaps = Snapshots()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(grpo_flex, "FlexRollout", Recorded)
+    try:
+        result = train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
+                       output_dir=tmp_path_factory.mktemp("grpo_flex"), skip_first=0,
+                       reward_funcs=[letter_e_reward], callbacks=[snaps],
+                       flex_options={"keep_history": True})
+    finally:
+        mp.undo()
+    return result, made[0], snaps
+
+
+def test_lora_weights_changed(flex_run):
+    _, _, snaps = flex_run
+    assert set(snaps.states) == {0, 1, 2}
+    for step in (1, 2):
+        delta = max((snaps.states[step][k] - snaps.states[step - 1][k]).abs().max().item()
+                    for k in snaps.states[0])
+        assert delta > 1e-3, f"step {step} did not move the LoRA weights"
+
+
+def test_engine_reads_the_trainers_own_tensors(flex_run):
+    _, rollout, _ = flex_run
+    from nbhelpers.engine.lora import LiveLinear
+    live = {id(p.module.lora_A["default"].weight) for p in _live_linears(rollout)}
+    trainer_params = {id(p) for n, p in rollout.policy.named_parameters() if "lora_A" in n}
+    assert live and live == trainer_params  # the same Parameter objects: no copy, no sync
+    assert all(isinstance(p, LiveLinear) for p in _live_linears(rollout))
+
+
+def _live_linears(rollout):
+    from nbhelpers.engine.lora import LiveGroup, LiveLinear
+    found, seen = [], set()
+
+    def walk(obj, depth=0):
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, LiveLinear) and obj.has_lora:
+            found.append(obj)
+        elif isinstance(obj, LiveGroup):
+            found.extend(p for p in obj.parts if p.has_lora)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("nbhelpers.engine"):
+            for x in vars(obj).values():
+                walk(x, depth + 1)
+
+    walk(rollout.llm.runner)
+    return found
+
+
+@torch.no_grad()
+def _hf_logprobs(model, state, prompt, completion):
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        params[name].copy_(value)
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_second_rollout_used_the_updated_weights(flex_run):
+    _, rollout, snaps = flex_run
+    assert [h["global_step"] for h in rollout.history] == [0, 1]
+    second = rollout.history[1]
+    model, final = rollout.policy, Snapshots.lora(rollout.policy)
+    was_training = model.training
+    model.eval()
+    try:
+        for i in range(len(second["prompt_ids"])):
+            args = (second["prompt_ids"][i], second["completion_ids"][i])
+            engine = torch.tensor(second["logprobs"][i])
+            after_step1 = _hf_logprobs(model, snaps.states[1], *args)
+            before = _hf_logprobs(model, snaps.states[0], *args)
+            assert torch.allclose(engine, after_step1, atol=1e-4), (engine, after_step1)
+            assert (engine - before).abs().max() > 1e-3  # the old weights give other logprobs
+    finally:
+        _hf_logprobs(model, final, [0], [0])
+        model.train(was_training)
+
+
+def test_mismatch_metric_and_gate_on_the_real_run(flex_run):
+    result, _, _ = flex_run
+    rows = step_rows(result)
+    assert len(rows) == 2 and all(r[MISMATCH_MEAN] < 1e-4 for r in rows)
+    assert all(r["generate_s"] > 0 for r in rows)
+    th = thresholds_for("random", reward_range=(0.0, 8.0))  # letter_e_reward: 0..8 per 8 tokens
+    assert check_run("flex", rows, th).passed
+    rows[1]["loss"] = math.nan  # injected NaN loss
+    with pytest.raises(GateFailed, match="flex.loss_finite"):
+        assert_gate({"flex": check_run("flex", rows, th)})
+
+
+def test_vllm_and_unsloth_fail_naming_the_extra():
+    for backend in ("vllm", "unsloth"):
+        with pytest.raises(BackendNotInstalled, match=rf"\.\[{backend}\]"):
+            plan_backend(backend, GRPOSettings())
+
+
+def test_plan_rejects_bad_choices_and_notes_vllm_only_settings():
+    with pytest.raises(ValueError, match="use one of"):
+        plan_backend("tgi", GRPOSettings())
+    with pytest.raises(ValueError, match="flex_options"):
+        plan_backend("hf_generate", GRPOSettings(), flex_options={"page_size": 16})
+    plan = plan_backend("hf_cb", GRPOSettings(), vllm_sleep_mode=True)
+    assert plan.config_overrides == {"use_transformers_continuous_batching": True}
+    assert "ignored" in plan.notes[0]
+
+
+def test_group_prompts_and_mismatch_helpers():
+    assert group_prompts([[1], [1], [2], [2]], 2) == ([[1], [2]], 2)
+    assert group_prompts([[1], [2], [1], [2]], 2) == ([[1], [2], [1], [2]], 1)
+    t = torch.tensor([[-1.0, -2.0, 0.0]])
+    s = torch.tensor([[-1.5, float("nan"), 9.0]])
+    assert logprob_mismatch(t, s, torch.tensor([[1, 1, 0]])) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        grpo_flex.FlexRollout(max_model_len=64, kv_tokens=8)

@@ -35,8 +35,13 @@ def random_qwen3(shape: dict[str, Any], dtype: str = "bfloat16", device: str = "
     torch.manual_seed(seed)
     cfg = Qwen3Config(**shape)
     cfg.architectures = ["Qwen3ForCausalLM"]
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # no fp32 copy of a 4B model on the way
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     return model.eval()
 
 
@@ -153,3 +158,41 @@ def bench_one(llm: Any, prompts: list[list[int]], sampling: SamplingParams, roun
     breakdown["bench_s"] = time.perf_counter() - t0
     return {"rounds": rows, "breakdown": breakdown, "peak_mem": peak_memory_gib(),
             **rounds_summary(rows)}
+
+
+KERNEL_CLASSES = (("attention", ("flex", "attention")), ("gemm", ("gemm", "nvjet", "cutlass",
+                  "xmma", "matmul", "splitk")), ("sort/sample", ("sort", "radix", "argmax",
+                  "softmax", "scan", "cumsum")))
+
+
+def kernel_class(name: str) -> str:
+    """Coarse class of a CUDA kernel name: attention, gemm, sort/sample or elementwise/other."""
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)),
+                "elementwise/other")
+
+
+def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
+    """GPU kernel time of one eager decode step by class (ms) and the kernel count, from
+    ``torch.profiler`` over ``steps`` steps of the last-used state of bucket >= ``batch``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= batch)
+    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            st.col.zero_()
+            for buf, val in zip((st.pos, st.gen_idx, st.tokens), saved):
+                buf.copy_(val)
+            llm.runner._step_body(st, st.use_sort)
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = {}
+    count = 0
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us:
+            cls = kernel_class(evt.key)
+            by_class[cls] = by_class.get(cls, 0.0) + dev_us / 1e3 / steps
+            count += evt.count
+    return {"kernel_ms_per_step": by_class, "kernels_per_step": count / steps,
+            "kernel_ms_total": sum(by_class.values())}

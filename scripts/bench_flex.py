@@ -45,7 +45,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=WORKLOAD_W.max_new_tokens)
     ap.add_argument("--prompt-tokens", type=int, default=WORKLOAD_W.prompt_tokens)
     ap.add_argument("--sync-every", type=int, default=32)
-    ap.add_argument("--skip", default="", help="stages to skip: parity,w,sweep")
+    ap.add_argument("--skip", default="", help="stages to skip: parity_tiny,parity,w,sweep")
+    ap.add_argument("--profile", action="store_true", help="kernel-class breakdown (LoRA, B=32)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run W with compile_decode=True (whole step through inductor)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
     return ap.parse_args()
 
@@ -98,12 +101,16 @@ def run_parity(args, dev: str) -> dict:
     return res
 
 
-def run_workload(model, name, lora, batch, args, rounds, tag) -> dict:
+def run_workload(model, name, lora, batch, args, rounds, tag, profile=False, **opts) -> dict:
     sampling = SamplingParams(**{**WORKLOAD_W.sampling_params().to_dict(),
                                  "max_new_tokens": args.max_new_tokens})
-    llm = make_llm(model, batch, args)
+    llm = make_llm(model, batch, args, **opts)
     prompts = eb.random_prompt_ids(batch, args.prompt_tokens, model.config.vocab_size)
     res = eb.bench_one(llm, prompts, sampling, rounds=rounds, warmup=1)
+    if profile:
+        prof, err = stage(f"{tag} profile", eb.profile_decode_step, llm, batch)
+        res["breakdown"]["profile"] = prof or {"error": err}
+        log(f"{tag} kernel profile: {prof}")
     llm.sleep()
     log(f"{tag}: {res['decode_tok_per_s_median']:.0f} tok/s, breakdown {res['breakdown']}, "
         f"peak {res['peak_mem']}")
@@ -122,7 +129,7 @@ def main() -> None:
     shape = eb.TINY_QWEN3_SHAPE if args.cpu_smoke else eb.QWEN3_4B_SHAPE
     name = "tiny-qwen3-shape" if args.cpu_smoke else "qwen3-4b"
     skip, table = set(args.skip.split(",")), []
-    if "parity" not in skip:
+    if "parity_tiny" not in skip:
         par, err = stage("parity", run_parity, args, dev)
         json.dump({"parity": par, "error": err}, open(out / "parity.json", "w"), indent=1)
     model = eb.random_qwen3(shape, device=dev,
@@ -143,7 +150,7 @@ def main() -> None:
     model = eb.attach_lora(model, lora)
     if "w" not in skip:
         res, err = stage("W LoRA", run_workload, model, name, lora, WORKLOAD_W.n_prompts, args,
-                         args.rounds, "w_lora")
+                         args.rounds, "w_lora", profile=args.profile)
         sidecar(out, "w_lora", info, lora, WORKLOAD_W.n_prompts, args, res, err)
         table.append(("W LoRA r32", WORKLOAD_W.n_prompts, res))
     for batch in ([int(b) for b in args.sweep.split(",") if b] if "sweep" not in skip else []):
@@ -152,6 +159,13 @@ def main() -> None:
         sidecar(out, f"sweep_lora_b{batch}", info, lora, batch, args, res, err,
                 extra={"sweep_batch": batch})
         table.append((f"sweep LoRA", batch, res))
+    if args.compiled:
+        res, err = stage("W LoRA compiled step", run_workload, model, name, lora,
+                         WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_compiled",
+                         profile=args.profile, compile_decode=True)
+        sidecar(out, "w_lora_compiled", info, lora, WORKLOAD_W.n_prompts, args, res, err,
+                extra={"compile_decode": True})
+        table.append(("W LoRA r32, compiled step", WORKLOAD_W.n_prompts, res))
     print_table(table)
 
 

@@ -104,8 +104,8 @@ def decode_block_mask(p2l: Any, block_table: Any, num_pages_used: Any, pos: Any,
     mm = _paged_mask(p2l, page_size, lambda b, q: b, lambda b, q: pos[b], extra)
     # the compiled kernel wants kv_indices as wide as the KV length in blocks (inductor asserts it)
     wide = torch.nn.functional.pad(block_table, (0, num_slots // page_size - width))
-    return BlockMask.from_kv_blocks(num_pages_used.view(rows, 1, 1).int(),
-                                    wide.view(rows, 1, -1).int(), BLOCK_SIZE=page_size,
+    return BlockMask.from_kv_blocks(num_pages_used.view(rows, 1, 1).int(),  # [B, H, Q_blocks]
+                                    wide.view(rows, 1, 1, -1).int(), BLOCK_SIZE=page_size,
                                     mask_mod=mm, seq_lengths=(1, num_slots),
                                     compute_q_blocks=False)  # forward only; kv_indices is
     # narrower than the page count, which the q-block transpose cannot take

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nbhelpers.engine.kv_cache import KVCache
 from nbhelpers.engine.lora import LiveGroup, storage_signature
 from nbhelpers.engine.models import ArchSpec, get_arch_spec
 
@@ -28,11 +29,18 @@ class AttnBatch:
 
     block_masks: list[Any]
     is_decode: bool
+    kernel_options: dict[str, Any] | None = None
 
 
 def base_causal_lm(model: Any) -> Any:
     """The ``*ForCausalLM`` under a PEFT wrapper (``PeftModel.get_base_model()``) or itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def build_engine_model(model: Any, fuse_lora_a: bool = True, flex_fn: Any = None) -> Any:
+    """:class:`EngineModel`, or the architecture's own subclass (``ArchSpec.engine_model``)."""
+    spec = get_arch_spec(base_causal_lm(model).config)
+    return (spec.engine_model or EngineModel)(model, fuse_lora_a=fuse_lora_a, flex_fn=flex_fn)
 
 
 class EngineModel:
@@ -74,6 +82,11 @@ class EngineModel:
     def device(self) -> Any:
         return self.embed.weight.device
 
+    def allocate_kv(self, num_pages: int, page_size: int) -> KVCache:
+        """The paged KV pool this model reads (one ``[1, H_kv, S, D]`` pair per layer)."""
+        return KVCache.allocate(len(self.layers), self.num_kv_heads, self.head_dim, num_pages,
+                                page_size, self.dtype, self.device)
+
     def signature(self) -> tuple[int, ...]:
         """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
         return storage_signature(self.qkv + self.o + self.gate_up + self.down)
@@ -114,7 +127,8 @@ class EngineModel:
         if attn.is_decode:
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         out = self.flex(q, kv.k[i], kv.v[i], score_mod=self.spec.attn_score_mod,
-                        block_mask=attn.block_masks[i], scale=self.scale, enable_gqa=True)
+                        block_mask=attn.block_masks[i], scale=self.scale, enable_gqa=True,
+                        kernel_options=attn.kernel_options)
         out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
         return self.o[i](out.reshape(1, t, -1))[0]
 

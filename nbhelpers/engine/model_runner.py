@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbhelpers.engine.attention import (decode_block_mask, prefill_block_mask, prefill_pages)
-from nbhelpers.engine.kv_cache import KVCache, phys_to_logical, slot_mapping
-from nbhelpers.engine.layers import AttnBatch, EngineModel
+from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
+from nbhelpers.engine.layers import AttnBatch, build_engine_model
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
@@ -32,7 +32,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 @dataclass
 class RunnerOptions:
-    """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA."""
+    """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
+
+    ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
+    ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``).
+    """
 
     page_size: int = 128
     num_pages: int = 256
@@ -42,6 +46,12 @@ class RunnerOptions:
     compile_attention: bool | None = None
     fuse_lora_a: bool = True
     prefill_pad: int = 128
+    compile_decode: bool = False
+    decode_kernel_options: dict | None = None
+    prefill_kernel_options: dict | None = field(default_factory=lambda: {
+        "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
+    """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
+    on the H200 (limit 227 KiB; measured 2026-11-30), so smaller tiles."""
 
 
 class DecodeState:
@@ -83,7 +93,7 @@ class ModelRunner:
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
-        self.model = EngineModel(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
+        self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.device = self.model.device
         self.kv: KVCache | None = None
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1
@@ -92,12 +102,14 @@ class ModelRunner:
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0, "decode_steps": 0,
                         "prefill_tokens": 0, "graph_captures": 0}
         self.profile = False
+        # whole decode step through inductor (fuses the norm/RoPE/sampler elementwise chains);
+        # the CUDA graph is still captured by us (no cudagraph trees inside a manual capture)
+        self._decode_compiled = (torch.compile(self._decode_compute, dynamic=False)
+                                 if opt.compile_decode and compile_attn else None)
         self.allocate_kv()
 
     def allocate_kv(self) -> None:
-        m = self.model
-        self.kv = KVCache.allocate(len(m.layers), m.num_kv_heads, m.head_dim, self.opt.num_pages,
-                                   self.opt.page_size, m.dtype, m.device)
+        self.kv = self.model.allocate_kv(self.opt.num_pages, self.opt.page_size)
 
     def free_kv(self) -> None:
         """Drop the KV pool and captured graphs (they point into it)."""
@@ -148,7 +160,8 @@ class ModelRunner:
         attn = self._masks(lambda extra: prefill_block_mask(
             p2l, q_row, q_pos, torch.tensor(counts, dtype=torch.int32, device=dev),
             torch.tensor(lists, dtype=torch.int32, device=dev), ps, self.kv.num_slots, extra),
-            is_decode=False)
+            is_decode=False, kernel_options=self.opt.prefill_kernel_options if dev.type == "cuda"
+            else None)
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor(ids, device=dev), q_pos,
                                         torch.tensor(slots, device=dev), attn, self.kv)
@@ -156,7 +169,7 @@ class ModelRunner:
                                  for i in range(n_rows)], device=dev)
             return self.model.logits(hidden[last])
 
-    def _masks(self, build: Any, is_decode: bool) -> AttnBatch:
+    def _masks(self, build: Any, is_decode: bool, kernel_options: Any = None) -> AttnBatch:
         cache: dict[int, Any] = {}
         masks = []
         for i in range(len(self.model.layers)):
@@ -164,7 +177,7 @@ class ModelRunner:
             if id(extra) not in cache:
                 cache[id(extra)] = build(extra)
             masks.append(cache[id(extra)])
-        return AttnBatch(masks, is_decode)
+        return AttnBatch(masks, is_decode, kernel_options)
 
     def _fork(self, groups: list[list[Sequence]]) -> None:
         """Copy-on-write: followers copy the leader's partly filled last page."""
@@ -260,23 +273,32 @@ class ModelRunner:
                 self._step_body(st, st.use_sort)
 
     def _step_body(self, st: DecodeState, use_sort: bool) -> None:
-        import torch
-        ps, m = self.opt.page_size, self.model
-        used = st.pos // ps + 1
-        p2l = phys_to_logical(st.block_table, used, self.opt.num_pages)
-        p2l[:, 0] = torch.where(st.is_pad, 0, -1)  # padded rows read only the null page
-        slots = slot_mapping(st.block_table, st.pos, ps)
-        attn = self._masks(lambda extra: decode_block_mask(
-            p2l, st.block_table, used, st.pos, ps, self.kv.num_slots, extra), is_decode=True)
-        hidden = m.forward(st.tokens, st.pos, slots, attn, self.kv)
-        tok, lp = sample(m.logits(hidden), st.temperature, st.min_p, st.top_k, st.top_p,
-                         st.seeds, st.gen_idx, use_sort=use_sort)
+        compute = self._decode_compiled or self._decode_compute
+        tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature, st.min_p,
+                          st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))
         st.out_lp.index_copy_(1, st.col, lp.unsqueeze(1))
         st.col.add_(1)
         st.tokens.copy_(tok)
         st.pos.add_(1)
         st.gen_idx.add_(1)
+
+    def _decode_compute(self, tokens: Any, pos: Any, block_table: Any, is_pad: Any,
+                        temperature: Any, min_p: Any, top_k: Any, top_p: Any, seeds: Any,
+                        gen_idx: Any, use_sort: bool) -> tuple[Any, Any]:
+        """One decode step for ``[B]`` rows: slots, paged block mask, forward, sample."""
+        import torch
+        ps, m = self.opt.page_size, self.model
+        used = pos // ps + 1
+        p2l = phys_to_logical(block_table, used, self.opt.num_pages)
+        p2l[:, 0] = torch.where(is_pad, 0, -1)  # padded rows read only the null page
+        slots = slot_mapping(block_table, pos, ps)
+        attn = self._masks(lambda extra: decode_block_mask(
+            p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
+            kernel_options=self.opt.decode_kernel_options)
+        hidden = m.forward(tokens, pos, slots, attn, self.kv)
+        return sample(m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx,
+                      use_sort=use_sort)
 
     def _capture(self, st: DecodeState, use_sort: bool) -> None:
         import torch

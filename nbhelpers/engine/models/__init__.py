@@ -34,6 +34,7 @@ class ArchSpec:
         final_logit_softcap: ``cap * tanh(logits / cap)`` on the LM head output, ``None`` = off.
         layer_masks: per-layer extra logical mask factory (``None`` entries = plain causal).
         attn_score_mod: flex ``score_mod`` shared by every layer (e.g. ``soft_cap``), or ``None``.
+        engine_model: see the field's docstring.
     """
 
     name: str
@@ -43,6 +44,9 @@ class ArchSpec:
     final_logit_softcap: float | None = None
     layer_masks: tuple[Callable | None, ...] = field(default=())
     attn_score_mod: Callable | None = None
+    engine_model: Callable | None = None
+    """Class built instead of ``layers.EngineModel`` (same constructor ``(model, fuse_lora_a,
+    flex_fn)``) for blocks that are not the Llama block (Gemma-4); ``None`` = EngineModel."""
 
     def mask_for_layer(self, i: int) -> Callable | None:
         return self.layer_masks[i] if i < len(self.layer_masks) else None

@@ -176,7 +176,8 @@ class Gemma4EngineModel(EngineModel):
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         src = self.store_of[i]
         out = self.flex(q, kv.k[src], kv.v[src], block_mask=attn.block_masks[i],
-                        scale=self.scales[i], enable_gqa=True, **_kernel_kwargs(q, d))
+                        scale=self.scales[i], enable_gqa=True,
+                        kernel_options=_layer_kernel_options(attn, q, d))
         out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
         return self.o[i](out.reshape(1, t, -1))[0]
 
@@ -191,13 +192,14 @@ class Gemma4EngineModel(EngineModel):
         kv.v[i][0].index_copy_(1, slot_mapping, v[0])
 
 
-def _kernel_kwargs(q: Any, head_dim: int) -> dict[str, Any]:
-    """flex_attention ``kernel_options`` for this head_dim on CUDA (none on the CPU)."""
+def _layer_kernel_options(attn: Any, q: Any, head_dim: int) -> dict[str, Any] | None:
+    """This head_dim's flex ``kernel_options`` on CUDA (:func:`..gemma4.kernel_options`), else the
+    runner's (``attn.kernel_options``: its prefill tiles, sized for head_dim 128)."""
     if q.device.type != "cuda":
-        return {}
+        return getattr(attn, "kernel_options", None)
     from nbhelpers.engine.models.gemma4 import kernel_options
-    opts = kernel_options(head_dim, is_decode=q.shape[2] == 1)
-    return {"kernel_options": opts} if opts else {}
+    own = kernel_options(head_dim, is_decode=attn.is_decode)
+    return dict(own) if own is not None else getattr(attn, "kernel_options", None)
 
 
 def _qkv_group(sa: Any, fuse_lora_a: bool) -> LiveGroup:

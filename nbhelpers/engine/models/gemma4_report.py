@@ -1,0 +1,221 @@
+"""Notebook-facing helpers of ``notebooks/phase3_flex/34_gemma4.ipynb`` (Gemma-4 in the flex engine).
+
+Contract: small functions over an HF ``Gemma4ForCausalLM`` and the flex :class:`~nbhelpers.engine.LLM`
+so that the notebook's cells stay a few lines: the per-layer architecture table, KV bytes per token,
+teacher-forced parity against HF, and the throughput sweep (one subprocess per backend and batch
+size through :func:`nbhelpers.bench.run_backends`) with its table and figure. Heavy imports inside.
+
+Run: see the notebook; ``pytest tests/engine/test_gemma4.py`` covers the parity helper.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nbhelpers.config import LoraSpec, SamplingParams, Workload
+
+
+def randomise_norms_and_scalars(model: Any, seed: int = 1, std: float = 0.3) -> Any:
+    """Set every RMSNorm weight to ``1 + N(0, std^2)`` and each ``layer_scalar`` to U(0.5, 1.5).
+
+    HF initialises them to exactly 1 (modeling_gemma4.py ``_init_weights``), which would hide a
+    misplaced norm or scalar in a parity check. In place; returns ``model``.
+    """
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + std * torch.randn(p.shape, generator=g))
+        for layer in _base(model).model.layers:
+            layer.layer_scalar.fill_(0.5 + torch.rand((), generator=g).item())
+    return model
+
+
+def _base(model: Any) -> Any:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def architecture_table(model: Any) -> Any:
+    """One row per decoder layer: attention type, head_dim, KV heads, which layer's KV it reads,
+    MLP width, RoPE (theta, rotated fraction) and sliding window (read from the HF modules)."""
+    import pandas as pd
+
+    from nbhelpers.engine.models.gemma4_model import _store_layers
+    hf = _base(model)
+    layers, rope = hf.model.layers, hf.config.rope_parameters
+    store_of = _store_layers(list(layers))
+    rows = []
+    for i, ly in enumerate(layers):
+        sa = ly.self_attn
+        r = rope[sa.layer_type]
+        rows.append({"layer": i, "type": sa.layer_type.replace("_attention", ""),
+                     "head_dim": sa.head_dim, "kv_heads": sa.config.num_attention_heads
+                     // sa.num_key_value_groups, "reads_kv_of": store_of[i],
+                     "mlp_width": ly.mlp.intermediate_size, "rope_theta": r["rope_theta"],
+                     "rotary_frac": r.get("partial_rotary_factor", 1.0),
+                     "window": sa.sliding_window})
+    return pd.DataFrame(rows).set_index("layer")
+
+
+def kv_bytes_per_token(model: Any, dtype_bytes: int = 2) -> dict[str, int]:
+    """KV bytes per token: the engine's pool (storing layers only) vs one K/V per layer."""
+    table = architecture_table(model)
+    per_layer = 2 * table["kv_heads"] * table["head_dim"] * dtype_bytes
+    stores = table.index == table["reads_kv_of"]
+    return {"engine_bytes": int(per_layer[stores].sum()), "every_layer_bytes": int(per_layer.sum())}
+
+
+def teacher_forced_parity(model: Any, llm: Any, prompts: list[list[int]],
+                          steps: int) -> tuple[dict[str, Any], Any]:
+    """Greedy engine tokens scored again by one plain HF forward over prompt + tokens.
+
+    Per generated token: engine logprob vs HF logprob of the *same* token (no divergence
+    cascade: random weights give near-flat logits, so greedy ties flip under bf16 noise), and
+    whether HF's argmax is the engine's token. Returns ``(summary, frame)``; summary keys
+    ``max_abs_logprob_diff``, ``mean_abs_logprob_diff``, ``argmax_agreement``,
+    ``identical_prefix_frac`` (tokens before the first disagreement / all tokens).
+    """
+    import pandas as pd
+    import torch
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps,
+                                                ignore_eos=True))
+    dev, rows = next(iter(model.parameters())).device, []
+    for p_idx, (prompt, out) in enumerate(zip(prompts, outs)):
+        ids = torch.tensor([prompt + out.token_ids[:-1]], device=dev)
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:].float()
+        logp = torch.log_softmax(logits, -1)
+        for s, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            rows.append({"prompt": p_idx, "step": s, "token": tok, "engine_logprob": lp,
+                         "hf_logprob": logp[s, tok].item(), "hf_argmax": int(logp[s].argmax())})
+    frame = pd.DataFrame(rows)
+    frame["abs_diff"] = (frame["engine_logprob"] - frame["hf_logprob"]).abs()
+    frame["agree"] = frame["token"] == frame["hf_argmax"]
+    prefix = frame.groupby("prompt")["agree"].apply(lambda a: int(a.cummin().sum())).sum()
+    summary = {"max_abs_logprob_diff": float(frame["abs_diff"].max()),
+               "mean_abs_logprob_diff": float(frame["abs_diff"].mean()),
+               "argmax_agreement": float(frame["agree"].mean()),
+               "identical_prefix_frac": float(prefix / len(frame)), "n_tokens": len(frame)}
+    return summary, frame
+
+
+def throughput_sweep(backends: list[str], model: str, batch_sizes: list[int], workload: Workload,
+                     out_dir: str | Path, engine_options: dict[str, dict] | None = None,
+                     lora: LoraSpec | None = None, timeout_s: float = 1200.0) -> list[dict]:
+    """:func:`nbhelpers.bench.run_backends` once per batch size (``n_prompts = batch``).
+
+    Sidecars land in ``out_dir/b<batch>/`` and are re-stamped ``phase="phase3"`` with
+    ``notebook="34_gemma4"`` and ``batch`` (the worker writes phase1). Failed backends keep their
+    sidecar with ``error`` (e.g. ``hf_cb`` on Gemma-4 in transformers 5.17).
+    """
+    from dataclasses import replace
+
+    from nbhelpers.bench import run_backends
+    from nbhelpers.stats import device_tag, write_sidecar
+    sides = []
+    for batch in batch_sizes:
+        folder = Path(out_dir) / f"b{batch}"
+        got = run_backends(backends, model, lora, replace(workload, n_prompts=batch), folder,
+                           engine_options, timeout_s=timeout_s, progress=False)
+        for side in got:  # the file name run_backends gave it (bench._spec)
+            side.update(phase="phase3", notebook="34_gemma4", batch=batch)
+            write_sidecar(side, folder / f"{side['run_id']}_{device_tag()}_{side['backend']}.json")
+        sides += got
+    return sides
+
+
+def throughput_frame(sides: list[dict]) -> Any:
+    """Tidy frame: backend, batch, decode tok/s (median), wall s, peak GiB, error (last line)."""
+    import pandas as pd
+    return pd.DataFrame([{
+        "backend": s["backend"], "batch": s.get("batch", (s.get("workload") or {})
+                                                 .get("n_prompts")),
+        "decode_tok_per_s": s.get("decode_tok_per_s_median"), "wall_s": s.get("wall_s_median"),
+        "peak_mem_allocated_gib": s.get("peak_mem_allocated_gib"),
+        "error": ((s.get("error") or "").strip().splitlines() or [""])[-1][:160]}
+        for s in sides])
+
+
+def throughput_figure(frame: Any) -> Any:
+    """Decode tok/s against batch size, one line per backend in its fixed colour."""
+    from matplotlib.figure import Figure
+
+    from nbhelpers.plots import color
+    fig = Figure(figsize=(5.5, 3.4), layout="constrained")
+    ax = fig.add_subplot()
+    for name, grp in frame.dropna(subset=["decode_tok_per_s"]).groupby("backend"):
+        grp = grp.sort_values("batch")
+        ax.plot(grp["batch"], grp["decode_tok_per_s"], marker="o", label=name,
+                color=color(name.removesuffix("_lora")))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (prompts decoded together)")
+    ax.set_ylabel("output tok/s (median round)")
+    ax.set_title("Gemma-4 E2B architecture: decode throughput")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def speedup_table(frame: Any, engine: str = "flex") -> Any:
+    """tok/s per batch (rows) and backend (columns), plus ``<engine>_x_<other>`` ratios."""
+    wide = frame.pivot_table(index="batch", columns="backend", values="decode_tok_per_s")
+    for other in [c for c in wide.columns if c != engine and engine in wide.columns]:
+        wide[f"{engine}_x_{other}"] = wide[engine] / wide[other]
+    return wide
+
+
+def free_device_memory() -> None:
+    """``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()`` (after ``del`` of the model)."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def runs_dir(out_dir: str, sidecar_path: str) -> Path:
+    """Folder for the measurement sidecars: ``out_dir``, else ``<sidecar stem>_runs/`` beside the
+    notebook sidecar, else a fresh temporary folder."""
+    import tempfile
+    if out_dir:
+        return Path(out_dir)
+    if sidecar_path:
+        side = Path(sidecar_path)
+        return side.parent / f"{side.stem}_runs"
+    return Path(tempfile.mkdtemp(prefix="34_gemma4_"))
+
+
+def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workload,
+                     runs: Path) -> dict:
+    """The notebook's schema-v1 sidecar (backend ``flex``, phase3): parity numbers, the tok/s
+    table per (backend, batch), and where the per-measurement sidecars are."""
+    from dataclasses import asdict
+
+    from nbhelpers.stats import make_sidecar
+    flex = frame[frame["backend"] == "flex"].dropna(subset=["decode_tok_per_s"])
+    headline = {"max_abs_logprob_diff": parity["max_abs_logprob_diff"],
+                **{f"flex_b{int(b)}_tok_per_s": t for b, t in
+                   zip(flex["batch"], flex["decode_tok_per_s"])}}
+    return make_sidecar(phase="phase3", backend="flex", model=model_info, workload=asdict(
+        workload), extra={"notebook": "34_gemma4", "parity": parity, "headline": headline,
+                          "throughput": frame.to_dict(orient="records"),
+                          "measurement_sidecars": str(runs)})
+
+
+def result_line(parity: dict, frame: Any, device: str) -> str:
+    """The notebook's **Result:** sentence from the measured numbers."""
+    wide = speedup_table(frame)
+    head = (f"**Result ({device}):** flex vs HF on the same tokens: max |logprob diff| "
+            f"{parity['max_abs_logprob_diff']:.2e}, mean {parity['mean_abs_logprob_diff']:.2e}; "
+            f"HF argmax = engine token for {100 * parity['argmax_agreement']:.0f} % of "
+            f"{parity['n_tokens']} tokens.")
+    parts = []
+    for b, row in wide.iterrows():
+        cells = [f"{c} {row[c]:.0f}" for c in wide.columns if "_x_" not in c and row[c] == row[c]]
+        ratios = [f"{c.split('_x_')[1]} x{row[c]:.1f}" for c in wide.columns
+                  if "_x_" in c and row[c] == row[c]]
+        parts.append(f"batch {b}: " + ", ".join(cells) + " tok/s"
+                     + (f" (flex over {', '.join(ratios)})" if ratios else ""))
+    return head + "\n\nDecode throughput: " + "; ".join(parts) + "."

@@ -67,6 +67,15 @@ def kv_bytes_per_token(model: Any, dtype_bytes: int = 2) -> dict[str, int]:
     return {"engine_bytes": int(per_layer[stores].sum()), "every_layer_bytes": int(per_layer.sum())}
 
 
+def parity_llm(model: Any, prompts: list[list[int]], steps: int, page_size: int) -> Any:
+    """A flex :class:`~nbhelpers.engine.LLM` whose pool holds every prompt + ``steps`` tokens."""
+    from nbhelpers.engine import LLM
+    longest = max(map(len, prompts)) + steps
+    pages = sum(-(-(len(p) + steps) // page_size) for p in prompts) + 1
+    return LLM(model, page_size=page_size, num_pages=pages,
+               max_model_len=-(-longest // page_size) * page_size)
+
+
 def teacher_forced_parity(model: Any, llm: Any, prompts: list[list[int]],
                           steps: int) -> tuple[dict[str, Any], Any]:
     """Greedy engine tokens scored again by one plain HF forward over prompt + tokens.

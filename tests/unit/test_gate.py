@@ -77,6 +77,14 @@ def test_check_runs_not_installed_is_skip_other_errors_fail():
         check_runs(runs, "unsloth", TH)
 
 
+def test_mismatch_is_info_only_under_filtered_sampling():
+    from nbhelpers.config import SamplingParams
+    th = thresholds_for("real", SamplingParams(min_p=0.1))
+    assert th.sampling_is_filtered and not thresholds_for("real", SamplingParams()).sampling_is_filtered
+    res = check_run("flex", rows(mismatch=0.3), th)
+    assert res.status("logprob_mismatch") == "info" and res.passed
+
+
 def test_thresholds_validate():
     assert thresholds_for("real").reward_range == (-10.0, 13.0)
     with pytest.raises(ValueError, match="low < high"):

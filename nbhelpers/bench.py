@@ -263,3 +263,18 @@ def summary_sidecar(sides: list[dict[str, Any]], table: Any, notebook: str,
                         extra={"kind": "summary", "notebook": notebook, "parameters": params,
                                "table": json.loads(table.to_json(orient="records")),
                                "backend_sidecars": [s.get("_path") for s in sides]})
+
+
+def result_line(table: Any) -> str:
+    """One-sentence result: the fastest successful backend per LoRA mode, its tok/s and shares."""
+    ok = table[table["decode_tok_per_s"].notna()]
+    if ok.empty:
+        return "**Result:** no backend produced tokens (see the errors above)."
+    parts = []
+    for lora, group in ok.groupby("lora"):
+        best = group.loc[group["decode_tok_per_s"].idxmax()]
+        parts.append(f"{'with' if lora else 'without'} LoRA, {best['backend']} is fastest at "
+                     f"{best['decode_tok_per_s']:,.0f} tok/s ({best['pct_of_limit']:.1f} % of "
+                     f"the bandwidth limit, {best['pct_of_vllm']:.0f} % of vLLM)")
+    failed = table[table["decode_tok_per_s"].isna()]["backend"].tolist()
+    return "**Result:** " + "; ".join(parts) + (f". Failed: {failed}." if failed else ".")

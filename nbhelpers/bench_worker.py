@@ -201,12 +201,12 @@ def collect(spec: dict[str, Any], rc: int | None, log_tail: str) -> dict[str, An
     if rc is not None and path.is_file():
         side = json.loads(path.read_text())
         validate_sidecar(side)
-        return side
+        return {**side, "_path": str(path)}
     why = (f"timeout after {spec['timeout_s']:.0f} s" if rc is None
            else f"worker exited with code {rc} without a sidecar")
     side = failure_sidecar(spec, f"{why}; log tail:\n{log_tail}")
     write_sidecar(side, path)
-    return side
+    return {**side, "_path": str(path)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ class UnslothBackend:
         from nbhelpers import models
 
         flm = unsloth.FastLanguageModel
-        folder = str(models.model_folder(model.name, with_weights=True))
+        folder = str(models.model_folder(model.name, with_weights=True,
+                                         device=_common.default_device()))
         self.model, self.tokenizer = flm.from_pretrained(
             model_name=folder, max_seq_length=engine_options.get("max_seq_length", 1024),
             dtype=_common.torch_dtype(model.dtype), load_in_4bit=False, fast_inference=False)

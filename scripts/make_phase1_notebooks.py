@@ -1,0 +1,215 @@
+"""Generate the phase 1 notebooks (rollout microbenchmark + comparison) with nbformat.
+
+Run: ``python scripts/make_phase1_notebooks.py`` (rewrites both notebooks, outputs stripped).
+Edit here, not in the .ipynb: logic lives in ``nbhelpers.bench`` (DESIGN.md rule 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+TITLE_10 = """# Phase 1: LoRA rollout engines side by side
+
+**Question:** for GRPO rollouts with a LoRA adapter, how many decode tokens per second does each
+engine produce, how much memory does it hold, and how far is it from vLLM and from the memory-
+bandwidth limit of the device?
+
+**Result:** computed from this run in the last cell.
+
+Every backend runs in its own process on the same prompt ids (real GSM8K questions in the model's
+chat template), warm-up rounds apart from timed rounds, tokens counted from what the engine
+returned. Workload W on the H200 (`configs/10_lora_rollout.h200.yaml`): Qwen3-4B architecture with
+random bf16 weights, LoRA r=32 / alpha=64 on all 7 projections with non-zero B, 32 prompts of ~150
+tokens, 512 new tokens with EOS ignored, sampling T=1.0, min_p=0.1, top_k off. The CPU default is a
+smoke run of the same code on `tiny-qwen3`."""
+
+IMPORTS_10 = """%load_ext autoreload
+%autoreload 2
+%matplotlib inline
+from pathlib import Path
+import tempfile
+
+import pandas as pd
+from IPython.display import Markdown, display
+
+from nbhelpers import bench
+from nbhelpers.config import LoraSpec, Workload
+from nbhelpers.stats import gpu_name, utc_stamp, write_sidecar"""
+
+PARAMS_10 = """\
+model: str = "tiny-qwen3"  # nbhelpers.models name; qwen3-4b is workload W on the GPU
+backends: list = ["hf_generate", "hf_cb"]  # nbhelpers.backends.BACKENDS names
+lora_rank: int = 32  # LoRA r on all 7 projections, alpha 2r; 0 runs without adapter only
+without_lora: bool = False  # also run every backend without an adapter
+n_prompts: int = 4  # prompts per round (W: 32)
+prompt_tokens: int = 150  # target mean prompt length in tokens (W: ~150)
+max_new_tokens: int = 16  # new tokens per prompt, EOS ignored (W: 512)
+sampling: str = "grpo"  # preset: grpo (T 1.0, min_p 0.1, top_k off) or greedy
+rounds: int = 2  # timed rounds per backend (W: 3)
+warmup_rounds: int = 1  # untimed warm-up rounds per backend
+engine_options: dict = {}  # per backend: load options, rounds, warmup_rounds, warmup_max_new_tokens, timeout_s
+timeout_s: float = 600.0  # wall limit per backend run in seconds
+bandwidth_tb_s: float = 4.3  # device memory bandwidth for the limit (H200 measured copy: 4.3)
+require_all: bool = True  # assert that every backend run succeeded
+sidecar_path: str = ""  # summary sidecar (the runner sets it); backend sidecars go beside it"""
+
+DERIVED_10 = """workload = Workload(n_prompts=n_prompts, prompt_tokens=prompt_tokens,
+                    max_new_tokens=max_new_tokens, sampling=sampling, rounds=rounds,
+                    warmup_rounds=warmup_rounds)
+lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank > 0 else None
+lora_modes = [lora] * (lora is not None) + [None] * (without_lora or lora is None)
+out_dir = (Path(sidecar_path).with_name(Path(sidecar_path).stem + "_backends") if sidecar_path
+           else Path(tempfile.mkdtemp(prefix="phase1_")))
+prompts = bench.prepare_prompts(model, workload)
+limits = bench.workload_limits(model, workload, prompts, lora or LoraSpec(),
+                               bandwidth_tb_s * 1e12)
+print(gpu_name(), out_dir, "prompt lengths:", sorted(map(len, prompts)))
+print({("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items()})"""
+
+RUN_10 = """run_id = utc_stamp()
+sides = []
+for mode in lora_modes:
+    sides += bench.run_backends(backends, model, mode, workload, out_dir, engine_options,
+                                timeout_s=timeout_s, prompts=prompts, run_id=run_id)"""
+
+TABLE_10 = """table = bench.comparison_table(bench.results_frame(sides), limits)
+table.drop(columns=["error", "run_id"]).round(2)"""
+
+ERRORS_10 = """for s in sides:
+    if s["error"]:
+        print(f"--- {s['backend']} ---\\n{s['error'][-1500:]}")"""
+
+PLOTS_10 = """display(bench.bar_figure(table, ["decode_tok_per_s"], "decode tok/s (median round)",
+                         "Decode throughput (prefill included in the wall time)"))
+bench.bar_figure(table, ["peak_mem_allocated_gib", "peak_mem_device_gib"], "GiB",
+                 "Peak memory: torch allocated vs in use on the device")"""
+
+SIDECAR_10 = """params = dict(model=model, backends=backends, lora_rank=lora_rank, without_lora=without_lora,
+              n_prompts=n_prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+              rounds=rounds, bandwidth_tb_s=bandwidth_tb_s, limits_tok_per_s=limits)
+summary = bench.summary_sidecar(sides, table, "10_lora_rollout", params)
+if sidecar_path:
+    print("sidecar:", write_sidecar(summary, sidecar_path))
+assert len(sides) == len(backends) * len(lora_modes), "a backend run left no sidecar"
+for s in sides:
+    if s["error"] is None:  # EOS ignored: every round returns every requested token
+        assert all(r["new_tokens"] == n_prompts * max_new_tokens for r in s["rounds"]), s["backend"]
+assert not (require_all and summary["error"]), f"failed runs: {summary['error']}"
+display(Markdown(bench.result_line(table)))"""
+
+TITLE_19 = """# Phase 1: compare every rollout measurement
+
+**Question:** across every phase 1 run archived under `executed/` (any device), how do the rollout
+engines rank, with and without LoRA?
+
+**Result:** computed in the last cell.
+
+CPU only: this notebook reads the schema-v1 sidecars the phase 1 notebooks wrote and measures
+nothing itself. The latest run of each (device, backend) is kept; `pct_of_vllm` compares with
+vLLM on the same device and LoRA mode."""
+
+IMPORTS_19 = """%load_ext autoreload
+%autoreload 2
+%matplotlib inline
+import pandas as pd
+from IPython.display import Markdown, display
+
+from nbhelpers import bench
+from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar"""
+
+PARAMS_19 = """\
+executed_dir: str = "executed"  # archive root searched for phase 1 sidecars
+require_any: bool = True  # assert that at least one backend sidecar was found
+sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
+
+READ_19 = """sides = [s for s in read_sidecars(executed_dir, phase="phase1") if s.get("kind") != "summary"]
+frame = bench.results_frame(sides)
+print(len(sides), "phase 1 backend sidecars;", frame["gpu"].nunique() if len(frame) else 0,
+      "device(s)")"""
+
+TABLE_19 = """latest = frame.sort_values("run_id").groupby(["gpu", "backend"]).tail(1)
+table = (pd.concat([bench.comparison_table(g) for _, g in latest.groupby("gpu")])
+         if len(latest) else latest)
+table.drop(columns=["error"], errors="ignore").round(2)"""
+
+PLOTS_19 = """for gpu, group in table.groupby("gpu"):
+    display(bench.bar_figure(group, ["decode_tok_per_s"], "decode tok/s", f"{gpu}: decode"))"""
+
+SIDECAR_19 = """summary = make_sidecar(phase="phase1", backend="summary:19_compare", extra={
+    "kind": "summary", "notebook": "19_compare", "n_sidecars": len(sides),
+    "table": [] if table.empty else table.to_dict(orient="records")})
+if sidecar_path:
+    print("sidecar:", write_sidecar(summary, sidecar_path))
+assert not (require_any and not sides), f"no phase 1 sidecars under {executed_dir}"
+ok = table[table["decode_tok_per_s"].notna()] if len(table) else table
+assert (ok["decode_tok_per_s"] > 0).all(), "a successful run reports no throughput"
+best = ok.loc[ok.groupby("gpu")["decode_tok_per_s"].idxmax()] if len(ok) else ok
+display(Markdown("**Result:** " + ("; ".join(
+    f"{r.gpu}: {r.backend} fastest at {r.decode_tok_per_s:,.0f} tok/s"
+    for r in best.itertuples()) or "no successful runs found") + "."))"""
+
+
+def _notebook(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    out = []
+    for kind, text in cells:
+        cell = md(text) if kind == "md" else code(text)
+        if kind == "params":
+            cell.metadata["tags"] = ["parameters"]
+        out.append(cell)
+    nb = nbformat.v4.new_notebook(cells=out)
+    nb.metadata["kernelspec"] = KERNELSPEC
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def lora_rollout() -> nbformat.NotebookNode:
+    """10_lora_rollout: run the backends, table, charts, sidecar."""
+    return _notebook([
+        ("md", TITLE_10), ("code", IMPORTS_10), ("params", PARAMS_10),
+        ("md", "Derived values: workload, LoRA modes, output folder, prompt ids, and the "
+               "bandwidth limit (`bench.decode_limit_tok_per_s`: weights + KV read once per "
+               "decode step)."), ("code", DERIVED_10),
+        ("md", "## Run every backend\nOne subprocess per backend and LoRA mode; a failure is "
+               "recorded in that backend's sidecar and the next one runs."), ("code", RUN_10),
+        ("md", "## Table\n`decode_tok_per_s`: new tokens / wall seconds of a round (median); "
+               "`pct_of_vllm`: vs vLLM in the same LoRA mode; `pct_of_limit`: vs the bandwidth "
+               "limit; memory in GiB (`device` includes vLLM's up-front reservation)."),
+        ("code", TABLE_10), ("md", "## Errors\nTraceback tails of failed runs, if any."),
+        ("code", ERRORS_10), ("md", "## Charts"), ("code", PLOTS_10),
+        ("md", "## Sidecar and checks"), ("code", SIDECAR_10)])
+
+
+def compare() -> nbformat.NotebookNode:
+    """19_compare: read every phase 1 sidecar, table and charts per device."""
+    return _notebook([
+        ("md", TITLE_19), ("code", IMPORTS_19), ("params", PARAMS_19),
+        ("md", "## Read the sidecars"), ("code", READ_19),
+        ("md", "## Latest run per device and backend"), ("code", TABLE_19),
+        ("md", "## Charts"), ("code", PLOTS_19), ("md", "## Sidecar and checks"),
+        ("code", SIDECAR_19)])
+
+
+NOTEBOOKS = {"notebooks/phase1_rollout/10_lora_rollout.ipynb": lora_rollout,
+             "notebooks/phase1_rollout/19_compare.ipynb": compare}
+
+
+def main() -> None:
+    for rel, build in NOTEBOOKS.items():
+        nb = build()
+        for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
+            cell["id"] = f"c{i:02d}"
+        nbformat.validate(nb)
+        path = REPO / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, path)
+        print("wrote", rel)
+
+
+if __name__ == "__main__":
+    main()

@@ -228,8 +228,8 @@ def build(name: str, python: str = "3.12", out: Path = Path(".bundles"), part_mi
         shutil.rmtree(root / "parts", ignore_errors=True)
         parts = split_file(tarball, limit, root / "parts")
         tarball.unlink()
-    manifest = make_manifest(bset, wheels, parts, whole_sha, out.parent if out.is_absolute()
-                             else Path("."), python, part_mib, time.perf_counter() - t0)
+    manifest = make_manifest(bset, wheels, parts, whole_sha, Path.cwd(), python, part_mib,
+                             time.perf_counter() - t0)
     write_manifest(manifest, root / "manifest.json")
     return manifest
 
@@ -251,8 +251,11 @@ def _wheel_parts(wheels: list[Path], root: Path, limit: int) -> list[Path]:
 
 def make_manifest(bset: BundleSet, wheels: list[Path], parts: list[Path], whole_sha: str | None,
                   repo: Path, python: str, part_mib: float, build_s: float) -> dict:
-    """The manifest dict: wheels (file, sha256, bytes), parts, device commands, PYTHONPATH."""
-    rel = [str(p.relative_to(repo)) if p.is_absolute() else str(p) for p in parts]
+    """The manifest dict: wheels (file, sha256, bytes), parts, device commands, PYTHONPATH.
+
+    ``repo`` is the repo root (the device runs commands there); part paths are made relative
+    to it."""
+    rel = [os.path.relpath(p, repo) for p in parts]  # carry paths are repo-root relative
     part_bytes = [sum(f.stat().st_size for f in p.glob("*.whl")) if p.is_dir() else p.stat().st_size
                   for p in parts]
     return {"set": bset.name, "python": python, "packing": bset.packing, "site": bset.site,

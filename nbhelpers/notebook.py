@@ -99,7 +99,14 @@ def phase0_sidecar(result: GRPOResult, settings: GRPOSettings, model_info: dict[
         phase="phase0", backend=result.backend, model=model_info, lora=asdict(settings.lora),
         workload=workload, rounds=grpo_rounds(result, skip_first),
         peak_mem={"allocated": s["peak_mem_allocated_gib"], "device": s["peak_mem_device_gib"]},
-        extra={**result.sidecar_extra(), "headline": headline(result)})
+        extra={**result.sidecar_extra(), "headline": headline(result),
+               "torch_num_threads": _torch_threads()})
+
+
+def _torch_threads() -> int:
+    """torch's intra-op CPU threads (``OMP_NUM_THREADS``); CPU step times depend on it."""
+    import torch
+    return torch.get_num_threads()
 
 
 def _fmt(value: float | None, spec: str) -> str:

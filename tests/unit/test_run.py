@@ -112,3 +112,24 @@ def test_run_ok_and_failed_notebooks(repo, monkeypatch):
 
 def test_index_rendering_without_runs(tmp_path):
     assert "No runs yet" in render_index(index_rows(tmp_path))
+
+
+ENV_SOURCE = """import os, time
+from nbhelpers.stats import make_sidecar, write_sidecar
+start = time.time()
+time.sleep(4)
+side = make_sidecar(phase="phase0", backend="x", extra={"headline": {
+    "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time()}})
+write_sidecar(side, sidecar_path)"""
+
+
+@pytest.mark.notebooks
+def test_gpus_fan_out_one_worker_per_gpu_at_the_same_time(tmp_path, monkeypatch):
+    for name in ("00_a", "01_b"):
+        _notebook(tmp_path / f"notebooks/phase0_reference/{name}.ipynb", ENV_SOURCE)
+    monkeypatch.setattr(runner, "REPO", tmp_path)
+    jobs = runner.run("phase0", gpus=["0", "1"])
+    assert [j.status for j in jobs] == ["ok", "ok"]
+    heads = [json.loads(j.sidecar.read_text())["headline"] for j in jobs]
+    assert sorted(h["cvd"] for h in heads) == ["0", "1"]
+    assert max(h["start"] for h in heads) < min(h["end"] for h in heads)  # they overlapped

@@ -182,6 +182,10 @@ def decode_limit_tok_per_s(hf_config: Any, n_params: int, batch: int, prompt_tok
     return batch * bandwidth_bytes_per_s / step_bytes
 
 
+FRAME_COLUMNS = ("backend", "engine", "lora", "decode_tok_per_s", "wall_s", "n_rounds",
+                 "peak_mem_allocated_gib", "peak_mem_device_gib", "gpu", "run_id", "error")
+
+
 def results_frame(sidecars: list[dict[str, Any]]) -> Any:
     """Tidy DataFrame, one row per sidecar: backend, engine, lora, tok/s, wall, memory, error."""
     import pandas as pd
@@ -194,7 +198,7 @@ def results_frame(sidecars: list[dict[str, Any]]) -> Any:
              "peak_mem_device_gib": s.get("peak_mem_device_gib"), "gpu": (s.get("env") or {})
              .get("gpu"), "run_id": s.get("run_id"), "error": (s.get("error") or "")[-200:]}
             for s in sidecars]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=list(FRAME_COLUMNS))
 
 
 def comparison_table(frame: Any, limit_tok_per_s: dict[bool, float] | None = None) -> Any:
@@ -278,3 +282,11 @@ def result_line(table: Any) -> str:
                      f"the bandwidth limit, {best['pct_of_vllm']:.0f} % of vLLM)")
     failed = table[table["decode_tok_per_s"].isna()]["backend"].tolist()
     return "**Result:** " + "; ".join(parts) + (f". Failed: {failed}." if failed else ".")
+
+
+def backend_sidecars(root: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every phase 1 *backend* sidecar under ``root``: those this harness wrote (they carry an
+    ``engine`` key); notebook summaries and the runner's failure sidecars are left out."""
+    from nbhelpers.stats import read_sidecars
+
+    return [s for s in read_sidecars(root, phase="phase1") if "engine" in s]

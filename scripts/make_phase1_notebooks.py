@@ -120,14 +120,14 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from nbhelpers import bench
-from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar"""
+from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 PARAMS_19 = """\
 executed_dir: str = "executed"  # archive root searched for phase 1 sidecars
 require_any: bool = True  # assert that at least one backend sidecar was found
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
-READ_19 = """sides = [s for s in read_sidecars(executed_dir, phase="phase1") if s.get("kind") != "summary"]
+READ_19 = """sides = bench.backend_sidecars(executed_dir)
 frame = bench.results_frame(sides)
 print(len(sides), "phase 1 backend sidecars;", frame["gpu"].nunique() if len(frame) else 0,
       "device(s)")"""
@@ -172,14 +172,14 @@ def lora_rollout() -> nbformat.NotebookNode:
     """10_lora_rollout: run the backends, table, charts, sidecar."""
     return _notebook([
         ("md", TITLE_10), ("code", IMPORTS_10), ("params", PARAMS_10),
-        ("md", "Derived values: workload, LoRA modes, output folder, prompt ids, and the "
+        ("md", ("Derived values: workload, LoRA modes, output folder, prompt ids, and the "
                "bandwidth limit (`bench.decode_limit_tok_per_s`: weights + KV read once per "
-               "decode step)."), ("code", DERIVED_10),
-        ("md", "## Run every backend\nOne subprocess per backend and LoRA mode; a failure is "
-               "recorded in that backend's sidecar and the next one runs."), ("code", RUN_10),
-        ("md", "## Table\n`decode_tok_per_s`: new tokens / wall seconds of a round (median); "
+               "decode step).")), ("code", DERIVED_10),
+        ("md", ("## Run every backend\nOne subprocess per backend and LoRA mode; a failure is "
+               "recorded in that backend's sidecar and the next one runs.")), ("code", RUN_10),
+        ("md", ("## Table\n`decode_tok_per_s`: new tokens / wall seconds of a round (median); "
                "`pct_of_vllm`: vs vLLM in the same LoRA mode; `pct_of_limit`: vs the bandwidth "
-               "limit; memory in GiB (`device` includes vLLM's up-front reservation)."),
+               "limit; memory in GiB (`device` includes vLLM's up-front reservation).")),
         ("code", TABLE_10), ("md", "## Errors\nTraceback tails of failed runs, if any."),
         ("code", ERRORS_10), ("md", "## Charts"), ("code", PLOTS_10),
         ("md", "## Sidecar and checks"), ("code", SIDECAR_10)])

@@ -19,6 +19,7 @@ from typing import Any
 _REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "nbhelpers.engine.models.qwen3",
     "LlamaForCausalLM": "nbhelpers.engine.models.llama",
+    "Gemma4ForCausalLM": "nbhelpers.engine.models.gemma4",
 }
 
 

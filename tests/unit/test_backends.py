@@ -190,3 +190,13 @@ def test_cuda_graphs_give_the_same_greedy_tokens():
         outs.append([c.token_ids for c in b.generate(PROMPTS, GREEDY)])
         b.close()
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_hf_cb_reuses_its_manager_until_sampling_changes(loaded):
+    b = loaded["hf_cb"]
+    b.generate(PROMPTS, GREEDY)
+    manager = b.model._cached_continuous_batching_manager
+    b.generate(PROMPTS, GREEDY)
+    assert b.model._cached_continuous_batching_manager is manager  # persistent, not rebuilt
+    b.generate(PROMPTS, SamplingParams(temperature=0.5, max_new_tokens=3, ignore_eos=True))
+    assert b.model._cached_continuous_batching_manager is not manager  # new logits processors

@@ -200,3 +200,21 @@ def test_hf_cb_reuses_its_manager_until_sampling_changes(loaded):
     assert b.model._cached_continuous_batching_manager is manager  # persistent, not rebuilt
     b.generate(PROMPTS, SamplingParams(temperature=0.5, max_new_tokens=3, ignore_eos=True))
     assert b.model._cached_continuous_batching_manager is not manager  # new logits processors
+
+
+def _engine_ready(module: str) -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vllm", "unsloth"])
+def test_gpu_engines_generate_every_token_with_lora(name):
+    if not _engine_ready(name):
+        pytest.skip(f"needs a CUDA GPU and {name} installed")
+    spec = models.get_spec("smollm2-135m-instruct")  # real weights: Unsloth needs a folder
+    opts = {"gpu_memory_utilization": 0.2, "max_model_len": 256} if name == "vllm" else {}
+    b = get_backend(name)
+    b.load(spec, LoraSpec(rank=8, alpha=16), **opts)
+    outs = b.generate(PROMPTS, GREEDY)
+    b.close()
+    assert [len(c.token_ids) for c in outs] == [GREEDY.max_new_tokens] * len(PROMPTS)

@@ -135,3 +135,16 @@ def test_unsupported_variants_are_clear_errors(field, value, match):
     from nbhelpers.engine.models.gemma4_model import _check_supported
     with pytest.raises(ValueError, match=match):
         _check_supported(SimpleNamespace(**{field: value}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (compiled flex_attention + CUDA-graph decode)")
+def test_gpu_compiled_graphs_match_hf():
+    from nbhelpers.engine.models.gemma4_report import parity_llm, teacher_forced_parity
+    model = tiny_gemma4().cuda()
+    prompts = random_prompts(4, 20, 150, vocab=VOCAB)  # several pages of 128, past the window
+    llm = parity_llm(model, prompts, 24, page_size=128)  # compile + graphs: on by default
+    summary, _ = teacher_forced_parity(model, llm, prompts, 24)
+    assert llm.runner.timings["graph_captures"] >= 1
+    assert summary["argmax_agreement"] == 1.0 and summary["max_abs_logprob_diff"] < 1e-3

@@ -65,9 +65,14 @@ from typing import Any
 from nbhelpers.engine.attention import sliding_window
 from nbhelpers.engine.models import ArchSpec
 
-# flex_attention kernel options per (head_dim, is_decode) on CUDA; None = torch's defaults.
-# Chosen on the H200 (see ``kernel_options``); CPU ignores them.
-_KERNEL_OPTIONS: dict[tuple[int, bool], dict[str, Any]] = {}
+# flex_attention kernel options per (head_dim, is_decode) on CUDA; absent = the runner's options
+# (prefill tiles 64 x 64, 2 stages: 32 + 2 x 64 = 160 KiB of shared memory at head_dim 256) or
+# torch's decode defaults (BLOCK_N 64, 1 stage: 16 + 128 KiB at 512). Prefill at head_dim 512 needs
+# smaller tiles: Q 32 x 512 (32 KiB) + 2 stages x (K + V) 32 x 512 (128 KiB) = 160 KiB < 227 KiB
+# (H200 shared memory per block); see gemma4_kernels.py for the measured alternatives.
+_KERNEL_OPTIONS: dict[tuple[int, bool], dict[str, Any]] = {
+    (512, False): {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
+}
 
 
 def kernel_options(head_dim: int, is_decode: bool) -> dict[str, Any] | None:

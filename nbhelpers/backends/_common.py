@@ -51,12 +51,13 @@ def generation_kwargs(sampling: SamplingParams, eos: list[int], pad_id: int) -> 
     """``transformers.GenerationConfig`` kwargs for ``sampling`` (vLLM meaning -> transformers).
 
     top_k -1/0 -> ``None`` (transformers rejects -1: DESIGN.md "Backend contract");
-    temperature 0 -> greedy; ``ignore_eos`` -> ``eos_token_id=-1`` (no stop id, the EOS token can
-    still be sampled, as in vLLM); top_p 1.0 and min_p 0 are passed as ``None`` (disabled).
+    temperature 0 -> greedy; ``ignore_eos`` drops EOS from the stop ids (``eos_token_id=-1`` when no
+    stop id is left; the EOS token can still be sampled, as in vLLM) while ``stop_token_ids`` still
+    stop; top_p 1.0 and min_p 0 are passed as ``None`` (disabled).
     Every knob is set explicitly so a checkpoint's ``generation_config.json`` (Qwen3 ships top_k=20)
     cannot leak in.
     """
-    stop = [] if sampling.ignore_eos else list(eos) + list(sampling.stop_token_ids)
+    stop = ([] if sampling.ignore_eos else list(eos)) + list(sampling.stop_token_ids)
     kw: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "min_new_tokens": None,
                           "do_sample": not sampling.is_greedy, "num_beams": 1,
                           "pad_token_id": pad_id, "eos_token_id": stop or -1,
@@ -83,7 +84,7 @@ def finish_reason(token_ids: list[int], sampling: SamplingParams, eos: list[int]
 
 
 def trim_completion(prompt: list[int], tokens: list[int], sampling: SamplingParams,
-                    eos: list[int], pad_id: int | None = None) -> Completion:
+                    eos: list[int]) -> Completion:
     """A Completion from a generated row: cut after the first stop id (right padding dropped)."""
     stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos))
     out: list[int] = []
@@ -168,7 +169,7 @@ def batched_generate(model: Any, prompts: list[list[int]], sampling: SamplingPar
         out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                              generation_config=gen_cfg, **extra)  # [B, P_max + T]
     new = out[:, ids.shape[1]:].tolist()
-    return [trim_completion(p, row, sampling, eos, pad_id) for p, row in zip(rows, new)]
+    return [trim_completion(p, row, sampling, eos) for p, row in zip(rows, new)]
 
 
 def free_device_memory() -> None:

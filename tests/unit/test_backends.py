@@ -91,6 +91,10 @@ def test_generation_kwargs_translate_vllm_meanings():
     greedy = _common.generation_kwargs(SamplingParams(temperature=0, top_k=5), eos=[2], pad_id=2)
     assert not greedy["do_sample"] and greedy["top_k"] is None
     assert _common.generation_kwargs(SamplingParams(ignore_eos=True), [2], 2)["eos_token_id"] == -1
+    stop_only = SamplingParams(ignore_eos=True, stop_token_ids=(7,))
+    assert _common.generation_kwargs(stop_only, [2], 2)["eos_token_id"] == [7]
+    done = _common.trim_completion([1], [5, 2, 7, 9], stop_only, eos=[2])
+    assert done.token_ids == [5, 2, 7] and done.finish_reason == "stop"
     model, _ = models.load_model("tiny-qwen3", dtype="float32")
     procs = model._get_logits_processor(_common.generation_config(
         SamplingParams(top_k=-1, min_p=0.1, temperature=0.7), [2], 2))

@@ -17,14 +17,14 @@ from typing import Any
 
 from nbhelpers.config import LoraSpec, SamplingParams
 
-QWEN3_4B_SHAPE = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=9728,
-                      vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, max_position_embeddings=40960)
+QWEN3_4B_SHAPE = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                      "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+                      "vocab_size": 151936, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                      "tie_word_embeddings": True, "max_position_embeddings": 40960}
 """Qwen/Qwen3-4B config.json shape (hub model card); random weights for speed work."""
-TINY_QWEN3_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                        vocab_size=1024, tie_word_embeddings=True)
+TINY_QWEN3_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+                        "vocab_size": 1024, "tie_word_embeddings": True}
 
 
 def random_qwen3(shape: dict[str, Any], dtype: str = "bfloat16", device: str = "cuda",
@@ -196,3 +196,103 @@ def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
             count += evt.count
     return {"kernel_ms_per_step": by_class, "kernels_per_step": count / steps,
             "kernel_ms_total": sum(by_class.values())}
+
+
+def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: int,
+                   rounds: int = 3, warmup: int = 1, sync_every: int = 32, profile: bool = False,
+                   **options: Any) -> dict[str, Any]:
+    """Workload-W-style point: ``batch`` random prompts of ``prompt_tokens``, GRPO sampling,
+    ``max_new_tokens`` with EOS ignored; KV pool sized for the batch. ``options`` go to the LLM."""
+    from nbhelpers.backends.flex import build_llm
+    from nbhelpers.config import WORKLOAD_W
+    per_seq = prompt_tokens + max_new_tokens
+    llm = build_llm(model, [], kv_tokens=batch * (per_seq + 128), max_num_seqs=max(batch, 8),
+                    max_model_len=per_seq + 64, sync_every=sync_every, **options)
+    sampling = SamplingParams(**{**WORKLOAD_W.sampling_params().to_dict(),
+                                 "max_new_tokens": max_new_tokens})
+    prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
+    res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
+    if profile:
+        res["breakdown"]["profile"] = profile_decode_step(llm, batch)
+    llm.sleep()
+    return res
+
+
+def flex_sidecar(tag: str, model_info: dict[str, Any], lora: LoraSpec | None, batch: int,
+                 prompt_tokens: int, max_new_tokens: int, res: dict[str, Any] | None,
+                 error: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Schema-v1 sidecar (phase ``phase3_flex``, backend ``flex``) with the breakdown beside."""
+    from nbhelpers.stats import make_sidecar
+    res = res or {}
+    workload = {"n_prompts": batch, "prompt_tokens_mean": prompt_tokens,
+                "max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling": "grpo"}
+    lora_block = None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
+                                            "targets": list(lora.targets)}
+    return make_sidecar(phase="phase3_flex", backend="flex", model=model_info, lora=lora_block,
+                        workload=workload, rounds=res.get("rounds", ()),
+                        peak_mem=res.get("peak_mem"), error=error,
+                        extra={"breakdown": res.get("breakdown"), "tag": tag, **(extra or {})})
+
+
+def flex_frame(sidecars: list[dict[str, Any]]) -> Any:
+    """Tidy rows of flex sidecars: tag, batch, lora, tok/s, step/replay/prefill, peak GiB."""
+    import pandas as pd
+    rows = []
+    for s in sidecars:
+        b = s.get("breakdown") or {}
+        rows.append({"tag": s.get("tag"), "batch": s["workload"]["n_prompts"],
+                     "lora": s.get("lora") is not None,
+                     "decode_tok_per_s": s.get("decode_tok_per_s_median"),
+                     "decode_step_ms": b.get("decode_step_ms"), "replay_ms": b.get("replay_ms"),
+                     "prefill_s": b.get("prefill_s"), "host_s": b.get("host_s"),
+                     "peak_gib": s.get("peak_mem_allocated_gib"), "error": s.get("error") or "",
+                     "utc": (s.get("env") or {}).get("utc")})
+    return pd.DataFrame(rows).sort_values(["lora", "batch", "utc"]).reset_index(drop=True)
+
+
+def reference_frame(gold_paths: list[str]) -> Any:
+    """Phase-1 H200 measurements (``research/measurements/gold_*.json``) as tidy rows."""
+    import json
+
+    import pandas as pd
+    rows = []
+    for path in gold_paths:
+        with open(path) as fh:
+            results = json.load(fh)["results"]
+        for r in results:
+            rows.append({"engine": r["engine"].replace("_lora", ""), "lora": bool(r["lora"]),
+                         "batch": r["n_prompts"], "decode_tok_per_s": r["decode_tok_per_s"],
+                         "peak_gib": r.get("peak_gpu_mem_gib"), "error": r.get("error") or ""})
+    return pd.DataFrame(rows)
+
+
+def sweep_figure(flex: Any, reference: Any | None = None) -> Any:
+    """Decode tok/s against batch (LoRA and no LoRA), phase-1 engines as points at their batch."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    for lora, part in flex.groupby("lora"):
+        part = part.groupby("batch", as_index=False)["decode_tok_per_s"].last()
+        ax.plot(part["batch"], part["decode_tok_per_s"], "o-",
+                label=f"flex {'LoRA r32' if lora else 'no LoRA'}")
+    if reference is not None and len(reference):
+        for _, r in reference[reference["error"] == ""].iterrows():
+            ax.scatter(r["batch"], r["decode_tok_per_s"], marker="x" if r["lora"] else "+",
+                       label=f"{r['engine']} {'LoRA' if r['lora'] else ''}".strip())
+    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="decode tok/s",
+           title="flex engine batch sweep (random Qwen3-4B shape, 512 new tokens)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def breakdown_figure(profile: dict[str, float], step_ms: float) -> Any:
+    """Stacked bar: GPU kernel ms per decode step by class, beside the measured step time."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5), constrained_layout=True)
+    bottom = 0.0
+    for cls, ms in sorted(profile.items(), key=lambda kv: -kv[1]):
+        ax.bar(["kernels (eager step)"], [ms], bottom=bottom, label=f"{cls} {ms:.2f} ms")
+        bottom += ms
+    ax.bar(["measured step (graph)"], [step_ms], color="grey")
+    ax.set(ylabel="ms per decode step", title="where a decode step goes")
+    ax.legend(fontsize=7)
+    return fig

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbhelpers import engine_bench as eb  # noqa: E402
-from nbhelpers.config import WORKLOAD_W, LoraSpec, SamplingParams  # noqa: E402
-from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar  # noqa: E402
+from nbhelpers import engine_bench as eb
+from nbhelpers.config import WORKLOAD_W, LoraSpec
+from nbhelpers.stats import utc_stamp, write_sidecar
 
 LOG_PATH: list[Path] = []
 
@@ -53,31 +53,23 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def make_llm(model, batch: int, args, **opts):
-    from nbhelpers.backends.flex import build_llm
-    per_seq = args.prompt_tokens + args.max_new_tokens
-    return build_llm(model, [], kv_tokens=batch * (per_seq + 128), max_num_seqs=max(batch, 8),
-                     max_model_len=per_seq + 64, sync_every=args.sync_every, **opts)
-
-
 def model_block(model, name: str) -> dict:
     n = sum(p.numel() for p in model.parameters())
     return {"name": name, "architecture": "Qwen3ForCausalLM", "n_params": n, "weights": "random"}
 
 
 def sidecar(out: Path, tag: str, model_info, lora, batch, args, res=None, error=None, extra=None):
-    workload = {"n_prompts": batch, "prompt_tokens_mean": args.prompt_tokens,
-                "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
-                "sampling": "grpo"}
-    res = res or {}
-    side = make_sidecar(phase="phase3_flex", backend="flex", model=model_info,
-                        lora=None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
-                                                        "targets": list(lora.targets)},
-                        workload=workload, rounds=res.get("rounds", ()),
-                        peak_mem=res.get("peak_mem"), error=error,
-                        extra={"breakdown": res.get("breakdown"), "tag": tag, **(extra or {})})
+    side = eb.flex_sidecar(tag, model_info, lora, batch, args.prompt_tokens, args.max_new_tokens,
+                           res, error, extra)
     write_sidecar(side, out / f"{utc_stamp()}_{tag}.json")
     return side
+
+
+def make_llm(model, batch: int, args, **opts):
+    from nbhelpers.backends.flex import build_llm
+    per_seq = args.prompt_tokens + args.max_new_tokens
+    return build_llm(model, [], kv_tokens=batch * (per_seq + 128), max_num_seqs=max(batch, 8),
+                     max_model_len=per_seq + 64, sync_every=args.sync_every, **opts)
 
 
 def stage(name: str, fn, *a, **k):
@@ -86,7 +78,7 @@ def stage(name: str, fn, *a, **k):
         out = fn(*a, **k)
         log(f"{name}: ok in {time.perf_counter() - t0:.1f}s")
         return out, None
-    except Exception as err:  # a failed stage is recorded, the run goes on
+    except Exception as err:  # noqa: BLE001 -- a failed stage is recorded, the run goes on
         log(f"{name}: FAILED {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
         return None, f"{type(err).__name__}: {err}"
 
@@ -102,16 +94,8 @@ def run_parity(args, dev: str) -> dict:
 
 
 def run_workload(model, name, lora, batch, args, rounds, tag, profile=False, **opts) -> dict:
-    sampling = SamplingParams(**{**WORKLOAD_W.sampling_params().to_dict(),
-                                 "max_new_tokens": args.max_new_tokens})
-    llm = make_llm(model, batch, args, **opts)
-    prompts = eb.random_prompt_ids(batch, args.prompt_tokens, model.config.vocab_size)
-    res = eb.bench_one(llm, prompts, sampling, rounds=rounds, warmup=1)
-    if profile:
-        prof, err = stage(f"{tag} profile", eb.profile_decode_step, llm, batch)
-        res["breakdown"]["profile"] = prof or {"error": err}
-        log(f"{tag} kernel profile: {prof}")
-    llm.sleep()
+    res = eb.run_flex_point(model, batch, args.prompt_tokens, args.max_new_tokens, rounds=rounds,
+                            sync_every=args.sync_every, profile=profile, **opts)
     log(f"{tag}: {res['decode_tok_per_s_median']:.0f} tok/s, breakdown {res['breakdown']}, "
         f"peak {res['peak_mem']}")
     return res
@@ -131,7 +115,7 @@ def main() -> None:
     skip, table = set(args.skip.split(",")), []
     if "parity_tiny" not in skip:
         par, err = stage("parity", run_parity, args, dev)
-        json.dump({"parity": par, "error": err}, open(out / "parity.json", "w"), indent=1)
+        (out / "parity.json").write_text(json.dumps({"parity": par, "error": err}, indent=1))
     model = eb.random_qwen3(shape, device=dev,
                             dtype="float32" if args.cpu_smoke else "bfloat16")
     info = model_block(model, name)
@@ -158,7 +142,7 @@ def main() -> None:
                          args.sweep_rounds, f"sweep_b{batch}")
         sidecar(out, f"sweep_lora_b{batch}", info, lora, batch, args, res, err,
                 extra={"sweep_batch": batch})
-        table.append((f"sweep LoRA", batch, res))
+        table.append(("sweep LoRA", batch, res))
     if args.compiled:
         res, err = stage("W LoRA compiled step", run_workload, model, name, lora,
                          WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_compiled",
@@ -170,14 +154,14 @@ def main() -> None:
 
 
 def print_table(table) -> None:
-    lines = ["| run | batch | tok/s | wall s | prefill s | step ms | replay ms | host ms/step | "
-             "peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| run | batch | tok/s | wall s | prefill s | step ms | replay ms | host ms/step | "
+             "peak GiB |"), "|---|---|---|---|---|---|---|---|---|"]
     for label, batch, res in table:
         if not res:
             lines.append(f"| {label} | {batch} | FAILED | | | | | | |")
             continue
         b, mem = res["breakdown"], res["peak_mem"] or {}
-        fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+        fmt = lambda x, f=".2f": "-" if x is None else format(x, f)
         lines.append(f"| {label} | {batch} | {fmt(res['decode_tok_per_s_median'], '.0f')} | "
                      f"{fmt(res['wall_s_median'])} | {fmt(b['prefill_s'])} | "
                      f"{fmt(b['decode_step_ms'])} | {fmt(b.get('replay_ms'))} | "

@@ -50,6 +50,7 @@ class LLM:
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.share_prefix = share_prefix
         self.last_stats: dict[str, Any] = {}
+        self.trace: list[dict[str, Any]] | None = None  # set to [] to record the schedule
         self._next_id = 0
 
     # ---------------------------------------------------------------- public API
@@ -120,14 +121,29 @@ class LLM:
             self.runner.prefill(groups, sampling)
             for g in groups:
                 sched.start_running(g)
+            self._record("prefill", sched, [s.seq_id for g in groups for s in g])
             return
         if not sched.running:
             raise RuntimeError("flex engine: nothing runnable and nothing admitted; the pool "
                                "is too small for the waiting request: raise num_pages.")
         steps = min(self.opt.sync_every, min(s.remaining for s in sched.running))
+        preempted = sched.num_preemptions
         sched.reserve_decode(steps)
+        if sched.num_preemptions > preempted:
+            self._record("preempt", sched, [])
         self.runner.decode(sched.running, steps, sampling)
+        self._record("decode", sched, [s.seq_id for s in sched.running], steps)
         sched.retire_finished()
+
+    def _record(self, kind: str, sched: Scheduler, seq_ids: list[int], steps: int = 0) -> None:
+        """Append one schedule event (kind, sequences, block tables, free pages) to ``trace``."""
+        if self.trace is None:
+            return
+        self.trace.append({
+            "event": len(self.trace), "kind": kind, "seq_ids": seq_ids, "steps": steps,
+            "free_pages": sched.pool.num_free, "num_waiting": sum(map(len, sched.waiting)),
+            "block_tables": {s.seq_id: list(s.block_table) for s in sched.running},
+            "num_tokens": {s.seq_id: s.num_tokens for s in sched.running}})
 
 
 def _empty_cache() -> None:

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbhelpers.engine.attention import (decode_block_mask, prefill_block_mask, prefill_pages)
+from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
 from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, build_engine_model
 from nbhelpers.engine.sampler import sample
@@ -59,7 +59,7 @@ class DecodeState:
 
     def __init__(self, rows: int, max_pages: int, window: int, device: Any):
         import torch
-        z = dict(device=device)
+        z = {"device": device}
         self.rows = rows
         self.tokens = torch.zeros(rows, dtype=torch.long, **z)
         self.pos = torch.zeros(rows, dtype=torch.long, **z)
@@ -95,7 +95,7 @@ class ModelRunner:
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.device = self.model.device
-        self.kv: KVCache | None = None
+        self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1
         self.states: dict[tuple[int, bool], DecodeState] = {}
         self.graph_pool: Any = None
@@ -191,7 +191,7 @@ class ModelRunner:
     def _sample(self, logits: Any, seqs: list[Sequence], sampling: Any) -> tuple[Any, Any]:
         import torch
         dev, n = self.device, len(seqs)
-        full = lambda v, **k: torch.full((n,), v, device=dev, **k)  # noqa: E731
+        full = lambda v, **k: torch.full((n,), v, device=dev, **k)
         with torch.inference_mode():
             return sample(logits, full(float(sampling.temperature)), full(float(sampling.min_p)),
                           full(int(sampling.top_k), dtype=torch.long),
@@ -320,7 +320,7 @@ class ModelRunner:
                 self._step_body(st, use_sort)
             st.graph, st.signature = graph, self.model.signature()
             self.timings["graph_captures"] += 1
-        except Exception as err:  # capture is an optimisation; eager gives the same tokens
+        except Exception as err:  # noqa: BLE001 -- capture is an optimisation; eager = same tokens
             warnings.warn(f"flex engine: CUDA graph capture failed for batch bucket {st.rows} "
                           f"({type(err).__name__}: {err}); decoding eagerly.", stacklevel=2)
             st.graph = None

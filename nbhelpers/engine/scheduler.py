@@ -75,6 +75,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_group(self, group: list[Sequence]) -> None:
+        if len(group) > self.max_num_seqs:
+            raise ValueError(f"a request group has n={len(group)} samples > max_num_seqs="
+                             f"{self.max_num_seqs}: raise max_num_seqs or lower n.")
         need = self._group_pages(group) + len(group)
         if need > self.pool.num_pages - 1:
             raise ValueError(f"a request group needs {need} pages, the pool has "

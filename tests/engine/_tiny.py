@@ -13,9 +13,9 @@ def tiny_model(arch: str = "qwen3", seed: int = 0, vocab: int = VOCAB):
     """A 2-layer, hidden-64 ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (llama3 RoPE scaling)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512, eos_token_id=vocab - 1)
+    common = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": 512, "eos_token_id": vocab - 1}
     if arch == "qwen3":
         cfg = Qwen3Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         model = Qwen3ForCausalLM(cfg)

@@ -1,0 +1,176 @@
+"""Notebook helpers for phase 3 notebooks 30-32: schedule trace, page tables, masks, parity,
+sampling statistics. Pure functions over the engine's objects; heavy imports inside.
+
+Contract: every function returns a DataFrame, a dict or a matplotlib Figure (never shows it).
+The chi-square test pools categories whose expected count is below ``min_expected`` (5, the usual
+validity rule of Pearson's test, e.g. Cochran 1954) into one bin; its p-value is the chi-square
+survival function ``Q(dof/2, stat/2)`` (regularised upper incomplete gamma).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbhelpers.config import SamplingParams
+
+
+def trace_frame(trace: list[dict[str, Any]]) -> Any:
+    """One row per schedule event: kind, sequences, decode steps, free pages, waiting."""
+    import pandas as pd
+    return pd.DataFrame([{k: e[k] for k in ("event", "kind", "seq_ids", "steps", "free_pages",
+                                            "num_waiting")} for e in trace])
+
+
+def block_table_frame(event: dict[str, Any], page_size: int) -> Any:
+    """The page table at one event: per sequence its tokens and physical pages (logical order)."""
+    import pandas as pd
+    rows = [{"seq_id": sid, "num_tokens": event["num_tokens"][sid], "pages": bt,
+             "last_page_fill": event["num_tokens"][sid] - (len(bt) - 1) * page_size}
+            for sid, bt in event["block_tables"].items()]
+    return pd.DataFrame(rows).set_index("seq_id")
+
+
+def decode_masks(event: dict[str, Any], num_pages: int, page_size: int) -> tuple[Any, Any]:
+    """Token-level ``[B, S]`` and page-level ``[B, num_pages]`` decode masks of one event.
+
+    Built with the engine's own :func:`~nbhelpers.engine.attention.decode_block_mask` for the
+    event's block tables, the query being each sequence's last token.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+
+    from nbhelpers.engine.attention import decode_block_mask
+    from nbhelpers.engine.kv_cache import phys_to_logical
+    tables = list(event["block_tables"].values())
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    pos = torch.tensor([n - 1 for n in event["num_tokens"].values()])
+    used = pos // page_size + 1
+    p2l = phys_to_logical(bt, used, num_pages)
+    bm = decode_block_mask(p2l, bt, used, pos, page_size, num_pages * page_size)
+    dense = create_mask(bm.mask_mod, len(tables), 1, 1, num_pages * page_size, device="cpu")
+    return dense[:, 0, 0].numpy(), bm.to_dense()[:, 0, 0].numpy()
+
+
+def mask_figure(token_mask: Any, page_mask: Any, page_size: int) -> Any:
+    """Two panels: which physical KV slots each decoding sequence reads, and which pages."""
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 4.5), constrained_layout=True)
+    a.imshow(token_mask, aspect="auto", interpolation="nearest", cmap="Greys")
+    a.set(title="decode mask over physical KV slots (black = attended)", xlabel="physical slot",
+          ylabel="sequence row")
+    for x in range(0, token_mask.shape[1] + 1, page_size):
+        a.axvline(x - 0.5, color="tab:blue", lw=0.4)
+    b.imshow(page_mask, aspect="auto", interpolation="nearest", cmap="Blues")
+    b.set(title="BlockMask: pages each row visits (kv_indices = block_table)",
+          xlabel="physical page", ylabel="sequence row")
+    return fig
+
+
+def parity_table(named_models: dict[str, Any], prompts_of: dict[str, list[list[int]]],
+                 steps: int, **llm_options: Any) -> Any:
+    """Greedy engine vs HF forwards per model: token prefix match and max logprob difference."""
+    import pandas as pd
+
+    from nbhelpers.engine import LLM
+    from nbhelpers.engine_bench import parity
+    rows = {}
+    for name, model in named_models.items():
+        llm = LLM(model, **llm_options)
+        rows[name] = parity(model, llm, prompts_of[name], steps)
+    return pd.DataFrame(rows).T
+
+
+def chi_square(counts: Any, probs: Any, min_expected: float = 5.0) -> dict[str, float]:
+    """Pearson chi-square of ``counts`` against ``probs`` with small-expectation pooling.
+
+    Returns ``stat``, ``dof``, ``p_value`` and ``n_bins``; tokens with ``probs == 0`` are excluded
+    (and must have zero counts: ``off_support`` counts them).
+    """
+    import numpy as np
+    import torch
+    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
+    keep = probs > 0
+    exp, obs = probs[keep] * counts.sum(), counts[keep]
+    big = exp >= min_expected
+    exp_b = np.append(exp[big], exp[~big].sum()) if (~big).any() else exp[big]
+    obs_b = np.append(obs[big], obs[~big].sum()) if (~big).any() else obs[big]
+    stat = float(((obs_b - exp_b) ** 2 / exp_b).sum())
+    dof = len(exp_b) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                      torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return {"stat": stat, "dof": dof, "p_value": p, "n_bins": len(exp_b),
+            "off_support": float(counts[~keep].sum())}
+
+
+def exact_filtered_probs(logits: Any, sp: SamplingParams) -> Any:
+    """The exact processed distribution ``[V]`` (float64) of one logits row under ``sp``."""
+    import torch
+
+    from nbhelpers.engine.sampler import filtered_probs
+    one = lambda v, **k: torch.tensor([v], **k)
+    return filtered_probs(logits.double().unsqueeze(0), one(sp.temperature, dtype=torch.float64),
+                          one(sp.min_p, dtype=torch.float64), one(sp.top_k),
+                          one(sp.top_p, dtype=torch.float64))[0].numpy()
+
+
+def sampler_draws(logits: Any, sp: SamplingParams, n_draws: int, seed: int = 0) -> Any:
+    """``n_draws`` first-token draws of the engine's sampler from one logits row (counts ``[V]``),
+    one seed per draw."""
+    import numpy as np
+    import torch
+
+    from nbhelpers.engine.sampler import sample
+    full = lambda v, **k: torch.full((n_draws,), v, **k)
+    toks, _ = sample(logits.float().expand(n_draws, -1), full(float(sp.temperature)),
+                     full(float(sp.min_p)), full(int(sp.top_k), dtype=torch.long),
+                     full(float(sp.top_p)), torch.arange(n_draws) + seed * n_draws,
+                     torch.zeros(n_draws, dtype=torch.long))
+    return np.bincount(toks.numpy(), minlength=logits.shape[-1])
+
+
+def engine_draws(llm: Any, prompt: list[int], sp: SamplingParams, n_total: int,
+                 per_call: int = 128) -> Any:
+    """First-token counts ``[V]`` from ``LLM.generate`` itself (n samples per call, distinct
+    seeds per call), so the whole path (prefill, prefix sharing, sampler) is tested."""
+    import numpy as np
+    counts = None
+    for k in range(-(-n_total // per_call)):
+        spk = SamplingParams(**{**sp.to_dict(), "n": per_call, "max_new_tokens": 1,
+                                "seed": 10_000 + k * per_call, "ignore_eos": True})
+        toks = [o.token_ids[0] for o in llm.generate([prompt], spk)]
+        c = np.bincount(toks, minlength=llm.runner.model.config.vocab_size)
+        counts = c if counts is None else counts + c
+    return counts
+
+
+def sampling_frame(logits: Any, settings: dict[str, SamplingParams], n_draws: int) -> Any:
+    """Per setting: support size, chi-square stat/dof/p, total-variation distance."""
+    import numpy as np
+    import pandas as pd
+    rows = {}
+    for name, sp in settings.items():
+        exact = exact_filtered_probs(logits, sp)
+        counts = sampler_draws(logits, sp, n_draws)
+        test = chi_square(counts, exact)
+        rows[name] = {"support": int((exact > 0).sum()), **test,
+                      "tv_distance": 0.5 * float(np.abs(counts / counts.sum() - exact).sum())}
+    return pd.DataFrame(rows).T
+
+
+def sampling_figure(logits: Any, settings: dict[str, SamplingParams], n_draws: int,
+                    top: int = 20) -> Any:
+    """Empirical vs exact probability of the ``top`` most likely tokens, one panel per setting."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3),
+                             constrained_layout=True, squeeze=False)
+    for ax, (name, sp) in zip(axes[0], settings.items()):
+        exact = exact_filtered_probs(logits, sp)
+        emp = sampler_draws(logits, sp, n_draws) / n_draws
+        order = np.argsort(-exact)[:top]
+        ax.bar(np.arange(top) - 0.2, exact[order], width=0.4, label="exact")
+        ax.bar(np.arange(top) + 0.2, emp[order], width=0.4, label="sampled")
+        ax.set(title=name, xlabel="token rank", ylabel="probability")
+    axes[0][0].legend()
+    return fig

@@ -38,7 +38,13 @@ def utc_stamp() -> str:
 
 
 def git_sha(repo: str | os.PathLike | None = None, short: bool = True) -> str:
-    """The checkout's HEAD sha (``nogit`` outside a repo); ``+dirty`` is not appended."""
+    """The checkout's HEAD sha (``nogit`` outside a repo); ``+dirty`` is not appended.
+
+    ``NBHELPERS_GIT_SHA`` overrides it: a copy of the working tree without ``.git`` (a remote GPU
+    host) still records which commit it ran.
+    """
+    if os.environ.get("NBHELPERS_GIT_SHA"):
+        return os.environ["NBHELPERS_GIT_SHA"]
     cmd = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
     try:
         out = subprocess.run(cmd, cwd=repo or Path(__file__).resolve().parents[1],

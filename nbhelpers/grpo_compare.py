@@ -20,6 +20,7 @@ import multiprocessing as mp
 import tempfile
 import traceback
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from nbhelpers.config import GRPOSettings
@@ -167,10 +168,92 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
     for side in sidecars:
         if side.get("phase") != PHASE or side.get("backend") == "all":
             continue
-        key = f"{side['backend']}@{side['run_id']}"
+        run_id = str(side["run_id"]).removesuffix(f"_{side['backend']}")
+        key = f"{side['backend']}@{run_id}"
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
                      "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
                      "config": side.get("grpo_config")}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
+
+
+def gate_frame(gates: dict[str, Any]):
+    """Long table ``backend, check, status, detail`` of :func:`nbhelpers.gate.check_runs`."""
+    import pandas as pd
+    rows = []
+    for name, g in gates.items():
+        g = g if isinstance(g, dict) else g.as_dict()
+        rows += [{"backend": name, **c} for c in g["checks"]]
+    return pd.DataFrame(rows, columns=["backend", "name", "status", "detail"])
+
+
+def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
+                   settings: GRPOSettings, model_info: dict[str, Any],
+                   sidecar_path: str | Path) -> list[Path]:
+    """One sidecar per backend (``<stem>__<backend>.json`` beside ``sidecar_path``) and, at
+    ``sidecar_path``, the run's summary (backend ``all``: per-backend table, gate, failures)."""
+    from nbhelpers.gate import GateFailed, assert_gate
+    from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar
+    path, run_id = Path(sidecar_path), utc_stamp()
+    written = []
+    for name, run in runs.items():
+        side = backend_sidecar(name, run, settings, model_info, gates.get(name),
+                               run_id=f"{run_id}_{name}")
+        written.append(write_sidecar(side, path.with_name(f"{path.stem}__{name}.json")))
+    try:
+        assert_gate(gates)
+        failure = None
+    except GateFailed as err:
+        failure = str(err)
+    table = summary_frame(runs, gates).reset_index().to_dict(orient="records")
+    main = make_sidecar(phase=PHASE, backend="all", model=model_info, lora=asdict(settings.lora),
+                        run_id=run_id, error=failure,
+                        extra={"backends": table, "headline": headline(runs, gates),
+                               "sidecars": [p.name for p in written]})
+    return [write_sidecar(main, path), *written]
+
+
+def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, Any]:
+    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``."""
+    out: dict[str, Any] = {}
+    for name, row in summary_frame(runs, gates).iterrows():
+        out |= {f"{name}_step_s": row["step_time_s_median"],
+                f"{name}_peak_gib": row["peak_mem_device_gib"], f"{name}_gate": row["gate"]}
+    return out
+
+
+def perf_goal(summary) -> dict[str, Any]:
+    """Issue 6's goal from a :func:`summary_frame`: flex median step <= vLLM's, at <= 1/5 of
+    vLLM's peak memory. Values ``None`` when either backend has no numbers."""
+    if not {"flex", "vllm"} <= set(summary.index):
+        return {"step_ratio": None, "memory_ratio": None, "met": None}
+    f, v = summary.loc["flex"], summary.loc["vllm"]
+    try:
+        step = f["step_time_s_median"] / v["step_time_s_median"]
+        mem = f["peak_mem_device_gib"] / v["peak_mem_device_gib"]
+    except TypeError:
+        return {"step_ratio": None, "memory_ratio": None, "met": None}
+    return {"step_ratio": step, "memory_ratio": mem, "met": bool(step <= 1.0 and mem <= 0.2)}
+
+
+def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str) -> str:
+    """The notebook's "Result:" sentence, computed from the runs."""
+    parts = []
+    for name, row in summary_frame(runs, gates).iterrows():
+        if row["error"]:
+            parts.append(f"{name}: {row['gate']} ({str(row['error'])[:80]})")
+        else:
+            parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
+                         f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
+    return f"**Result** ({device}): " + "; ".join(parts) + "."
+
+
+def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{backend: run}`` keeping the newest ``backend@<UTC run id>`` of each backend."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for key, run in runs.items():
+        backend, _, run_id = key.partition("@")
+        if backend not in out or run_id > out[backend][0]:
+            out[backend] = (run_id, run)
+    return {b: run for b, (_, run) in out.items()}

@@ -14,13 +14,15 @@ Two faults of the reference experiment's driver (unslothai/unsloth PR #5108,
    after ``prepare_next_batch`` drains that queue. The first check was False, the loop never ran
    and it returned no results. Here the loop always drains first and stops only when the input
    queue is empty *and* the scheduler has nothing pending (:func:`is_finished`).
-2. *It hung in CUDA-graph capture.* It captured ``manager._generation_step`` -- a whole step with
-   host work in it (scheduling, host<->device copies of the sampled tokens, data-dependent sizes
-   read on the host, a ``torch.cuda.synchronize`` in the loop around it) -- with the default
-   global capture mode, and replayed one graph for every decode step although the batch and KV
-   lengths change. A host synchronisation inside stream capture is illegal and a blocking wait on
-   the capturing stream never returns. The kind of fault: host-device synchronisation (or any
-   host-dependent control flow) inside a captured region. Here only device work is captured
+2. *It hung in CUDA-graph capture.* Diagnosis from reading its code against transformers 4.57
+   (not reproduced here: no GPU on the authoring machine): it captured
+   ``manager._generation_step`` -- a whole step with host work in it (building the batch tensors,
+   host-side reads of data-dependent sizes such as ``next_tokens.size(1)`` before copying the
+   sampled tokens, which the PR's results file names as the likely cause) -- in the default
+   global capture mode, and would have replayed one graph for every decode step although the
+   batch and KV lengths change. A host synchronisation inside stream capture is illegal, and a
+   blocking wait on a capturing stream never returns. The kind of fault: host-device
+   synchronisation (or host-dependent control flow) inside a captured region. Here only device work is captured
    (``ModelRunner._forward_process_and_sample`` on static, padded buffers; one graph per padded
    (q, kv) shape; ``capture_error_mode="thread_local"``; an eager pass before each capture), the
    device-to-host copy of the tokens happens after the graph, and a watchdog

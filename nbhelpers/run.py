@@ -15,6 +15,7 @@ Run: ``python -m nbhelpers run phase0 --profile cpu`` (see ``nbhelpers/__main__.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -157,8 +158,13 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
 
 
 def _kernel_env(env: dict[str, str]) -> dict[str, str]:
-    """Env whose ``JUPYTER_PATH`` holds a ``nbhelpers`` kernelspec running this interpreter."""
-    root = Path(tempfile.gettempdir()) / f"nbhelpers-jupyter-{os.getuid()}"
+    """Env whose ``JUPYTER_PATH`` holds a ``nbhelpers`` kernelspec running this interpreter.
+
+    The folder is keyed by the interpreter's path, so runners of different venvs never rewrite
+    each other's kernelspec between writing it and starting the kernel.
+    """
+    key = hashlib.sha1(sys.executable.encode()).hexdigest()[:12]
+    root = Path(tempfile.gettempdir()) / f"nbhelpers-jupyter-{os.getuid()}-{key}"
     spec_dir = root / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],

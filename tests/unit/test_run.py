@@ -138,3 +138,19 @@ def test_gpus_fan_out_one_worker_per_gpu_at_the_same_time(tmp_path, monkeypatch)
     heads = [json.loads(j.sidecar.read_text())["headline"] for j in jobs]
     assert sorted(h["cvd"] for h in heads) == ["0", "1"]
     assert all(h["saw_other"] for h in heads)
+
+
+def test_kernelspec_runs_this_interpreter_and_is_keyed_by_it(monkeypatch):
+    import sys
+
+    def spec_of(env):
+        root = Path(env["JUPYTER_PATH"].split(":")[0])
+        return root, json.loads((root / "kernels/nbhelpers/kernel.json").read_text())
+
+    root, spec = spec_of(runner._kernel_env({}))
+    assert spec["argv"][:3] == [sys.executable, "-m", "ipykernel_launcher"]
+    monkeypatch.setattr(sys, "executable", "/other/venv/bin/python")
+    other_root, other = spec_of(runner._kernel_env({"JUPYTER_PATH": "/keep"}))
+    assert other_root != root and other["argv"][0] == "/other/venv/bin/python"
+    assert spec_of(runner._kernel_env({}))[0] != root  # the first spec was not rewritten
+    assert json.loads((root / "kernels/nbhelpers/kernel.json").read_text()) == spec

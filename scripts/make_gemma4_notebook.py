@@ -49,7 +49,7 @@ parity_dtype: str = "float32"  # parity model dtype (bfloat16 on the GPU, the ro
 parity_prompts: int = 4  # prompts in the parity check
 parity_steps: int = 16  # greedy tokens per prompt scored again by HF
 max_logprob_diff: float = 1e-3  # claim: max |engine - HF| logprob of the same token
-min_argmax_agreement: float = 1.0  # claim: share of tokens with HF argmax = engine token
+min_argmax_agreement: float = 1.0  # claim: share of tokens where HF argmax matches the engine token
 backends: list = ["hf_generate", "hf_cb", "flex"]  # throughput backends, one process each
 batch_sizes: list = [4]  # prompts decoded together (H200: 8, 16, 32, 64)
 prompt_tokens: int = 100  # ~prompt tokens (real GSM8K prompts: about 90-250)

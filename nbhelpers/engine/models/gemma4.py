@@ -23,12 +23,12 @@ and the code differ, the code wins and the entry says so:
    0.25 (modeling_rope_utils.py 246-259: the first 25 % of the rotary frequencies rotate, the rest
    get inv_freq 0, i.e. cos 1 / sin 0). The issue's list omits the partial factor; the engine calls
    the HF ``rotary_emb(x, positions, layer_type)`` once per type per step.
-4. Sliding window 512 (C ``sliding_window``; M 1170 sets it only on sliding layers): the mask is
+4. Sliding window 512 (C ``sliding_window``; M 1171 sets it only on sliding layers): the mask is
    ``kv > q - window`` (masking_utils.py 100), the engine's ``sliding_window(w)`` factory.
 5. Attention scale 1.0, not head_dim^-0.5 (M 1177): q_norm and k_norm (RMSNorm per head, M 1229,
    1245) set the logit scale. V is RMS-normalised too, without a weight (``v_norm``, M 1197, 1249).
    With ``attention_k_eq_v`` (not on E2B) V is the raw K projection (M 1175, 1243).
-6. No attention-logit soft-cap: the text attention passes no ``softcap`` (M 1262-1271), so unlike
+6. No attention-logit soft-cap: the text attention passes no ``softcap`` (M 1261-1271), so unlike
    Gemma-2 there is no score_mod; ``attn_score_mod`` stays ``None``.
 7. Four norms per block, double residual (M 1397-1428): ``x += post_attention_layernorm(attn(
    input_layernorm(x)))``; ``x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``.

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 
 from nbhelpers import grpo_flex
 from nbhelpers.backends.base import BackendNotInstalled
+from nbhelpers.compile_report import CompileWatch, check_compile_mode
 from nbhelpers.config import GRPOSettings, LoraSpec
 from nbhelpers.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
 from nbhelpers.grpo_backends import plan_backend, step_rows, train
@@ -153,10 +154,23 @@ def test_mismatch_metric_and_gate_on_the_real_run(flex_run):
         assert_gate({"flex": check_run("flex", rows, th)})
 
 
-def test_vllm_and_unsloth_fail_naming_the_extra():
+def test_vllm_and_unsloth_fail_naming_the_extra(tmp_path):
+    """Neither engine installs on this CPU host: train() stops before loading anything."""
     for backend in ("vllm", "unsloth"):
         with pytest.raises(BackendNotInstalled, match=rf"\.\[{backend}\]"):
-            plan_backend(backend, GRPOSettings())
+            train("tiny-llama", GRPOSettings(), backend=backend, output_dir=tmp_path)
+
+
+def test_compile_watch_counts_recompiles_and_rejects_bad_mode():
+    with CompileWatch("default") as watch:
+        f = torch.compile(torch.nn.Linear(4, 4), backend="eager", dynamic=False)
+        f(torch.randn(2, 4))
+        f(torch.randn(3, 4))  # new static shape: one recompile
+    report = watch.report()
+    assert report["recompiles"] == 1 and "size mismatch" in next(iter(report["recompile_reasons"]))
+    assert report["graph_breaks"] == 0 and report["unique_graphs"] == 2
+    with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):
+        check_compile_mode("max-autotune")
 
 
 def test_plan_rejects_bad_choices_and_notes_vllm_only_settings():

@@ -45,9 +45,10 @@ def index_rows(executed: Path) -> list[dict[str, str]]:
     for side in read_sidecars(executed):
         path = Path(side["_path"])
         nb = path.with_suffix(".ipynb")
+        target = nb if nb.is_file() else path  # sidecars written outside a notebook link to self
         env = side.get("env") or {}
         rows.append({"notebook": os.path.relpath(path.parent, executed),
-                     "run": f"[{path.stem}]({os.path.relpath(nb, executed)})",
+                     "run": f"[{path.stem}]({os.path.relpath(target, executed)})",
                      "date": _fmt(env.get("utc")), "device": _fmt(env.get("gpu")),
                      "sha": _fmt(env.get("git_sha")), "headline": headline(side),
                      "status": status(side), "_key": path.stem})

@@ -154,3 +154,14 @@ def test_kernelspec_runs_this_interpreter_and_is_keyed_by_it(monkeypatch):
     assert other_root != root and other["argv"][0] == "/other/venv/bin/python"
     assert spec_of(runner._kernel_env({}))[0] != root  # the first spec was not rewritten
     assert json.loads((root / "kernels/nbhelpers/kernel.json").read_text()) == spec
+
+
+def test_index_links_sidecar_when_no_notebook_and_uses_fallback_headline(tmp_path):
+    from nbhelpers.stats import make_sidecar, write_sidecar
+
+    side = make_sidecar(phase="phase3", backend="flex",
+                        rounds=[{"wall_s": 2.0, "new_tokens": 20, "prompt_tokens": 0}])
+    write_sidecar(side, tmp_path / "phase3_flex/bench/b.json")
+    (row,) = index_rows(tmp_path)
+    assert row["run"] == "[b](phase3_flex/bench/b.json)" and row["status"] == "ok"
+    assert row["headline"] == "decode_tok_per_s_median=10, wall_s_median=2"

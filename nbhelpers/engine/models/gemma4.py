@@ -24,7 +24,10 @@ and the code differ, the code wins and the entry says so:
    get inv_freq 0, i.e. cos 1 / sin 0). The issue's list omits the partial factor; the engine calls
    the HF ``rotary_emb(x, positions, layer_type)`` once per type per step.
 4. Sliding window 512 (C ``sliding_window``; M 1171 sets it only on sliding layers): the mask is
-   ``kv > q - window`` (masking_utils.py 100), the engine's ``sliding_window(w)`` factory.
+   ``kv > q - window`` (masking_utils.py 100), the engine's ``sliding_window(w)`` factory. The
+   paged pool keeps every token (no ring buffer) and the decode BlockMask still visits all of a
+   row's pages, the mask hiding those behind the window: at <= 1024 tokens that is <= 8 pages of
+   128 instead of <= 5, a cost only long contexts would notice.
 5. Attention scale 1.0, not head_dim^-0.5 (M 1177): q_norm and k_norm (RMSNorm per head, M 1229,
    1245) set the logit scale. V is RMS-normalised too, without a weight (``v_norm``, M 1197, 1249).
    With ``attention_k_eq_v`` (not on E2B) V is the raw K projection (M 1175, 1243).

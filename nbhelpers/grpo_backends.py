@@ -13,7 +13,8 @@ changes only how completions are generated:
 * ``flex``: our engine on the policy's own tensors through TRL's ``rollout_func``
   (:mod:`nbhelpers.grpo_flex`).
 
-The vLLM-only settings are ignored for the others with a note in ``GRPOResult.config["notes"]``.
+The vLLM-only settings (and ``flex_options``) are ignored for the other backends with a note in
+``GRPOResult.config["notes"]``.
 ``compile_mode`` compiles the policy (and reference) forward after the trainer is built and the
 compile report lands in ``GRPOResult.config["compile_report"]``. Every backend's ``_generate`` is
 timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised). A backend whose engine is not
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("hf_generate", "hf_cb", "vllm", "unsloth", "flex")
 """Backends :func:`train` drives (issue 6); ``nbhelpers.grpo.train`` dispatches here."""
 VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+"""Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200
+(DESIGN.md "The H200 machine"; FlashInfer's sampler is not in the bundle)."""
 GENERATE_KEY = "generate_s"
 """TRL log key: seconds spent in ``GRPOTrainer._generate`` (rollout incl. detokenisation)."""
 
@@ -70,7 +74,7 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
     """The :class:`BackendPlan` of ``backend`` (engine imports checked here, before loading).
 
     Raises:
-        ValueError: unknown backend, or ``flex_options`` given to another backend.
+        ValueError: unknown backend.
         BackendNotInstalled: ``vllm`` / ``unsloth`` not importable (message names the extra).
     """
     from nbhelpers.backends import _common
@@ -80,12 +84,15 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
         plan.notes.append(f"{', '.join(VLLM_ONLY)} apply to backend='vllm' only: ignored for "
                           f"{backend!r}.")
     if flex_options and backend != "flex":
-        raise ValueError(f"flex_options are for backend='flex', not {backend!r}: drop them.")
+        plan.notes.append(f"flex_options apply to backend='flex' only: ignored for {backend!r}.")
     if backend == "vllm":
+        for key, value in VLLM_ENV.items():
+            os.environ.setdefault(key, value)
         _common.require("vllm", "vllm", "vllm")
-        plan.config_overrides = {"use_vllm": True, "vllm_mode": "colocate",
-                                 "vllm_enable_sleep_mode": vllm_sleep_mode,
-                                 "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization}
+        plan.config_overrides = {
+            "use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": vllm_sleep_mode,
+            "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization,
+            "vllm_max_model_length": settings.max_prompt_length + settings.max_completion_length}
     elif backend == "hf_cb":
         plan.config_overrides = {"use_transformers_continuous_batching": True}
     elif backend == "unsloth":

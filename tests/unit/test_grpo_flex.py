@@ -176,8 +176,8 @@ def test_compile_watch_counts_recompiles_and_rejects_bad_mode():
 def test_plan_rejects_bad_choices_and_notes_vllm_only_settings():
     with pytest.raises(ValueError, match="use one of"):
         plan_backend("tgi", GRPOSettings())
-    with pytest.raises(ValueError, match="flex_options"):
-        plan_backend("hf_generate", GRPOSettings(), flex_options={"page_size": 16})
+    notes = plan_backend("hf_generate", GRPOSettings(), flex_options={"page_size": 16}).notes
+    assert notes == ["flex_options apply to backend='flex' only: ignored for 'hf_generate'."]
     plan = plan_backend("hf_cb", GRPOSettings(), vllm_sleep_mode=True)
     assert plan.config_overrides == {"use_transformers_continuous_batching": True}
     assert "ignored" in plan.notes[0]

@@ -130,9 +130,12 @@ def claim_output(folder: Path, stem: str) -> tuple[Path, Path]:
 
 
 def gpu_device_tag(gpu: str | None) -> str:
-    """Device label for the run's file name: ``cpu``, or the tag of GPU ``gpu`` per nvidia-smi."""
+    """Device label for the run's file name: the tag of GPU ``gpu`` per nvidia-smi (without
+    ``--gpus``: the first visible GPU), or ``cpu`` when nvidia-smi is absent or finds none."""
     if gpu is None:
-        return "cpu"
+        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        if not gpu or gpu == "-1":
+            return "cpu"
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i",
                               gpu], capture_output=True, text=True, timeout=20, check=False)
@@ -140,7 +143,7 @@ def gpu_device_tag(gpu: str | None) -> str:
             return device_tag(out.stdout.strip().splitlines()[0])
     except (OSError, subprocess.SubprocessError):
         pass
-    return "gpu"
+    return "cpu"
 
 
 def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[str] | None,

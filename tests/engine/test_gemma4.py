@@ -148,3 +148,50 @@ def test_gpu_compiled_graphs_match_hf():
     summary, _ = teacher_forced_parity(model, llm, prompts, 24)
     assert llm.runner.timings["graph_captures"] >= 1
     assert summary["argmax_agreement"] == 1.0 and summary["max_abs_logprob_diff"] < 1e-3
+
+
+def test_report_architecture_table_and_kv_bytes(e2b_like):
+    from nbhelpers.engine.models import gemma4_report as g4
+    table = g4.architecture_table(e2b_like)
+    assert table["reads_kv_of"].tolist() == [0, 1, 0, 1]
+    assert table["head_dim"].tolist() == [16, 32, 16, 32]
+    assert table["rotary_frac"].tolist() == [1.0, 0.25, 1.0, 0.25]  # proportional RoPE on full
+    assert table["mlp_width"].tolist() == [128, 128, 256, 256]  # double-wide on shared layers
+    # fp32: K+V x (16 + 32) x 4 B for the store layers, twice that if every layer kept its own
+    assert g4.kv_bytes_per_token(e2b_like, 4) == {"engine_bytes": 384, "every_layer_bytes": 768}
+
+
+def test_report_tables_and_result_line():
+    import pandas as pd
+
+    from nbhelpers.engine.models import gemma4_report as g4
+    frame = pd.DataFrame([
+        {"backend": "flex", "batch": 8, "decode_tok_per_s": 900.0, "error": ""},
+        {"backend": "hf_generate", "batch": 8, "decode_tok_per_s": 300.0, "error": ""},
+        {"backend": "hf_cb", "batch": 8, "decode_tok_per_s": None, "error": "Ambiguous..."}])
+    wide = g4.speedup_table(frame)
+    assert wide.loc[8, "flex_x_hf_generate"] == pytest.approx(3.0)
+    parity = {"max_abs_logprob_diff": 1e-6, "mean_abs_logprob_diff": 1e-7,
+              "argmax_agreement": 1.0, "n_tokens": 64}
+    line = g4.result_line(parity, frame, "cpu")
+    assert "flex 900" in line and "hf_generate x3.0" in line and "hf_cb" not in line
+
+
+def test_kernel_probe_case_matches_dense_attention():
+    """The probe's paged prefill/decode BlockMasks read exactly each row's causal keys."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from nbhelpers.engine.models.gemma4_kernels import paged_case
+    for is_decode in (True, False):
+        c = paged_case(32, is_decode, batch=2, prompt_len=20, page_size=16, device="cpu")
+        q, k, v = (c[n].float() for n in ("q", "k", "v"))
+        out = flex_attention(q, k, v, block_mask=c["mask"], scale=1.0, enable_gqa=True)
+        for r in range(2):  # row r owns pages 1 + 2r, 2 + 2r
+            keys = slice(16 * (1 + 2 * r), 16 * (1 + 2 * r) + 21 - (not is_decode))
+            rq = q[r, :, :] if is_decode else q[0, :, 20 * r:20 * r + 20]
+            ref = F.scaled_dot_product_attention(
+                rq, k[0, :, keys].expand(8, -1, -1), v[0, :, keys].expand(8, -1, -1),
+                is_causal=not is_decode, scale=1.0)
+            got = out[r] if is_decode else out[0, :, 20 * r:20 * r + 20]
+            assert (got - ref).abs().max() < 1e-5

@@ -62,7 +62,10 @@ def test_read_sidecars_skips_invalid_and_filters_phase(tmp_path):
     stats.write_sidecar(stats.make_sidecar(phase="phase0", backend="x"), tmp_path / "p0.json")
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "other.json").write_text(json.dumps({"schema": 1}))
+    (tmp_path / "list.json").write_text(json.dumps([1, 2]))  # e.g. a prompt-id file
     assert len(stats.read_sidecars(tmp_path)) == 2
+    with pytest.raises(ValueError, match="JSON list"):
+        stats.validate_sidecar([1, 2])
     assert [s["phase"] for s in stats.read_sidecars(tmp_path, phase="phase0")] == ["phase0"]
 
 

@@ -59,6 +59,7 @@ warmup_rounds: int = 1  # untimed rounds first
 page_size: int = 16  # flex KV page in tokens (128 on the GPU)
 kv_tokens: int = 1024  # flex KV pool in tokens (H200: 65536)
 timeout_s: int = 900  # per backend and batch
+probe_kernels_s: int = 0  # seconds for the flex kernel-option probe (GPU only; 0 skips)
 out_dir: str = ""  # measurement sidecars; empty: <sidecar stem>_runs/ or a temp folder
 sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)"""
 
@@ -74,6 +75,9 @@ ARCH = """hf, tok = models.load_model(model, dtype=parity_dtype, device=device)
 g4.randomise_norms_and_scalars(hf)  # HF inits norms and layer_scalar to 1: that would hide bugs
 display(g4.architecture_table(hf))
 g4.kv_bytes_per_token(hf, dtype_bytes=hf.dtype.itemsize)"""
+
+KERNELS = """kernels = g4.kernel_probe(probe_kernels_s)
+kernels"""
 
 PARITY = """prompts = data.workload_prompt_ids(tok, parity_prompts, prompt_tokens, seed=1)
 llm = g4.parity_llm(hf, prompts, parity_steps, page_size)
@@ -92,7 +96,7 @@ display(frame)
 display(g4.speedup_table(frame))
 g4.throughput_figure(frame)"""
 
-SIDECAR = """side = g4.notebook_sidecar(model_info, parity, frame, workload, runs)
+SIDECAR = """side = g4.notebook_sidecar(model_info, parity, frame, workload, runs, kernels)
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert parity["max_abs_logprob_diff"] <= max_logprob_diff, parity
@@ -115,6 +119,13 @@ def build() -> nbformat.NotebookNode:
            "KV heads, whose KV pages it reads (KV-shared layers read a store layer's), MLP width "
            "(double on shared layers), RoPE theta and rotated fraction, window. Then KV bytes per "
            "token: the engine's pool holds only the storing layers."), code(ARCH),
+        md("## flex kernel options for head_dim 256 and 512 (GPU)\nflex keeps a `BLOCK_M x D` "
+           "query tile and `num_stages` buffers of `BLOCK_N x D` K and V tiles in shared memory; "
+           "at D=512 the runner's prefill tiles (64 x 64, 2 stages) would need 320 KiB, over the "
+           "H200's 227 KiB. Each candidate is compiled on the engine's paged masks (32 rows x 152 "
+           "tokens, GQA 8:1), checked against the unfused flex result and timed (median ms); "
+           "`engine_default` marks what the engine uses (`nbhelpers/engine/models/gemma4.py`). "
+           "Skipped on the CPU."), code(KERNELS),
         md("## Parity against HF\nThe engine decodes greedily; one plain HF forward over prompt + "
            "engine tokens scores the same tokens again (teacher forcing), so a bf16 tie flip does "
            "not cascade into every later token. `abs_diff`: |engine - HF| logprob of a token; "

@@ -67,6 +67,26 @@ def kv_bytes_per_token(model: Any, dtype_bytes: int = 2) -> dict[str, int]:
     return {"engine_bytes": int(per_layer[stores].sum()), "every_layer_bytes": int(per_layer.sum())}
 
 
+def kernel_probe(seconds: float) -> Any:
+    """:func:`..gemma4_kernels.sweep` on CUDA for ``seconds`` (empty frame on the CPU or at 0),
+    with ``engine_default``: the candidate the engine uses (``gemma4.kernel_options``, else the
+    runner's prefill tiles, else torch's defaults: the ``None`` rows)."""
+    import pandas as pd
+    import torch
+
+    from nbhelpers.engine.models import gemma4, gemma4_kernels
+    if seconds <= 0 or not torch.cuda.is_available():
+        return pd.DataFrame(columns=["head_dim", "is_decode", "options", "ms", "max_abs_err",
+                                     "compile_s", "error", "engine_default"])
+    from nbhelpers.engine.model_runner import RunnerOptions
+    runner_prefill = RunnerOptions().prefill_kernel_options  # what the engine falls back to
+    frame = pd.DataFrame(gemma4_kernels.sweep(seconds))
+    frame["engine_default"] = [
+        o == (gemma4.kernel_options(d, dec) or (None if dec else runner_prefill))
+        for o, d, dec in zip(frame["options"], frame["head_dim"], frame["is_decode"])]
+    return frame
+
+
 def parity_llm(model: Any, prompts: list[list[int]], steps: int, page_size: int) -> Any:
     """A flex :class:`~nbhelpers.engine.LLM` whose pool holds every prompt + ``steps`` tokens."""
     from nbhelpers.engine import LLM
@@ -197,7 +217,7 @@ def runs_dir(out_dir: str, sidecar_path: str) -> Path:
 
 
 def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workload,
-                     runs: Path) -> dict:
+                     runs: Path, kernels: Any = None) -> dict:
     """The notebook's schema-v1 sidecar (backend ``flex``, phase3): parity numbers, the tok/s
     table per (backend, batch), and where the per-measurement sidecars are."""
     from dataclasses import asdict
@@ -210,6 +230,8 @@ def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workl
     return make_sidecar(phase="phase3", backend="flex", model=model_info, workload=asdict(
         workload), extra={"notebook": "34_gemma4", "parity": parity, "headline": headline,
                           "throughput": frame.to_dict(orient="records"),
+                          "kernel_probe": [] if kernels is None else
+                          kernels.astype(object).to_dict(orient="records"),
                           "measurement_sidecars": str(runs)})
 
 

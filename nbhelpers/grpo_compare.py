@@ -66,6 +66,28 @@ def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_thread
     return {k: out.get(k) for k in RUN_KEYS} | {"traceback": out.get("traceback")}
 
 
+def flex_options(sleep_between_rollouts: bool = False,
+                 compile_attention: str = "auto") -> dict[str, Any] | None:
+    """``train(flex_options=...)`` from notebook parameters; None when all are defaults.
+
+    ``compile_attention``: ``auto`` (engine default: on iff CUDA) | ``on`` | ``off``. On the CPU
+    ``on`` pays a ~20 s compile once and then decodes ~6x faster than the eager flex_attention
+    math path (SmolLM2-135M, 4 x 16 tokens: 3.3 s vs 21 s per rollout, measured here).
+
+    Raises:
+        ValueError: ``compile_attention`` not one of the three words.
+    """
+    choices = {"auto": None, "on": True, "off": False}
+    if compile_attention not in choices:
+        raise ValueError(f"compile_attention={compile_attention!r}: use auto | on | off.")
+    out: dict[str, Any] = {}
+    if sleep_between_rollouts:
+        out["sleep_between_rollouts"] = True
+    if choices[compile_attention] is not None:
+        out["compile_attention"] = choices[compile_attention]
+    return out or None
+
+
 def run_backends(backends: list[str], model: str, settings: GRPOSettings,
                  **kwargs: Any) -> dict[str, dict[str, Any]]:
     """:func:`run_isolated` for each backend in order; ``kwargs`` go to every run.

@@ -63,6 +63,7 @@ compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
 flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs while training
+flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
 cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest); 0 = leave
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
 sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it); empty: none"""
@@ -83,7 +84,7 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     list(backends), model, settings, dataset=dataset, n_questions=n_questions,
     skip_first=skip_first, compile_mode=compile_mode, vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
-    flex_options={"sleep_between_rollouts": True} if flex_sleep_between_rollouts else None,
+    flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
     progress=False)
 for name, run in runs.items():
     print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")"""

@@ -91,3 +91,41 @@ def test_thresholds_validate():
         Thresholds(reward_range=(1.0, 0.0))
     with pytest.raises(ValueError, match=">= 0"):
         Thresholds(kl_tolerance=-1.0)
+
+
+def _run(reward=-7.5, error=None, wall=2.0, peak=1.0):
+    steps = [r | {"wall_s": wall, "peak_mem_device_gib": peak, "completion_length_mean_tokens": 8.0,
+                  "num_tokens_total": 100.0 * r["step"]} for r in rows(reward=reward)]
+    summary = {"skip_first": 0, "step_time_s_median": wall, "peak_mem_device_gib": peak,
+               "peak_mem_allocated_gib": peak, "reward_median": reward}
+    return {"rows": [] if error else steps, "summary": None if error else summary,
+            "config": {"generation_batch_size": 4}, "wall_s": 4 * wall, "completions": [],
+            "error": error}
+
+
+def test_sidecars_round_trip_gate_and_perf_goal(tmp_path):
+    from nbhelpers import grpo_compare
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.stats import read_sidecars
+    runs = {"hf_generate": _run(wall=3.0), "flex": _run(wall=1.0, peak=1.0),
+            "vllm": _run(wall=2.0, peak=10.0), "unsloth": _run(error="BackendNotInstalled: x")}
+    gates = check_runs(runs, "hf_generate", TH)
+    paths = grpo_compare.write_sidecars(runs, gates, GRPOSettings(), {"name": "m"},
+                                        tmp_path / "run.json")
+    assert [p.name for p in paths] == ["run.json", "run__hf_generate.json", "run__flex.json",
+                                       "run__vllm.json", "run__unsloth.json"]
+    back, back_gates = grpo_compare.runs_from_sidecars(read_sidecars(tmp_path, phase="phase2"))
+    latest = grpo_compare.latest_per_backend(back)
+    assert set(latest) == set(runs) and latest["flex"]["rows"][0]["reward"] == -7.5
+    summary = grpo_compare.summary_frame(latest, {k.split("@")[0]: g for k, g in back_gates.items()})
+    assert summary.loc["unsloth", "gate"] == "not staged" and summary.loc["flex", "gate"] == "pass"
+    goal = grpo_compare.perf_goal(summary)
+    assert goal == {"step_ratio": 0.5, "memory_ratio": 0.1, "met": True}
+
+
+def test_flex_options_from_notebook_parameters():
+    from nbhelpers.grpo_compare import flex_options
+    assert flex_options() is None
+    assert flex_options(True, "on") == {"sleep_between_rollouts": True, "compile_attention": True}
+    with pytest.raises(ValueError, match="auto | on | off"):
+        flex_options(compile_attention="yes")

@@ -92,11 +92,12 @@ g4.free_device_memory()"""
 THROUGHPUT = """sides = g4.throughput_sweep(backends, model, batch_sizes, workload, runs,
                             {"flex": flex_options}, timeout_s=timeout_s)
 frame = g4.throughput_frame(sides)
+limits = g4.limits_for(model, sides) if device == "cuda" else None  # H200 bandwidth ceiling
 display(frame)
-display(g4.speedup_table(frame))
-g4.throughput_figure(frame)"""
+display(g4.speedup_table(frame, limits=limits))
+g4.throughput_figure(frame, limits)"""
 
-SIDECAR = """side = g4.notebook_sidecar(model_info, parity, frame, workload, runs, kernels)
+SIDECAR = """side = g4.notebook_sidecar(model_info, parity, frame, workload, runs, kernels, limits)
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert parity["max_abs_logprob_diff"] <= max_logprob_diff, parity
@@ -134,7 +135,10 @@ def build() -> nbformat.NotebookNode:
            "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
            "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "
            "transformers 5.17 continuous batching (`hf_cb`) reads the global `config.head_dim`, "
-           "which Gemma-4's per-layer config refuses (transformers issue #47721)."),
+           "which Gemma-4's per-layer config refuses (transformers issue #47721). On the GPU the "
+           "dashed line is the bandwidth ceiling: every weight once per step except the "
+           "per-layer-input table (2.35 B of E2B's 4.63 B parameters; only the batch's rows are "
+           "read) plus each layer's K/V reads, at the H200's measured 4.3 TB/s copy bandwidth."),
         code(THROUGHPUT),
         md("## Sidecar and checks\nWrites the schema-v1 sidecar and asserts the claims."),
         code(SIDECAR)]

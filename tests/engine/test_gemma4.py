@@ -195,3 +195,14 @@ def test_kernel_probe_case_matches_dense_attention():
                 is_causal=not is_decode, scale=1.0)
             got = out[r] if is_decode else out[0, :, 20 * r:20 * r + 20]
             assert (got - ref).abs().max() < 1e-5
+
+
+def test_decode_limit_skips_the_per_layer_input_table_and_caps_sliding_reads():
+    from nbhelpers.bench import H200_COPY_BANDWIDTH_BYTES_PER_S
+    from nbhelpers.engine.models.gemma4_report import decode_limit_tok_per_s
+    # tiny-gemma4: 6,483,424 params, of which the per-layer-input table is 49,152 x 4 x 16
+    weights = (6_483_424 - 49_152 * 64) * 2
+    # prompt 10, 10 new tokens: full layers read ctx 11..20 (mean 15.5), sliding ones min(ctx, 16)
+    kv = 2 * (2 * 16 * 2) * 14.5 + 2 * (2 * 32 * 2) * 15.5
+    expected = H200_COPY_BANDWIDTH_BYTES_PER_S / (weights + kv)
+    assert decode_limit_tok_per_s("tiny-gemma4", 1, 10, 10) == pytest.approx(expected)

@@ -67,6 +67,47 @@ def kv_bytes_per_token(model: Any, dtype_bytes: int = 2) -> dict[str, int]:
     return {"engine_bytes": int(per_layer[stores].sum()), "every_layer_bytes": int(per_layer.sum())}
 
 
+def decode_limit_tok_per_s(model: str, batch: int, prompt_tokens: float, max_new_tokens: int,
+                           param_bytes: int = 2, kv_bytes: int = 2) -> float:
+    """Memory-bandwidth ceiling of Gemma-4 decode (tokens/s), prefill ignored.
+
+    Per step: every weight once *except* the per-layer-input table (only ``batch`` rows of it are
+    gathered: 2.35 B of E2B's 4.63 B parameters), plus each layer's read of its (store layer's)
+    K/V: ``min(ctx, window)`` tokens on sliding layers, ``ctx`` on full ones, averaged over the
+    decode (``ctx = prompt + t``, t = 1..max_new_tokens). Step time >= bytes / bandwidth, at the
+    H200's measured copy bandwidth (``nbhelpers.bench.H200_COPY_BANDWIDTH_BYTES_PER_S``, DESIGN.md
+    "Reference workloads"); the same formula as ``bench.decode_limit_tok_per_s`` otherwise.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nbhelpers.bench import H200_COPY_BANDWIDTH_BYTES_PER_S
+    from nbhelpers.models import build_config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(build_config(model))
+    ple = getattr(hf.model, "embed_tokens_per_layer", None)
+    weights = sum(p.numel() for p in hf.parameters()) - (ple.weight.numel() if ple else 0)
+    table, steps = architecture_table(hf), range(1, max_new_tokens + 1)
+    kv = 0.0
+    for _, row in table.iterrows():
+        window = row["window"] if row["window"] == row["window"] else float("inf")  # NaN: full
+        ctx = sum(min(prompt_tokens + t, window) for t in steps) / max_new_tokens
+        kv += 2 * row["kv_heads"] * row["head_dim"] * kv_bytes * ctx
+    step_bytes = weights * param_bytes + batch * kv
+    return batch * H200_COPY_BANDWIDTH_BYTES_PER_S / step_bytes
+
+
+def limits_for(model: str, sides: list[dict]) -> dict[int, float]:
+    """:func:`decode_limit_tok_per_s` per batch, from each sidecar's actual prompt mean."""
+    out: dict[int, float] = {}
+    for side in sides:
+        w, batch = side.get("workload") or {}, side.get("batch")
+        if batch is not None and batch not in out and w.get("prompt_tokens_mean"):
+            out[batch] = decode_limit_tok_per_s(model, batch, w["prompt_tokens_mean"],
+                                                w["max_new_tokens"])
+    return out
+
+
 def kernel_probe(seconds: float) -> Any:
     """:func:`..gemma4_kernels.sweep` on CUDA for ``seconds`` (empty frame on the CPU or at 0),
     with ``engine_default``: the candidate the engine uses (``gemma4.kernel_options``, else the
@@ -167,8 +208,9 @@ def throughput_frame(sides: list[dict]) -> Any:
         for s in sides])
 
 
-def throughput_figure(frame: Any) -> Any:
-    """Decode tok/s against batch size, one line per backend in its fixed colour."""
+def throughput_figure(frame: Any, limits: dict[int, float] | None = None) -> Any:
+    """Decode tok/s against batch size, one line per backend in its fixed colour; ``limits``
+    (batch -> tok/s) as a dashed black line (the bandwidth ceiling)."""
     from matplotlib.figure import Figure
 
     from nbhelpers.plots import color
@@ -178,6 +220,9 @@ def throughput_figure(frame: Any) -> Any:
         grp = grp.sort_values("batch")
         ax.plot(grp["batch"], grp["decode_tok_per_s"], marker="o", label=name,
                 color=color(name.removesuffix("_lora")))
+    if limits:
+        xs = sorted(limits)
+        ax.plot(xs, [limits[b] for b in xs], "k--", label="bandwidth limit")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (prompts decoded together)")
     ax.set_ylabel("output tok/s (median round)")
@@ -186,11 +231,16 @@ def throughput_figure(frame: Any) -> Any:
     return fig
 
 
-def speedup_table(frame: Any, engine: str = "flex") -> Any:
-    """tok/s per batch (rows) and backend (columns), plus ``<engine>_x_<other>`` ratios."""
+def speedup_table(frame: Any, engine: str = "flex", limits: dict[int, float] | None = None) -> Any:
+    """tok/s per batch (rows) and backend (columns), ``<engine>_x_<other>`` ratios and, with
+    ``limits`` (batch -> bandwidth ceiling), ``limit_tok_per_s`` and ``<engine>_pct_of_limit``."""
     wide = frame.pivot_table(index="batch", columns="backend", values="decode_tok_per_s")
     for other in [c for c in wide.columns if c != engine and engine in wide.columns]:
         wide[f"{engine}_x_{other}"] = wide[engine] / wide[other]
+    if limits:
+        wide["limit_tok_per_s"] = [limits.get(int(b)) for b in wide.index]
+        if engine in wide.columns:
+            wide[f"{engine}_pct_of_limit"] = 100 * wide[engine] / wide["limit_tok_per_s"]
     return wide
 
 
@@ -217,7 +267,7 @@ def runs_dir(out_dir: str, sidecar_path: str) -> Path:
 
 
 def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workload,
-                     runs: Path, kernels: Any = None) -> dict:
+                     runs: Path, kernels: Any = None, limits: dict | None = None) -> dict:
     """The notebook's schema-v1 sidecar (backend ``flex``, phase3): parity numbers, the tok/s
     table per (backend, batch), and where the per-measurement sidecars are."""
     from dataclasses import asdict
@@ -232,6 +282,7 @@ def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workl
                           "throughput": frame.to_dict(orient="records"),
                           "kernel_probe": [] if kernels is None else
                           kernels.astype(object).to_dict(orient="records"),
+                          "decode_limit_tok_per_s": limits or {},
                           "measurement_sidecars": str(runs)})
 
 
@@ -244,7 +295,8 @@ def result_line(parity: dict, frame: Any, device: str) -> str:
             f"{parity['n_tokens']} tokens.")
     parts = []
     for b, row in wide.iterrows():
-        cells = [f"{c} {row[c]:.0f}" for c in wide.columns if "_x_" not in c and row[c] == row[c]]
+        cells = [f"{c} {row[c]:.0f}" for c in wide.columns
+                 if "_x_" not in c and "limit" not in c and row[c] == row[c]]
         ratios = [f"{c.split('_x_')[1]} x{row[c]:.1f}" for c in wide.columns
                   if "_x_" in c and row[c] == row[c]]
         parts.append(f"batch {b}: " + ", ".join(cells) + " tok/s"

@@ -44,8 +44,15 @@ class Snapshots(TrainerCallback):
         self.states[state.global_step] = self.lora(model)
 
 
-@pytest.fixture(scope="module")
-def flex_run(tmp_path_factory):
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16, CUDA-graph decode)")])
+
+
+@pytest.fixture(scope="module", params=["cpu", ON_CUDA])
+def flex_run(request, tmp_path_factory):
+    """Two flex GRPO steps; ``cpu`` (fp32, eager) is forced even on GPU hosts, ``cuda`` runs
+    bf16 with the engine's CUDA-graph decode (the captured graphs must see the update too)."""
+    from nbhelpers import grpo
     torch.set_num_threads(1)  # tiny GEMMs on 2 shared cores (tests/engine/_tiny.py)
     made = []
 
@@ -61,6 +68,7 @@ def flex_run(tmp_path_factory):
     snaps = Snapshots()
     mp = pytest.MonkeyPatch()
     mp.setattr(grpo_flex, "FlexRollout", Recorded)
+    mp.setattr(grpo, "_is_cuda", lambda: request.param == "cuda")
     try:
         result = train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
                        output_dir=tmp_path_factory.mktemp("grpo_flex"), skip_first=0,
@@ -68,11 +76,11 @@ def flex_run(tmp_path_factory):
                        flex_options={"keep_history": True})
     finally:
         mp.undo()
-    return result, made[0], snaps
+    return result, made[0], snaps, request.param
 
 
 def test_lora_weights_changed(flex_run):
-    _, _, snaps = flex_run
+    snaps = flex_run[2]
     assert set(snaps.states) == {0, 1, 2}
     for step in (1, 2):
         delta = max((snaps.states[step][k] - snaps.states[step - 1][k]).abs().max().item()
@@ -81,7 +89,7 @@ def test_lora_weights_changed(flex_run):
 
 
 def test_engine_reads_the_trainers_own_tensors(flex_run):
-    _, rollout, _ = flex_run
+    rollout = flex_run[1]
     from nbhelpers.engine.lora import LiveLinear
     live = {id(p.module.lora_A["default"].weight) for p in _live_linears(rollout)}
     trainer_params = {id(p) for n, p in rollout.policy.named_parameters() if "lora_A" in n}
@@ -117,14 +125,17 @@ def _hf_logprobs(model, state, prompt, completion):
     params = dict(model.named_parameters())
     for name, value in state.items():
         params[name].copy_(value)
-    ids = torch.tensor([prompt + completion])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + completion], device=device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    picked = torch.tensor(completion, device=device)[:, None]
+    return torch.log_softmax(logits, -1).gather(1, picked)[:, 0].cpu()
 
 
 def test_second_rollout_used_the_updated_weights(flex_run):
-    _, rollout, snaps = flex_run
+    _, rollout, snaps, device = flex_run
     assert [h["global_step"] for h in rollout.history] == [0, 1]
+    atol = 1e-4 if device == "cpu" else 0.1  # fp32 eager vs bf16 (engine graph vs HF forward)
     second = rollout.history[1]
     model, final = rollout.policy, Snapshots.lora(rollout.policy)
     was_training = model.training
@@ -135,17 +146,19 @@ def test_second_rollout_used_the_updated_weights(flex_run):
             engine = torch.tensor(second["logprobs"][i])
             after_step1 = _hf_logprobs(model, snaps.states[1], *args)
             before = _hf_logprobs(model, snaps.states[0], *args)
-            assert torch.allclose(engine, after_step1, atol=1e-4), (engine, after_step1)
-            assert (engine - before).abs().max() > 1e-3  # the old weights give other logprobs
+            assert torch.allclose(engine, after_step1, atol=atol), (engine, after_step1)
+            # the old weights give other logprobs: the engine followed the update
+            assert (engine - after_step1).abs().mean() < (engine - before).abs().mean() / 2
     finally:
         _hf_logprobs(model, final, [0], [0])
         model.train(was_training)
 
 
 def test_mismatch_metric_and_gate_on_the_real_run(flex_run):
-    result, _, _ = flex_run
+    result, _, _, device = flex_run
     rows = step_rows(result)
-    assert len(rows) == 2 and all(r[MISMATCH_MEAN] < 1e-4 for r in rows)
+    limit = 1e-4 if device == "cpu" else 0.05
+    assert len(rows) == 2 and all(r[MISMATCH_MEAN] < limit for r in rows)
     assert all(r["generate_s"] > 0 for r in rows)
     th = thresholds_for("random", reward_range=(0.0, 8.0))  # letter_e_reward: 0..8 per 8 tokens
     assert check_run("flex", rows, th).passed

@@ -13,6 +13,9 @@ each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
   TRL logs KL only when ``beta > 0``: with ``beta == 0`` the check is skipped, saying so.
 * ``kl_vs_reference``: per step, ``|kl - kl_ref| <= kl_tolerance`` against the reference backend.
 * ``reward_vs_reference``: the median reward is within ``reward_tolerance`` of the reference's.
+* ``learning_signal`` (``info``, never failing): how many steps had ``grad_norm > 0``. With
+  reward ties in every group (all -7.5 for a model that never writes the format tags) GRPO's
+  advantages are zero, nothing trains, and the KL checks pass without testing anything.
 * ``logprob_mismatch``: mean ``|engine logprob - trainer logprob|`` (nats/token) <=
   ``logprob_mismatch_max``; skipped for backends that report no logprobs (hf_generate, hf_cb,
   unsloth fi=False). Engines report *processed* logprobs (after ``min_p`` / ``top_k`` /
@@ -189,6 +192,13 @@ def _check_mismatch(rows: list[dict[str, Any]], th: Thresholds) -> Check:
                  f"{worst:.3g} nats/token (limit {th.logprob_mismatch_max})")
 
 
+def _check_signal(rows: list[dict[str, Any]]) -> Check:
+    moved = sum(1 for r in rows if _finite(r.get("grad_norm")) and r["grad_norm"] > 0)
+    note = "" if moved else ": every reward tie gives zero advantages, so the KL checks compare " \
+                            "untrained policies (use a model that scores, or more steps)"
+    return Check("learning_signal", "info", f"grad_norm > 0 at {moved}/{len(rows)} steps{note}")
+
+
 def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
               reference_rows: list[dict[str, Any]] | None = None) -> GateResult:
     """Gate one run (see module docstring); ``reference_rows`` None = no cross-backend checks."""
@@ -196,7 +206,8 @@ def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
         _check_finite(rows, "loss"), _check_finite(rows, "grad_norm"),
         _check_reward(rows, thresholds), _check_kl_early(rows, thresholds),
         _check_kl_ref(rows, reference_rows, thresholds),
-        _check_reward_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds)])
+        _check_reward_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds),
+        _check_signal(rows)])
 
 
 def is_not_staged(error: str | None) -> bool:

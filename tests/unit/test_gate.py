@@ -36,7 +36,7 @@ def test_healthy_rows_pass_every_check():
     assert {c.name: c.status for c in res.checks} == {
         "loss_finite": "pass", "grad_norm_finite": "pass", "reward_range": "pass",
         "kl_early": "pass", "kl_vs_reference": "pass", "reward_vs_reference": "pass",
-        "logprob_mismatch": "pass"}
+        "logprob_mismatch": "pass", "learning_signal": "info"}
 
 
 @pytest.mark.parametrize("bad,check", [
@@ -63,6 +63,13 @@ def test_beta_zero_and_no_logprobs_are_skipped_not_passed():
     res = check_run("hf_generate", rows(kl=None), TH)
     assert res.status("kl_early") == "skip" and res.status("logprob_mismatch") == "skip"
     assert res.passed
+
+
+def test_no_learning_signal_is_reported():
+    res = check_run("flex", [
+        r | {"grad_norm": 0.0} for r in rows()], TH)
+    detail = next(c.detail for c in res.checks if c.name == "learning_signal")
+    assert res.passed and detail.startswith("grad_norm > 0 at 0/4 steps: every reward tie")
 
 
 def test_check_runs_not_installed_is_skip_other_errors_fail():

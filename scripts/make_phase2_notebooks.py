@@ -141,7 +141,7 @@ def equivalence() -> nbformat.NotebookNode:
         _cell(EQ_GATE),
         md("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`)."),
         _cell(EQ_PLOTS),
-        md("## Notes, compile report, a completion\nVLLM-only settings ignored elsewhere; graph "
+        md("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
            "breaks and recompiles of `compile_mode`."), _cell(EQ_DETAILS),
         md("## Gate checks, sidecars and the verdict\nFails loudly when the gate fails."),
         _cell(EQ_SIDECAR)])

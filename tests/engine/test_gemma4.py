@@ -36,8 +36,10 @@ def _randomise_norms_and_scalars(model, seed: int = 1):
 
 def tiny_gemma4(variant: str = "e2b_like", seed: int = 0):
     """``tiny-gemma4`` of the registry (E2B features), or a variant built here:
-    ``k_eq_v`` (V = raw K on full layers, 2 global KV heads: the 31B-style attention) and
-    ``no_ple_no_sharing`` (hidden_size_per_layer_input 0, num_kv_shared_layers 0)."""
+    ``k_eq_v`` (V = raw K on full layers, 2 global KV heads: the 31B-style attention),
+    ``no_ple_no_sharing`` (hidden_size_per_layer_input 0, num_kv_shared_layers 0) and
+    ``e2b_layers`` (E2B's 35-layer pattern, full every 5th, the last 20 KV-shared: store layers
+    13 and 14, at hidden 64)."""
     from transformers import Gemma4ForCausalLM
 
     from nbhelpers.model_configs import tiny_gemma4 as registry_config
@@ -47,6 +49,9 @@ def tiny_gemma4(variant: str = "e2b_like", seed: int = 0):
         d.pop("per_layer_config", None)
         if variant == "k_eq_v":
             d.update(attention_k_eq_v=True, num_global_key_value_heads=2, num_attention_heads=4)
+        elif variant == "e2b_layers":
+            d.update(num_hidden_layers=35, num_kv_shared_layers=20, layer_types=[
+                "full_attention" if i % 5 == 4 else "sliding_attention" for i in range(35)])
         else:
             d.update(hidden_size_per_layer_input=0, num_kv_shared_layers=0)
         cfg = type(cfg)(**d, global_head_dim=32)
@@ -69,15 +74,24 @@ def test_tiny_config_keeps_every_feature(e2b_like):
     assert e2b_like.config.final_logit_softcapping == 30.0
 
 
-@pytest.mark.parametrize("variant", ["e2b_like", "k_eq_v", "no_ple_no_sharing"])
+@pytest.mark.parametrize("variant", ["e2b_like", "k_eq_v", "no_ple_no_sharing", "e2b_layers"])
 def test_greedy_matches_hf(variant, e2b_like):
     model = e2b_like if variant == "e2b_like" else tiny_gemma4(variant)
+    if variant == "e2b_layers":  # 35 layers of fp32 rounding reach 1e-4; in fp64 only the
+        model = model.double()  # final fp32 log-softmax rounding (~1e-6) is left
     prompts = random_prompts(3, 5, 40, vocab=VOCAB)  # past the 16-token window, across pages
     outs = LLM(model, **SMALL).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
         ref, ref_lp = hf_greedy(model, prompt, GREEDY.max_new_tokens)
         assert out.token_ids == ref
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lp)) < 1e-4
+
+
+def test_e2b_layer_pattern_reads_store_layers_13_and_14():
+    llm = LLM(tiny_gemma4("e2b_layers"), **SMALL)
+    expected = list(range(15)) + [14 if i % 5 == 4 else 13 for i in range(15, 35)]
+    assert llm.runner.model.store_of == expected
+    assert all(llm.runner.kv.k[i] is llm.runner.kv.k[expected[i]] for i in range(35))
 
 
 def test_shared_layers_read_the_store_layers_pages(e2b_like):

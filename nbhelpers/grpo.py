@@ -41,9 +41,10 @@ def fixed_batch_size(per_device_train_batch_size: int, num_generations: int,
 
     TRL 1.15.0 (``trl/trainer/grpo_config.py``, ``GRPOConfig.__post_init__``) sets
     ``generation_batch_size = per_device_train_batch_size * world_size * steps_per_generation``
-    (``steps_per_generation`` defaults to ``gradient_accumulation_steps``) and raises ``ValueError``
-    unless it is divisible by ``num_generations``. With one process and no accumulation this is
-    the next multiple of ``num_generations``. Counts are completions, not prompts.
+    (``steps_per_generation`` defaults to ``gradient_accumulation_steps``) and raises
+    ``ValueError`` unless it is divisible by ``num_generations``. With one process and no
+    accumulation this is the next multiple of ``num_generations``. Counts are completions, not
+    prompts.
 
     Raises:
         ValueError: any argument < 1.
@@ -70,8 +71,8 @@ def build_config(settings: GRPOSettings, output_dir: str | os.PathLike, **overri
     ``per_device_train_batch_size`` is raised to :func:`fixed_batch_size` with a logged warning;
     ``top_k`` goes through :mod:`nbhelpers.shims.transformers_top_k`; the warm-up ratio becomes
     ``warmup_steps`` (a float < 1 is a ratio in transformers 5.17). On a host without CUDA,
-    ``use_cpu=True`` and fp32; with CUDA, ``bf16=True``. Logging goes nowhere (``report_to="none"``)
-    and no checkpoints are saved.
+    ``use_cpu=True`` and fp32; with CUDA, ``bf16=True``. Logging goes nowhere
+    (``report_to="none"``) and no checkpoints are saved.
 
     Raises:
         TypeError: an override names no ``GRPOConfig`` field.
@@ -150,7 +151,8 @@ class GRPOResult:
     """What :func:`train` measured.
 
     Attributes:
-        records: one dict per optimiser step (see :class:`~nbhelpers.grpo_stats.StatisticsCallback`).
+        records: one dict per optimiser step
+            (see :class:`~nbhelpers.grpo_stats.StatisticsCallback`).
         summary: post-warm-up medians (``StatisticsCallback.summary``).
         completions: sampled rows ``{"step", "question", "completion", "answer", <reward fn>...}``.
         log_history: the trainer's ``state.log_history`` (TRL's raw logs).
@@ -233,8 +235,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     trainer.train()
     wall_s = time.perf_counter() - t0
     return GRPOResult(
-        model_name=model_name, backend=backend, records=stats.records, summary=stats.summary(skip_first),
-        completions=recorder.rows, log_history=list(trainer.state.log_history),
+        model_name=model_name, backend=backend, records=stats.records,
+        summary=stats.summary(skip_first), completions=recorder.rows,
+        log_history=list(trainer.state.log_history),
         reward_names=list(trainer.reward_func_names), dataset_stats=dict(ds_stats),
         config={k: getattr(args, k) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)},
         wall_s=wall_s)

@@ -1,7 +1,7 @@
 """Per-step GRPO statistics and a completion sampler for :mod:`nbhelpers.grpo`.
 
-Contract: :class:`StatisticsCallback` is a ``transformers.TrainerCallback`` that records one dict per
-optimiser step (wall time, peak memory, loss, each reward function's mean, KL, grad norm,
+Contract: :class:`StatisticsCallback` is a ``transformers.TrainerCallback`` that records one dict
+per optimiser step (wall time, peak memory, loss, each reward function's mean, KL, grad norm,
 completion length) from the trainer's step hooks and TRL's log dict; :meth:`summary` gives the
 post-warm-up medians. :class:`CompletionRecorder` wraps the reward functions so the notebook can
 show real completions beside the rewards they got. Both run on the CPU (tests drive them with fake
@@ -38,6 +38,7 @@ TRL_LOG_KEYS: dict[str, str] = {
     "num_tokens": "num_tokens_total",  # cumulative prompt + completion tokens seen
 }
 REWARD_PREFIX, REWARD_SUFFIX = "rewards/", "/mean"
+RewardFunc = Callable[..., list[float]]
 
 
 def _reward_means(logs: dict[str, Any]) -> dict[str, float | None]:
@@ -47,11 +48,12 @@ def _reward_means(logs: dict[str, Any]) -> dict[str, float | None]:
 
 
 class StatisticsCallback(TrainerCallback):
-    """Records per optimiser step: ``wall_s`` (seconds, CUDA-synchronised), ``peak_mem_allocated_gib``
-    and ``peak_mem_device_gib`` (GiB; GPU: ``torch.cuda.max_memory_allocated`` since the step began
-    and card memory in use; CPU: process peak RSS for both), and from TRL's logs ``loss``,
-    ``grad_norm``, ``kl`` (logged by TRL only when ``beta > 0``), ``reward``, each
-    ``rewards/<func>/mean``, ``completion_length_mean_tokens``.
+    """Records per optimiser step: ``wall_s`` (seconds, CUDA-synchronised),
+    ``peak_mem_allocated_gib`` and ``peak_mem_device_gib`` (GiB; GPU:
+    ``torch.cuda.max_memory_allocated`` since the step began and card memory in use; CPU:
+    process peak RSS for both), and from TRL's logs ``loss``, ``grad_norm``, ``kl`` (logged by
+    TRL only when ``beta > 0``), ``reward``, each ``rewards/<func>/mean``,
+    ``completion_length_mean_tokens``.
 
     ``records`` is a list of flat dicts, one per step, ready for ``pandas.DataFrame``.
     """
@@ -161,7 +163,7 @@ class CompletionRecorder(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.step = state.global_step + 1
 
-    def wrap(self, funcs: Sequence[Callable[..., list[float]]]) -> list[Callable[..., list[float]]]:
+    def wrap(self, funcs: Sequence[RewardFunc]) -> list[RewardFunc]:
         """Wrapped copies of TRL-signature reward functions ``f(prompts, completions, **kw)``."""
         return [self._wrap_one(f) for f in funcs]
 

@@ -65,7 +65,8 @@ def reference_table(result: GRPOResult, device: str) -> pd.DataFrame:
 
 def grpo_rounds(result: GRPOResult, skip_first: int) -> list[dict[str, float]]:
     """Sidecar ``rounds``: one per post-warm-up step, ``wall_s``, ``new_tokens`` (mean completion
-    length x completions per step), ``prompt_tokens`` (TRL's ``num_tokens`` increase minus them)."""
+    length x completions per step), ``prompt_tokens`` (TRL's ``num_tokens`` increase minus
+    them)."""
     batch = result.config["generation_batch_size"]
     rounds, prev = [], 0.0
     for i, rec in enumerate(result.records):
@@ -82,13 +83,15 @@ def grpo_rounds(result: GRPOResult, skip_first: int) -> list[dict[str, float]]:
 def headline(result: GRPOResult) -> dict[str, Any]:
     """The numbers ``executed/INDEX.md`` shows for a phase 0 run."""
     s = result.summary
-    return {"step_time_s_median": s["step_time_s_median"], "peak_mem_gib": s["peak_mem_device_gib"],
+    return {"step_time_s_median": s["step_time_s_median"],
+            "peak_mem_gib": s["peak_mem_device_gib"],
             "reward_median": s.get("reward_median"), "steps": s["n_steps"]}
 
 
 def phase0_sidecar(result: GRPOResult, settings: GRPOSettings, model_info: dict[str, Any],
                    skip_first: int) -> dict[str, Any]:
-    """The schema-v1 sidecar of a phase 0 run (``phase0``, ``hf_generate``), GRPO stats as extras."""
+    """The schema-v1 sidecar of a phase 0 run (``phase0``, ``hf_generate``); GRPO stats as
+    extras."""
     s = result.summary
     prompt_tokens_mean = result.dataset_stats.get("prompt_tokens_mean")
     workload = {"n_prompts": result.config["generation_batch_size"] // settings.num_generations,

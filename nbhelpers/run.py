@@ -34,7 +34,7 @@ from nbhelpers.stats import device_tag, git_sha, make_sidecar, utc_stamp, write_
 log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-"""Where ``nbhelpers`` lives; put on the child's ``PYTHONPATH`` so an uninstalled checkout works."""
+"""Where ``nbhelpers`` lives; on the child's ``PYTHONPATH`` so an uninstalled checkout works."""
 REPO = PACKAGE_ROOT
 PHASE_DIRS = {"phase0": "phase0_reference", "phase1": "phase1_rollout",
               "phase2": "phase2_grpo", "phase3": "phase3_flex"}
@@ -68,7 +68,8 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
     if target.endswith(".ipynb"):
         path = Path(target) if Path(target).is_absolute() else repo / target
         if not path.is_file():
-            raise FileNotFoundError(f"notebook {target!r} not found (paths are relative to {repo}).")
+            raise FileNotFoundError(f"notebook {target!r} not found (paths are relative to "
+                                    f"{repo}).")
         return [path]
     folder = PHASE_DIRS.get(target, target)
     if folder not in PHASE_DIRS.values():
@@ -104,7 +105,7 @@ def load_parameters(notebook: Path, profile: str, overrides: dict[str, Any] | No
 
 
 def parse_overrides(pairs: list[tuple[str, str]] | None) -> dict[str, Any]:
-    """``-p NAME VALUE`` pairs with each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str)."""
+    """``-p NAME VALUE`` pairs, each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str)."""
     import yaml
     return {name: yaml.safe_load(value) for name, value in (pairs or [])}
 

@@ -28,7 +28,7 @@ OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_t
 
 
 class TorchLogProb:
-    """Drop-in for ``trl.kernels.ChunkedLogProbFunction`` (same ``apply`` signature and outputs)."""
+    """Drop-in for ``trl.kernels.ChunkedLogProbFunction``: same ``apply`` signature and outputs."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature: float, chunk_size: int,

@@ -19,7 +19,8 @@ print("answer is", answer)"""
 FAIL_SOURCE = 'print("partial output before the failure")\nraise RuntimeError("boom in cell")'
 
 
-def _notebook(path: Path, body: str, params: str = "answer = 1  # help\nsidecar_path = ''") -> Path:
+def _notebook(path: Path, body: str,
+              params: str = "answer = 1  # help\nsidecar_path = ''") -> Path:
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell(params)
     cell.metadata["tags"] = ["parameters"]

@@ -173,7 +173,7 @@ def _kernel_env(env: dict[str, str]) -> dict[str, str]:
     spec_dir.mkdir(parents=True, exist_ok=True)
     spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": f"nbhelpers ({sys.executable})", "language": "python"}
-    tmp = spec_dir / f"kernel.json.{os.getpid()}"
+    tmp = spec_dir / f"kernel.json.{os.getpid()}.{threading.get_ident()}"  # workers are threads
     tmp.write_text(json.dumps(spec))
     tmp.replace(spec_dir / "kernel.json")
     env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), env.get("JUPYTER_PATH")]))
@@ -217,7 +217,12 @@ def _worker(queue: Queue, gpu: str | None, repo: Path) -> None:
         except Empty:
             return
         job.gpu = gpu if gpu is not None else job.gpu
-        execute(job, repo)
+        try:
+            execute(job, repo)
+        except Exception as exc:  # a runner bug must fail the job visibly, not kill the worker
+            log.exception("runner error on %s", job.notebook.name)
+            job.returncode = -1
+            mark_failed(job, f"runner error: {exc!r}")
 
 
 def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,

@@ -166,3 +166,15 @@ def test_index_links_sidecar_when_no_notebook_and_uses_fallback_headline(tmp_pat
     (row,) = index_rows(tmp_path)
     assert row["run"] == "[b](phase3_flex/bench/b.json)" and row["status"] == "ok"
     assert row["headline"] == "decode_tok_per_s_median=10, wall_s_median=2"
+
+
+def test_runner_error_fails_the_job_instead_of_killing_the_worker(repo, monkeypatch):
+    def broken(job, repo):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(runner, "REPO", repo)
+    monkeypatch.setattr(runner, "execute", broken)
+    (job,) = runner.run("phase0")
+    side = json.loads(job.sidecar.read_text())
+    assert job.status == "failed" and "disk full" in side["error"]
+    assert "| failed |" in (repo / "executed/INDEX.md").read_text()

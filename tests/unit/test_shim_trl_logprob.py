@@ -46,8 +46,9 @@ def test_canary_trl_still_lacks_a_cpu_path_and_install_fills_it(monkeypatch):
     """When this fails, TRL imports a log-prob function without Triton: delete the shim."""
     import trl.trainer.utils as trl_utils
 
-    assert trl_utils._ChunkedLogProbFunction is None
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)
+    with pytest.raises(ImportError, match="triton"):
+        import trl.kernels  # noqa: F401  (what leaves TRL's slot empty)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)  # as at import, pre-install
     assert shim.is_needed() and shim.install()
     assert trl_utils._ChunkedLogProbFunction is shim.TorchLogProb
     assert not shim.install()  # already filled: nothing replaced

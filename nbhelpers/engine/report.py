@@ -64,6 +64,7 @@ def mask_figure(token_mask: Any, page_mask: Any, page_size: int) -> Any:
     b.imshow(page_mask, aspect="auto", interpolation="nearest", cmap="Blues")
     b.set(title="BlockMask: pages each row visits (kv_indices = block_table)",
           xlabel="physical page", ylabel="sequence row")
+    plt.close(fig)  # the notebook shows the returned figure once
     return fig
 
 
@@ -104,33 +105,41 @@ def chi_square(counts: Any, probs: Any, min_expected: float = 5.0) -> dict[str, 
 
 
 def exact_filtered_probs(logits: Any, sp: SamplingParams) -> Any:
-    """The exact processed distribution ``[V]`` (float64) of one logits row under ``sp``."""
+    """The exact processed distribution ``[V]`` of one logits row under ``sp``, computed in
+    float32 like the sampler (so that top-k / top-p boundaries between near-tied logits fall
+    where the sampler puts them), returned as float64 renormalised."""
     import torch
 
     from nbhelpers.engine.sampler import filtered_probs
-    one = lambda v, **k: torch.tensor([v], **k)
-    return filtered_probs(logits.double().unsqueeze(0), one(sp.temperature, dtype=torch.float64),
-                          one(sp.min_p, dtype=torch.float64), one(sp.top_k),
-                          one(sp.top_p, dtype=torch.float64))[0].numpy()
+    one = lambda v, **k: torch.tensor([v], **k)  # noqa: E731
+    probs = filtered_probs(logits.float().unsqueeze(0), one(float(sp.temperature)),
+                           one(float(sp.min_p)), one(sp.top_k), one(float(sp.top_p)))[0]
+    probs = probs.double().numpy()
+    return probs / probs.sum()
 
 
-def sampler_draws(logits: Any, sp: SamplingParams, n_draws: int, seed: int = 0) -> Any:
+def sampler_draws(logits: Any, sp: SamplingParams, n_draws: int, seed: int = 0,
+                  chunk: int = 512) -> Any:
     """``n_draws`` first-token draws of the engine's sampler from one logits row (counts ``[V]``),
-    one seed per draw."""
+    one seed per draw; drawn ``chunk`` rows at a time (a row costs ~10 x V x 8 bytes)."""
     import numpy as np
     import torch
 
     from nbhelpers.engine.sampler import sample
-    full = lambda v, **k: torch.full((n_draws,), v, **k)
-    toks, _ = sample(logits.float().expand(n_draws, -1), full(float(sp.temperature)),
-                     full(float(sp.min_p)), full(int(sp.top_k), dtype=torch.long),
-                     full(float(sp.top_p)), torch.arange(n_draws) + seed * n_draws,
-                     torch.zeros(n_draws, dtype=torch.long))
-    return np.bincount(toks.numpy(), minlength=logits.shape[-1])
+    counts = np.zeros(logits.shape[-1], dtype=np.int64)
+    for start in range(0, n_draws, chunk):
+        n = min(chunk, n_draws - start)
+        full = lambda v, **k: torch.full((n,), v, **k)  # noqa: E731
+        toks, _ = sample(logits.float().expand(n, -1), full(float(sp.temperature)),
+                         full(float(sp.min_p)), full(int(sp.top_k), dtype=torch.long),
+                         full(float(sp.top_p)), torch.arange(start, start + n) + seed * n_draws,
+                         torch.zeros(n, dtype=torch.long), use_sort=sp.top_k > 0 or sp.top_p < 1)
+        counts += np.bincount(toks.numpy(), minlength=logits.shape[-1])
+    return counts
 
 
 def engine_draws(llm: Any, prompt: list[int], sp: SamplingParams, n_total: int,
-                 per_call: int = 128) -> Any:
+                 per_call: int = 64) -> Any:
     """First-token counts ``[V]`` from ``LLM.generate`` itself (n samples per call, distinct
     seeds per call), so the whole path (prefill, prefix sharing, sampler) is tested."""
     import numpy as np
@@ -144,33 +153,36 @@ def engine_draws(llm: Any, prompt: list[int], sp: SamplingParams, n_total: int,
     return counts
 
 
-def sampling_frame(logits: Any, settings: dict[str, SamplingParams], n_draws: int) -> Any:
+def sampling_counts(logits: Any, settings: dict[str, SamplingParams],
+                    n_draws: int) -> dict[str, tuple[Any, Any]]:
+    """Per setting: ``(counts [V], exact probs [V])`` of ``n_draws`` sampler draws."""
+    return {name: (sampler_draws(logits, sp, n_draws), exact_filtered_probs(logits, sp))
+            for name, sp in settings.items()}
+
+
+def sampling_frame(draws: dict[str, tuple[Any, Any]]) -> Any:
     """Per setting: support size, chi-square stat/dof/p, total-variation distance."""
     import numpy as np
     import pandas as pd
     rows = {}
-    for name, sp in settings.items():
-        exact = exact_filtered_probs(logits, sp)
-        counts = sampler_draws(logits, sp, n_draws)
-        test = chi_square(counts, exact)
-        rows[name] = {"support": int((exact > 0).sum()), **test,
+    for name, (counts, exact) in draws.items():
+        rows[name] = {"support": int((exact > 0).sum()), **chi_square(counts, exact),
                       "tv_distance": 0.5 * float(np.abs(counts / counts.sum() - exact).sum())}
     return pd.DataFrame(rows).T
 
 
-def sampling_figure(logits: Any, settings: dict[str, SamplingParams], n_draws: int,
-                    top: int = 20) -> Any:
+def sampling_figure(draws: dict[str, tuple[Any, Any]], top: int = 20) -> Any:
     """Empirical vs exact probability of the ``top`` most likely tokens, one panel per setting."""
     import matplotlib.pyplot as plt
     import numpy as np
-    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3),
+    fig, axes = plt.subplots(1, len(draws), figsize=(4 * len(draws), 3),
                              constrained_layout=True, squeeze=False)
-    for ax, (name, sp) in zip(axes[0], settings.items()):
-        exact = exact_filtered_probs(logits, sp)
-        emp = sampler_draws(logits, sp, n_draws) / n_draws
+    for ax, (name, (counts, exact)) in zip(axes[0], draws.items()):
         order = np.argsort(-exact)[:top]
-        ax.bar(np.arange(top) - 0.2, exact[order], width=0.4, label="exact")
-        ax.bar(np.arange(top) + 0.2, emp[order], width=0.4, label="sampled")
+        ax.bar(np.arange(len(order)) - 0.2, exact[order], width=0.4, label="exact")
+        ax.bar(np.arange(len(order)) + 0.2, counts[order] / counts.sum(), width=0.4,
+               label="sampled")
         ax.set(title=name, xlabel="token rank", ylabel="probability")
     axes[0][0].legend()
+    plt.close(fig)  # the notebook shows the returned figure once
     return fig

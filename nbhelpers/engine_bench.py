@@ -281,6 +281,7 @@ def sweep_figure(flex: Any, reference: Any | None = None) -> Any:
     ax.set(xscale="log", xlabel="batch (sequences)", ylabel="decode tok/s",
            title="flex engine batch sweep (random Qwen3-4B shape, 512 new tokens)")
     ax.legend(fontsize=7)
+    plt.close(fig)  # the notebook shows the returned figure once
     return fig
 
 
@@ -295,4 +296,5 @@ def breakdown_figure(profile: dict[str, float], step_ms: float) -> Any:
     ax.bar(["measured step (graph)"], [step_ms], color="grey")
     ax.set(ylabel="ms per decode step", title="where a decode step goes")
     ax.legend(fontsize=7)
+    plt.close(fig)  # the notebook shows the returned figure once
     return fig

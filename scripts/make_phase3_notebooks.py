@@ -62,13 +62,13 @@ llm.trace = []
 outs = llm.generate(prompts, sampling)
 schedule = rep.trace_frame(llm.trace)
 schedule"""),
-        ("## The page table after the first prefill\nSamples of one prompt list the same first "
-         "pages (shared, reference-counted); the partly filled last page is copied per sample.",
+        (("## The page table after the first prefill\nSamples of one prompt list the same first "
+          "pages (shared, reference-counted); the partly filled last page is copied per sample."),
          """first = next(e for e in llm.trace if e["kind"] == "prefill")
 rep.block_table_frame(first, page_size)"""),
-        ("## Block masks of a decode step\nTop: the token-level mask over physical KV slots (blue "
-         "lines: page boundaries). Bottom: the BlockMask's pages per row, i.e. `kv_indices = "
-         "block_table`: flex_attention visits only those.",
+        (("## Block masks of a decode step\nTop: the token-level mask over physical KV slots "
+          "(blue lines: page boundaries). Bottom: the BlockMask's pages per row, i.e. "
+          "`kv_indices = block_table`: flex_attention visits only those."),
          """event = next(e for e in llm.trace if e["kind"] == "decode")
 token_mask, page_mask = rep.decode_masks(event, num_pages, page_size)
 rep.mask_figure(token_mask, page_mask, page_size)"""),
@@ -245,9 +245,9 @@ sweep"""),
 if earlier is not None:
     display(earlier)
 eb.sweep_figure(earlier if earlier is not None and shape == "qwen3-4b" else sweep, reference)"""),
-        ("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) against "
-         "the measured graph step. Many small elementwise kernels (norms, RoPE, casts, LoRA adds, "
-         "block-mask building) cost launch latency even inside a graph.",
+        (("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) against "
+          "the measured graph step. Many small elementwise kernels (norms, RoPE, casts, LoRA "
+          "adds, block-mask building) cost launch latency even inside a graph."),
          """prof = (sides[-1].get("breakdown") or {}).get("profile")
 if prof is None and earlier is not None:  # fall back to the recorded H200 profile
     prof_sides = [s for s in read_sidecars(bench_dir, phase="phase3_flex")

@@ -111,7 +111,8 @@ def exact_filtered_probs(logits: Any, sp: SamplingParams) -> Any:
     import torch
 
     from nbhelpers.engine.sampler import filtered_probs
-    one = lambda v, **k: torch.tensor([v], **k)  # noqa: E731
+    def one(v: Any, **k: Any) -> Any:
+        return torch.tensor([v], **k)
     probs = filtered_probs(logits.float().unsqueeze(0), one(float(sp.temperature)),
                            one(float(sp.min_p)), one(sp.top_k), one(float(sp.top_p)))[0]
     probs = probs.double().numpy()
@@ -129,7 +130,8 @@ def sampler_draws(logits: Any, sp: SamplingParams, n_draws: int, seed: int = 0,
     counts = np.zeros(logits.shape[-1], dtype=np.int64)
     for start in range(0, n_draws, chunk):
         n = min(chunk, n_draws - start)
-        full = lambda v, **k: torch.full((n,), v, **k)  # noqa: E731
+        def full(v: Any, n: int = n, **k: Any) -> Any:
+            return torch.full((n,), v, **k)
         toks, _ = sample(logits.float().expand(n, -1), full(float(sp.temperature)),
                          full(float(sp.min_p)), full(int(sp.top_k), dtype=torch.long),
                          full(float(sp.top_p)), torch.arange(start, start + n) + seed * n_draws,

@@ -41,7 +41,9 @@ def uniform_noise(seeds: Any, gen_idx: Any, vocab_size: int) -> Any:
     row = _mix32(_mix32(lo) ^ _mix32(hi ^ 0x9E3779B9) ^ ((gen_idx * 0x85EBCA6B) & _M32))
     vid = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long) + 0x27D4EB2F)
     h = _mix32(row.unsqueeze(1) ^ vid.unsqueeze(0))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2^23 - 0.5) is exact in float32, so u < 1 strictly (24 bits rounded the top value
+    # to 1.0, E = -log(u) = 0 and p / E gave inf/NaN: a filtered-out token could win)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filtered_probs(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any,

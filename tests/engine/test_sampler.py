@@ -96,3 +96,12 @@ def test_seeds_reproducible_and_independent_of_batch(llm):
     torch.manual_seed(0)
     d = llm.generate(prompts, SamplingParams(**{**sp.to_dict(), "seed": None}))
     assert [o.token_ids for o in c] == [o.token_ids for o in d]
+
+
+def test_uniform_noise_strictly_inside_unit_interval():
+    from nbhelpers.engine.sampler import uniform_noise
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 1 << 16)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    # the largest hash value maps below 1 in float32 (the bug this guards against)
+    top = ((torch.tensor([0xFFFFFFFF]) >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    assert float(top) < 1.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from _tiny import hf_greedy, random_prompts, tiny_model
 
 from nbhelpers.config import SamplingParams
@@ -65,4 +64,3 @@ def test_greedy_matches_hf_smollm2_real_weights():
     ref, ref_lp = hf_greedy(model, prompt, 8)
     assert out.token_ids == ref
     assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lp)) < 1e-3
-    torch.set_num_threads(1)

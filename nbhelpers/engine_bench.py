@@ -263,7 +263,8 @@ def reference_frame(gold_paths: list[str]) -> Any:
             rows.append({"engine": r["engine"].replace("_lora", ""), "lora": bool(r["lora"]),
                          "batch": r["n_prompts"], "decode_tok_per_s": r["decode_tok_per_s"],
                          "peak_gib": r.get("peak_gpu_mem_gib"), "error": r.get("error") or ""})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["engine", "lora", "batch", "decode_tok_per_s", "peak_gib",
+                                       "error"])
 
 
 def sweep_figure(flex: Any, reference: Any | None = None) -> Any:

@@ -213,7 +213,7 @@ max_new_tokens: int = 8  # new tokens (W: 512)
 rounds: int = 1  # timed rounds (W: 3)
 lora_rank: int = 32  # LoRA r (alpha = 2r), on all 7 projections
 profile: bool = False  # kernel-class profile of one decode step (CUDA only)
-gold_dir: str = "/work/shared/research/measurements"  # phase 1 H200 measurements
+gold_dir: str = "../shared/research/measurements"  # phase-1 H200 gold runs; absent = none
 bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars to show beside
 min_tok_per_s: float = 1.0  # claim: every point ran and produced tokens
 sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)""",

@@ -299,3 +299,72 @@ def breakdown_figure(profile: dict[str, float], step_ms: float) -> Any:
     ax.legend(fontsize=7)
     plt.close(fig)  # the notebook shows the returned figure once
     return fig
+
+
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "t", "unsqueeze", "squeeze",
+                       "expand", "slice", "select", "split", "split_with_sizes", "as_strided",
+                       "alias", "detach", "permute", "unbind", "narrow", "lift_fresh",
+                       "view_as"})
+
+
+def count_decode_ops(llm: Any, batch: int = 4) -> dict[str, Any]:
+    """Aten ops of one eager decode step: the CPU proxy for CUDA kernels per step.
+
+    Counts every aten call under a ``TorchDispatchMode`` except pure view/metadata ops and
+    same-dtype ``to`` (no kernel on the GPU). The flex_attention call counts as one op per layer
+    (compiled on the GPU it is one Triton kernel; its eager CPU decomposition is not what the H200
+    runs). ``ops_per_layer`` is the difference between a step over all layers and one over all
+    but the last layer (Llama-block models). Needs a prior ``generate`` so a decode state of bucket
+    >= ``batch`` exists. Returns ``{"ops_per_step", "ops_per_layer", "fixed_ops", "num_layers",
+    "by_op"}`` (``by_op``: op name -> count over the step, top 25). Raises ``ValueError`` when no
+    decode state exists yet.
+    """
+    runner = llm.runner
+    states = [s for (b, _), s in sorted(runner.states.items()) if b >= batch]
+    if not states:
+        raise ValueError("count_decode_ops: no decode state yet; run llm.generate first.")
+    model = runner.model
+    full = _count_step(runner, states[0])
+    layers = model.layers
+    model.layers = layers[:-1]
+    try:
+        fewer = _count_step(runner, states[0])
+    finally:
+        model.layers = layers
+    total, per_layer = sum(full.values()), sum(full.values()) - sum(fewer.values())
+    return {"ops_per_step": total, "ops_per_layer": per_layer, "num_layers": len(layers),
+            "fixed_ops": total - per_layer * len(layers),
+            "by_op": dict(sorted(full.items(), key=lambda kv: -kv[1])[:25])}
+
+
+def _count_step(runner: Any, st: Any) -> dict[str, int]:
+    """Op-name counts of one eager ``_step_body`` on state ``st`` (state restored afterwards)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    counts: dict[str, int] = {}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name not in _VIEW_OPS and not (name == "to" and args and out is args[0]):
+                counts[name] = counts.get(name, 0) + 1
+            return out
+
+    model, flex = runner.model, runner.model.flex
+
+    def flex_as_one(*a: Any, **k: Any) -> Any:
+        counts["flex_attention"] = counts.get("flex_attention", 0) + 1
+        with _disable_current_modes():  # attention runs outside the counter (one kernel)
+            return flex(*a, **k)
+
+    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone(), st.col.clone())
+    model.flex = flex_as_one
+    try:
+        with torch.inference_mode(), Counter():
+            runner._step_body(st, st.use_sort)
+    finally:
+        model.flex = flex
+        for buf, val in zip((st.pos, st.gen_idx, st.tokens, st.col), saved):
+            buf.copy_(val)
+    return counts

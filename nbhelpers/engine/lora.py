@@ -7,10 +7,11 @@ the next rollout with no merge and no copy. The arithmetic is PEFT's ``lora.Line
 (peft/tuners/lora/layer.py): ``y = base(x); y = y + lora_B(lora_A(x.to(A.dtype))) * scaling`` cast
 back to the base output dtype. Dropout is off (inference). One adapter only.
 
-:class:`LiveGroup` serves projections that read the same input (q/k/v, gate/up): base GEMMs stay
-separate (the HF weights are used in place; a fused QKV weight would be a copy), and the A matrices
-are concatenated *per call* (``r x in x 3`` elements, a tiny copy that never goes stale, also inside
-a CUDA graph) so one GEMM computes all ``x @ A^T``.
+:class:`LiveGroup` serves projections that read the same input (q/k/v, gate/up): at construction
+the parts' base weights and LoRA A are re-pointed (``param.data = view``) to row slices of one fused
+buffer each, so one GEMM serves all parts with no copy per call and the optimizer's in-place
+updates land in the fused buffer; LoRA B adds in place into each part's output slice with the
+scaling folded into ``addmm_`` (see the class docstring).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).
@@ -76,30 +77,117 @@ class LiveLinear:
 
 
 class LiveGroup:
-    """Several :class:`LiveLinear` on one input; one GEMM for their concatenated LoRA A."""
+    """Projections reading one input (q/k/v, gate/up; or one projection): few GEMMs, live tensors.
+
+    With ``fuse`` (the default; runner option ``fuse_lora_a``) and more than one part, the parts'
+    tensors are re-pointed once, at construction, to contiguous row slices of fused buffers
+    (``param.data = view``: the same ``Parameter`` objects, so HF/PEFT modules, ``save_pretrained``
+    and an existing optimizer keep working; no extra memory, no per-call copy): base weights
+    ``W [sum(out), in]`` (biases likewise) and LoRA ``A [sum(r), in]``. One call is then
+    ``y = x @ W^T``, ``xa = x @ A^T`` and one in-place ``y_i.addmm_(xa_i, B_i^T, alpha=scaling)``
+    per part into its column slice of ``y`` (PEFT's ``y + B(A(x)) * scaling`` with the scaling and
+    the add folded into the GEMM; with fp32 adapters on a bf16 base, in an fp32 copy of ``y``
+    cast back once, PEFT's dtype order). ``lora_B`` stays
+    the module's own tensor (a block-diagonal fused B would be one GEMM but non-contiguous views,
+    which HF ``save_pretrained`` rejects). An optimizer's in-place update lands in the fused buffer (live LoRA). If storage
+    is replaced later (``.to()``, ``load_state_dict(assign=True)``) the group re-fuses on its next
+    eager call (the runner re-captures its CUDA graphs on the storage-signature change first).
+
+    Shapes: ``x [..., in]`` -> list of ``[..., out_i]`` (views of one ``[..., sum(out)]`` output).
+    """
 
     def __init__(self, modules: list[Any], fuse_lora_a: bool = True):
         self.parts = [LiveLinear(m) for m in modules]
         self.fuse_lora_a = fuse_lora_a
+        self.sizes = [p.base.weight.shape[0] for p in self.parts]
+        self._fused: dict[str, Any] | None = None
+        self._ptrs: list[int] = []
+        if fuse_lora_a and len(self.parts) > 1:
+            self._fuse_storage()
 
-    def _fusable(self) -> bool:
-        if not self.fuse_lora_a or not all(p.has_lora for p in self.parts):
+    def _lora_fusable(self) -> bool:
+        if not all(p.has_lora for p in self.parts):
             return False
-        dtypes = {p.lora_tensors()[0].dtype for p in self.parts}
-        return len(dtypes) == 1
+        ts = [p.lora_tensors() for p in self.parts]
+        return len({(a.dtype, b.dtype, a.device, s) for a, b, s in ts}) == 1
+
+    def _fuse_storage(self) -> None:
+        """Allocate the fused buffers and re-point the parts' tensors to views of them."""
+        import torch
+        ws = [p.base.weight for p in self.parts]
+        bs = [p.base.bias for p in self.parts]
+        if (len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1
+                or len({b is None for b in bs}) != 1):
+            self._fused = None  # mixed parts: per-part path
+            return
+        fused = {"W": _repoint(ws)}
+        fused["bias"] = _repoint(bs) if bs[0] is not None else None
+        if self._lora_fusable():
+            a_list = [p.lora_tensors()[0] for p in self.parts]
+            b_list = [p.lora_tensors()[1] for p in self.parts]
+            fused["A"] = _repoint(a_list)
+            fused["B"] = b_list  # live, contiguous: one GEMM each into its slice of y
+            fused["scaling"] = self.parts[0].lora_tensors()[2]
+        with torch.no_grad():
+            self._fused, self._ptrs = fused, [t.data_ptr() for t in self.tensors()]
+
+    def _intact(self) -> bool:
+        return self._fused is not None and [t.data_ptr() for t in self.tensors()] == self._ptrs
+
+    def _buffers(self) -> dict[str, Any] | None:
+        """Fused (or single-part) tensors for the GEMM path, or ``None`` for the per-part path."""
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            out = {"W": p.base.weight, "bias": p.base.bias}
+            if p.has_lora:
+                out["A"], b, out["scaling"] = p.lora_tensors()
+                out["B"] = [b]
+            return out
+        if not self.fuse_lora_a:
+            return None
+        has_lora = [p.has_lora for p in self.parts]
+        if not self._intact() or ("A" in self._fused) != all(has_lora):
+            self._fuse_storage()  # storage replaced or adapters toggled since the last fuse
+        if self._fused is None or (any(has_lora) and "A" not in self._fused):
+            return None
+        return self._fused if all(has_lora) else {"W": self._fused["W"],
+                                                  "bias": self._fused["bias"]}
 
     def __call__(self, x: Any) -> list[Any]:
-        if not self._fusable():
-            return [p(x) for p in self.parts]
-        import torch
         import torch.nn.functional as F
-        a_list = [p.lora_tensors()[0] for p in self.parts]
-        xa = F.linear(x.to(a_list[0].dtype), torch.cat(a_list, 0))  # [..., sum(r)]
-        pieces = xa.split([a.shape[0] for a in a_list], dim=-1)
-        return [p.add_lora(p.base_out(x), xa_i) for p, xa_i in zip(self.parts, pieces)]
+        f = self._buffers()
+        if f is None:
+            return [p(x) for p in self.parts]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)]
+        if "A" in f:
+            a, b, s = f["A"], f["B"], f["scaling"]
+            xa = F.linear(x2.to(a.dtype), a)  # [N, sum(r)]
+            acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT adds in A/B dtype
+            for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1), b):
+                y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place
+            y = acc.to(y.dtype)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return list(y.split(self.sizes, dim=-1)) if len(self.parts) > 1 else [y]
+
+    def _ranks(self) -> list[int]:
+        return [p.lora_tensors()[0].shape[0] for p in self.parts]
 
     def tensors(self) -> list[Any]:
         return [t for p in self.parts for t in p.tensors()]
+
+
+def _repoint(tensors: list[Any]) -> Any:
+    """Concatenate along dim 0 into a new buffer and set each ``t.data`` to its row slice."""
+    import torch
+    with torch.no_grad():
+        buf = torch.cat([t.detach() for t in tensors], 0)
+        start = 0
+        for t in tensors:
+            n = t.shape[0]
+            t.data = buf[start:start + n]
+            start += n
+    return buf
 
 
 def storage_signature(groups: list[Any]) -> tuple[int, ...]:

@@ -47,3 +47,40 @@ def test_engine_adds_no_parameter_memory(peft_model):
     engine_tensors = {t.data_ptr() for g in llm.runner.model.qkv for t in g.tensors()}
     model_tensors = {p.data_ptr() for p in peft_model.parameters()}
     assert engine_tensors <= model_tensors  # the engine reads the model's own storage
+
+
+def test_fused_views_share_storage_and_see_adamw_steps(peft_model):
+    """q/k/v and gate/up base weights and LoRA A are views of one buffer each (same Parameter
+    objects); an AdamW step on the PEFT model is seen by the next rollout (live LoRA)."""
+    params_before = dict(peft_model.named_parameters())
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64)
+    assert dict(peft_model.named_parameters()) == params_before  # same objects, re-pointed
+    attn = peft_model.get_base_model().model.layers[0].self_attn
+    q, k = attn.q_proj, attn.k_proj
+    for a, b in ((q.base_layer.weight, k.base_layer.weight),
+                 (q.lora_A["default"].weight, k.lora_A["default"].weight)):
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    prompt = random_prompts(1, 12, 12, seed=4)[0]
+    before = llm.generate([prompt], GREEDY)[0].token_ids
+    ids = torch.tensor([prompt])
+    peft_model.train()
+    for _ in range(3):
+        peft_model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    peft_model.eval()
+    after = llm.generate([prompt], GREEDY)[0].token_ids
+    assert after != before
+    assert after == hf_greedy(peft_model, prompt, 10)[0]
+
+
+def test_fused_plain_model_saves_and_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = tiny_model("qwen3")
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    LLM(model, page_size=8, num_pages=8, max_model_len=32)  # re-points q/k/v, gate/up
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in ref.items())

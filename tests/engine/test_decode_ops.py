@@ -1,0 +1,44 @@
+"""Ops per eager decode step (CPU proxy for CUDA kernels per step): pins the fused LoRA path."""
+
+from __future__ import annotations
+
+import torch
+from _tiny import random_prompts, tiny_model
+
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine import LLM
+from nbhelpers.engine_bench import count_decode_ops
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GRPO_LIKE = SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=3, ignore_eos=True, seed=1)
+MAX_OPS_PER_LAYER = {"none": 53, "bf16": 64, "fp32": 76}
+"""Eager ops per layer, bf16 tiny Qwen3, LoRA r4 on 7 projections with bf16 or fp32 (PEFT's
+default upcast) adapters; measured on this CPU after the fused q/k/v and gate/up GEMMs (base +
+LoRA A) and the folded LoRA scaling (``addmm_``). Before those changes: 56 / 85 / 96."""
+
+
+def _llm(lora: str) -> LLM:
+    from peft import LoraConfig, get_peft_model
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    if lora != "none":
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+        model = get_peft_model(model, cfg, autocast_adapter_dtype=lora == "fp32").eval()
+    llm = LLM(model, page_size=8, num_pages=32, max_model_len=64)
+    llm.generate(random_prompts(4, 5, 9, seed=2), GRPO_LIKE)
+    return llm
+
+
+def test_ops_per_layer_bounded():
+    for lora, bound in MAX_OPS_PER_LAYER.items():
+        res = count_decode_ops(_llm(lora), batch=4)
+        assert res["num_layers"] == 2
+        assert res["ops_per_layer"] <= bound, (lora, res["by_op"])
+        assert res["by_op"]["flex_attention"] == 2  # one attention call per layer
+        assert res["fixed_ops"] > 0  # embedding, mask, LM head, sampler
+
+
+def test_count_needs_a_decode_state():
+    import pytest
+    llm = LLM(tiny_model("qwen3"), page_size=8, num_pages=8, max_model_len=32)
+    with pytest.raises(ValueError, match="run llm.generate first"):
+        count_decode_ops(llm)

@@ -313,7 +313,8 @@ def count_decode_ops(llm: Any, batch: int = 4) -> dict[str, Any]:
     Counts every aten call under a ``TorchDispatchMode`` except pure view/metadata ops and
     same-dtype ``to`` (no kernel on the GPU). The flex_attention call counts as one op per layer
     (compiled on the GPU it is one Triton kernel; its eager CPU decomposition is not what the H200
-    runs). ``ops_per_layer`` is the difference between a step over all layers and one over all
+    runs), and so does each call of a torch.compiled elementwise piece (``compiled:<name>``,
+    ``compile_layers=True``; inductor emits one or two kernels for each, an assumption here). ``ops_per_layer`` is the difference between a step over all layers and one over all
     but the last layer (Llama-block models). Needs a prior ``generate`` so a decode state of bucket
     >= ``batch`` exists. Returns ``{"ops_per_step", "ops_per_layer", "fixed_ops", "num_layers",
     "by_op"}`` (``by_op``: op name -> count over the step, top 25). Raises ``ValueError`` when no
@@ -351,20 +352,27 @@ def _count_step(runner: Any, st: Any) -> dict[str, int]:
                 counts[name] = counts.get(name, 0) + 1
             return out
 
+    def as_one(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            with _disable_current_modes():  # runs outside the counter: one op
+                return fn(*a, **k)
+        return call
+
     model, flex = runner.model, runner.model.flex
-
-    def flex_as_one(*a: Any, **k: Any) -> Any:
-        counts["flex_attention"] = counts.get("flex_attention", 0) + 1
-        with _disable_current_modes():  # attention runs outside the counter (one kernel)
-            return flex(*a, **k)
-
+    fx = getattr(model, "fx_decode", None)
+    fx_saved = {n: getattr(fx, n) for n in fx.NAMES} if fx is not None and fx.compiled else {}
     saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone(), st.col.clone())
-    model.flex = flex_as_one
+    model.flex = as_one("flex_attention", flex)
+    for name, fn in fx_saved.items():
+        setattr(fx, name, as_one(f"compiled:{name}", fn))
     try:
         with torch.inference_mode(), Counter():
             runner._step_body(st, st.use_sort)
     finally:
         model.flex = flex
+        for name, fn in fx_saved.items():
+            setattr(fx, name, fn)
         for buf, val in zip((st.pos, st.gen_idx, st.tokens, st.col), saved):
             buf.copy_(val)
     return counts

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nbhelpers.engine.fused import Elementwise, norm_params, rope
 from nbhelpers.engine.kv_cache import KVCache
 from nbhelpers.engine.lora import LiveGroup, storage_signature
 from nbhelpers.engine.models import ArchSpec, get_arch_spec
@@ -73,6 +74,12 @@ class EngineModel:
         if flex_fn is None:
             from torch.nn.attention.flex_attention import flex_attention as flex_fn
         self.flex = flex_fn
+        self._silu = getattr(cfg, "hidden_act", None) == "silu"
+        self.fx_eager = self.fx_decode = Elementwise(compiled=False)
+
+    def compile_elementwise(self) -> None:
+        """Decode uses torch.compiled norm/RoPE/SwiGLU pieces (see :mod:`.fused`)."""
+        self.fx_decode = Elementwise(compiled=True)
 
     @property
     def dtype(self) -> Any:
@@ -97,14 +104,31 @@ class EngineModel:
         x = self.embed(input_ids).unsqueeze(0)  # [1, T, hidden]
         if self.spec.embed_scale != 1.0:
             x = x * self.spec.embed_scale
-        cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, T, D]
+        cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, T, D], once for all layers
+        fx = self.fx_decode if attn.is_decode else self.fx_eager
+        h = self._norm(fx, self.layers[0].input_layernorm, x) if self.layers else x
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            x = x + self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv)
-            h = layer.post_attention_layernorm(x)
+            x, h = self._add_norm(fx, layer.post_attention_layernorm, x,
+                                  self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv))
             gate, up = self.gate_up[i](h)
-            x = x + self.down[i](layer.mlp.act_fn(gate) * up)[0]
-        return self.norm(x)[0]
+            act = fx.silu_mul(gate, up) if self._silu else layer.mlp.act_fn(gate) * up
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = self._add_norm(fx, nxt, x, self.down[i](act)[0])
+        return h[0]
+
+    @staticmethod
+    def _norm(fx: Elementwise, module: Any, x: Any) -> Any:
+        params = norm_params(module)
+        return fx.rms_norm(x, *params) if params else module(x)
+
+    @staticmethod
+    def _add_norm(fx: Elementwise, module: Any, x: Any, delta: Any) -> tuple[Any, Any]:
+        """``x + delta`` and its norm: one fused call for HF RMSNorms, else the module."""
+        params = norm_params(module)
+        if params:
+            return fx.add_rms_norm(x, delta, *params)
+        x = x + delta
+        return x, module(x)
 
     def logits(self, hidden: Any) -> Any:
         """LM head in fp32, ``[N, vocab]`` (soft-capped when the architecture says so)."""
@@ -118,9 +142,15 @@ class EngineModel:
         q, k, v = self.qkv[i](h)
         q = q.view(1, t, self.num_heads, self.head_dim)
         k = k.view(1, t, self.num_kv_heads, self.head_dim)
-        if self.spec.has_qk_norm:
+        fx = self.fx_decode if attn.is_decode else self.fx_eager
+        qn = norm_params(layer.self_attn.q_norm) if self.spec.has_qk_norm else None
+        kn = norm_params(layer.self_attn.k_norm) if self.spec.has_qk_norm else None
+        if self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1]):
             q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
-        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        else:
+            q, k = fx.qk_norm_rope(q, k, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
+                                   cos, sin)
         v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         kv.k[i][0].index_copy_(1, slot_mapping, k[0])  # [H_kv, T, D] into physical slots
         kv.v[i][0].index_copy_(1, slot_mapping, v[0])
@@ -133,10 +163,4 @@ class EngineModel:
         return self.o[i](out.reshape(1, t, -1))[0]
 
 
-def _rope(x: Any, cos: Any, sin: Any) -> Any:
-    """HF ``apply_rotary_pos_emb`` (rotate_half form): ``x [1, H, T, D]``, ``cos/sin [1, T, D]``."""
-    import torch
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+_rope = rope  # HF apply_rotary_pos_emb; kept under this name for the Gemma-4 model

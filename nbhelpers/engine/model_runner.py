@@ -35,7 +35,9 @@ class RunnerOptions:
     """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
-    ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``).
+    ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``);
+    ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces (``None`` = on iff
+    CUDA; see ``engine/fused.py``).
     """
 
     page_size: int = 128
@@ -47,6 +49,7 @@ class RunnerOptions:
     fuse_lora_a: bool = True
     prefill_pad: int = 128
     compile_decode: bool = False
+    compile_layers: bool | None = None
     decode_kernel_options: dict | None = None
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
@@ -94,6 +97,9 @@ class ModelRunner:
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
+        if (on_cuda if opt.compile_layers is None else opt.compile_layers) and hasattr(
+                self.model, "compile_elementwise"):
+            self.model.compile_elementwise()
         self.device = self.model.device
         self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1

@@ -1,0 +1,85 @@
+"""Elementwise pieces of the Llama/Qwen3 block as pure functions, optionally torch.compiled.
+
+Contract: each function repeats the HF op sequence it replaces (same dtype order), so eager results
+are bit-identical to calling the HF modules:
+
+- :func:`rms_norm` = ``Qwen3RMSNorm`` / ``LlamaRMSNorm.forward`` (transformers
+  ``models/qwen3/modeling_qwen3.py``): fp32 upcast, ``x * rsqrt(mean(x^2) + eps)``, cast back,
+  times the weight. :func:`add_rms_norm` adds the residual first and returns both.
+- :func:`qk_norm_rope`: Qwen3's per-head q/k RMSNorm then HF ``apply_rotary_pos_emb``
+  (rotate_half form) on ``q [1, T, H, D]``, ``k [1, T, H_kv, D]`` -> ``[1, H, T, D]`` each.
+- :func:`silu_mul`: the MLP's ``act_fn(gate) * up`` with ``act_fn = silu``.
+
+Eager, each is 5-25 aten ops (one CUDA kernel each); :class:`Elementwise` with ``compiled=True``
+wraps them in ``torch.compile(dynamic=False, fullgraph=True)`` (inductor, no cudagraphs: the
+runner captures the whole decode step itself, DESIGN.md "Flex engine: where the speed is"), which
+fuses each into one or two Triton kernels. The runner uses the compiled set for decode only
+(one shape per batch bucket); prefill lengths vary, so prefill stays eager.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+HF_RMS_NORMS = frozenset({"Qwen3RMSNorm", "LlamaRMSNorm"})
+"""HF norm classes whose forward :func:`rms_norm` reproduces (others are called as modules)."""
+
+
+def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """HF RMSNorm over the last dim; any leading shape; returns ``x``'s dtype times weight."""
+    import torch
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    """Residual add then RMSNorm: ``(x + delta, rms_norm(x + delta))``, shapes ``[..., hidden]``."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope(x: Any, cos: Any, sin: Any) -> Any:
+    """HF ``apply_rotary_pos_emb`` (rotate_half): ``x [1, H, T, D]``, ``cos/sin [1, T, D]``."""
+    import torch
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def qk_norm_rope(q: Any, k: Any, wq: Any, wk: Any, eps: float, cos: Any,
+                 sin: Any) -> tuple[Any, Any]:
+    """Per-head RMSNorm (skipped when ``wq`` is ``None``) and RoPE; ``[1, T, H, D]`` in,
+    ``[1, H, T, D]`` out for q and k."""
+    if wq is not None:
+        q, k = rms_norm(q, wq, eps), rms_norm(k, wk, eps)
+    return rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
+
+
+def silu_mul(gate: Any, up: Any) -> Any:
+    """``silu(gate) * up`` (SwiGLU MLP), shapes ``[..., intermediate]``."""
+    import torch.nn.functional as F
+    return F.silu(gate) * up
+
+
+class Elementwise:
+    """The functions above, eager or compiled (``compiled=True``: one inductor graph each)."""
+
+    NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
+
+    def __init__(self, compiled: bool = False):
+        import torch
+        self.compiled = compiled
+        for name in self.NAMES:
+            fn = globals()[name]
+            setattr(self, name, torch.compile(fn, dynamic=False, fullgraph=True)
+                    if compiled else fn)
+
+
+def norm_params(module: Any) -> tuple[Any, float] | None:
+    """``(weight, eps)`` of an HF RMSNorm that :func:`rms_norm` reproduces, else ``None``."""
+    if type(module).__name__ in HF_RMS_NORMS and hasattr(module, "variance_epsilon"):
+        return module.weight, float(module.variance_epsilon)
+    return None

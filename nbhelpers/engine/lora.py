@@ -131,6 +131,14 @@ class LiveGroup:
         with torch.no_grad():
             self._fused, self._ptrs = fused, [t.data_ptr() for t in self.tensors()]
 
+    def refresh(self) -> None:
+        """Re-fuse if storage was replaced or adapters toggled since the last fuse (host-side;
+        the runner calls it before each prefill and decode window)."""
+        if not self.fuse_lora_a or len(self.parts) < 2:
+            return
+        if not self._intact() or ("A" in self._fused) != all(p.has_lora for p in self.parts):
+            self._fuse_storage()
+
     def _intact(self) -> bool:
         return self._fused is not None and [t.data_ptr() for t in self.tensors()] == self._ptrs
 
@@ -145,9 +153,10 @@ class LiveGroup:
             return out
         if not self.fuse_lora_a:
             return None
+        import torch
+        if not torch.compiler.is_compiling():  # traced code: the runner called refresh() first
+            self.refresh()
         has_lora = [p.has_lora for p in self.parts]
-        if not self._intact() or ("A" in self._fused) != all(has_lora):
-            self._fuse_storage()  # storage replaced or adapters toggled since the last fuse
         if self._fused is None or (any(has_lora) and "A" not in self._fused):
             return None
         return self._fused if all(has_lora) else {"W": self._fused["W"],

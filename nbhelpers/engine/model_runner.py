@@ -122,10 +122,17 @@ class ModelRunner:
         self.kv, self.states, self.graph_pool = None, {}, None
 
     # ---------------------------------------------------------------- prefill
+    def refresh_weights(self) -> None:
+        """Re-fuse projection groups whose storage was replaced (see ``LiveGroup.refresh``)."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            for group in getattr(self.model, name, []):
+                group.refresh()
+
     def prefill(self, groups: list[list[Sequence]], sampling: Any) -> None:
         """Prefill each group's leader, fork followers, sample every member's next token."""
         import torch
         t0 = time.perf_counter()
+        self.refresh_weights()
         leaders = [g[0] for g in groups]
         ids, pos, rows, slots = self._pack(leaders)
         logits = self._prefill_forward(ids, pos, rows, slots, leaders)
@@ -216,6 +223,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], steps: int, sampling: Any) -> None:
         """Run ``steps`` decode steps for ``seqs`` (pages already reserved) and append tokens."""
         t0 = time.perf_counter()
+        self.refresh_weights()
         st = self._state(len(seqs), _uses_sort(sampling), sampling)
         self._load_state(st, seqs, sampling)
         self._tick("host_s", t0)

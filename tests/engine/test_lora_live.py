@@ -84,3 +84,18 @@ def test_fused_plain_model_saves_and_reloads(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in ref.items())
+
+
+def test_replaced_storage_is_re_fused_and_seen(peft_model):
+    """``load_state_dict(assign=True)`` swaps every tensor: the engine re-fuses and follows."""
+    prompt = random_prompts(1, 12, 12, seed=6)[0]
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64)
+    before = llm.generate([prompt], GREEDY)[0].token_ids
+    state = {k: (-v if "lora_B" in k else v).clone() for k, v in peft_model.state_dict().items()}
+    peft_model.load_state_dict(state, assign=True)
+    after = llm.generate([prompt], GREEDY)[0].token_ids
+    assert after != before
+    assert after == hf_greedy(peft_model, prompt, 10)[0]
+    attn = peft_model.get_base_model().model.layers[0].self_attn
+    q, v = attn.q_proj.lora_A["default"].weight, attn.v_proj.lora_A["default"].weight
+    assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # fused again

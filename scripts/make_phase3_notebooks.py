@@ -211,9 +211,10 @@ batches: list = [2, 4]  # batch sweep (H200: 8, 32, 64, 128, 256)
 prompt_tokens: int = 16  # prompt length (W: 150)
 max_new_tokens: int = 8  # new tokens (W: 512)
 rounds: int = 1  # timed rounds (W: 3)
-lora_rank: int = 32  # LoRA r (alpha = 2r), on all 7 projections
+lora_rank: int = 32  # LoRA r (alpha is 2r), on all 7 projections
+lora_modes: list = [True]  # sweep with LoRA (True) and/or without (False); H200: both
 profile: bool = False  # kernel-class profile of one decode step (CUDA only)
-gold_dir: str = "../shared/research/measurements"  # phase-1 H200 gold runs; absent = none
+gold_dir: str = "../shared/research/measurements"  # phase-1 H200 gold runs (absent: none)
 bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars to show beside
 min_tok_per_s: float = 1.0  # claim: every point ran and produced tokens
 sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)""",
@@ -225,19 +226,24 @@ base_shape = eb.QWEN3_4B_SHAPE if shape == "qwen3-4b" else eb.TINY_QWEN3_SHAPE
 dtype = "bfloat16" if device == "cuda" else "float32"
 hf = eb.random_qwen3(base_shape, dtype=dtype, device=device)
 lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
-hf = eb.attach_lora(hf, lora)
 info = {"name": shape, "architecture": "Qwen3ForCausalLM", "weights": "random",
-        "n_params": sum(p.numel() for p in hf.parameters())}
+        "n_params": sum(p.numel() for p in hf.parameters())}  # base model, LoRA not counted
 reference = eb.reference_frame(sorted(glob.glob(f"{gold_dir}/gold_*.json")))
 earlier = eb.flex_frame([s for s in read_sidecars(bench_dir, phase="phase3_flex")
                          if s.get("tag")]) if glob.glob(f"{bench_dir}/*.json") else None
 info"""),
-        ("## Batch sweep (LoRA)",
+        (("## Batch sweep\nWithout LoRA first, then the same model with the LoRA attached (PEFT "
+          "injects it in place; the engine reads its tensors live)."),
          """sides = []
-for b in batches:
-    res = eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens, rounds=rounds,
-                            profile=profile and device == "cuda")
-    sides.append(eb.flex_sidecar(f"nb33_b{b}", info, lora, b, prompt_tokens, max_new_tokens, res))
+for with_lora in sorted(set(lora_modes)):  # False before True: attaching LoRA is in place
+    if with_lora:
+        hf = eb.attach_lora(hf, lora)
+    for b in batches:
+        res = eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens, rounds=rounds,
+                                profile=profile and device == "cuda" and b == batches[-1])
+        sides.append(eb.flex_sidecar(f"nb33_b{b}{'_lora' if with_lora else ''}", info,
+                                     lora if with_lora else None, b, prompt_tokens,
+                                     max_new_tokens, res))
 sweep = eb.flex_frame(sides)
 sweep"""),
         ("## Beside phase 1 and earlier flex runs",
@@ -270,10 +276,11 @@ if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert (sweep["error"] == "").all(), sweep
 assert (sweep["decode_tok_per_s"] >= min_tok_per_s).all(), sweep
-best = sweep.loc[sweep["decode_tok_per_s"].idxmax()]
-display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, LoRA r{lora_rank}) the flex engine "
-                 f"reached {best['decode_tok_per_s']:.0f} decode tok/s at batch {best['batch']} "
-                 f"(step {best['decode_step_ms']:.2f} ms, peak {best['peak_gib']:.2f} GiB)."))""",
+rows = [f"{'LoRA r' + str(lora_rank) if r['lora'] else 'no LoRA'} batch {r['batch']}: "
+        f"{r['decode_tok_per_s']:.0f} tok/s (step {r['decode_step_ms']:.2f} ms, "
+        f"peak {r['peak_gib']:.2f} GiB)" for _, r in sweep.iterrows()]
+display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-token prompts, "
+                 f"{max_new_tokens} new tokens) the flex engine reached: " + "; ".join(rows)))""",
 }
 
 NOTEBOOKS = {"30_engine_walkthrough": NB30, "31_parity": NB31, "32_sampling": NB32,

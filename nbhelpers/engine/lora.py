@@ -187,8 +187,21 @@ class LiveGroup:
 
 
 def _repoint(tensors: list[Any]) -> Any:
-    """Concatenate along dim 0 into a new buffer and set each ``t.data`` to its row slice."""
+    """Concatenate along dim 0 into a new buffer and set each ``t.data`` to its row slice.
+
+    Tensors that already are consecutive row slices of one buffer (an earlier engine fused them)
+    are left alone and that buffer is returned as a view (no copy).
+    """
     import torch
+    cols = tensors[0].shape[1:]
+    row = tensors[0][0].numel() * tensors[0].element_size()
+    starts = [sum(t.shape[0] for t in tensors[:i]) for i in range(len(tensors))]
+    if all(t.is_contiguous() and t.shape[1:] == cols and t.untyped_storage().data_ptr()
+           == tensors[0].untyped_storage().data_ptr()
+           and t.data_ptr() == tensors[0].data_ptr() + s * row
+           for t, s in zip(tensors, starts)):
+        total = starts[-1] + tensors[-1].shape[0]
+        return tensors[0].detach().as_strided((total, *cols), tensors[0].stride())
     with torch.no_grad():
         buf = torch.cat([t.detach() for t in tensors], 0)
         start = 0

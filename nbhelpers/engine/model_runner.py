@@ -335,6 +335,13 @@ class ModelRunner:
             st.graph, st.signature = graph, self.model.signature()
             self.timings["graph_captures"] += 1
         except Exception as err:  # noqa: BLE001 -- capture is an optimisation; eager = same tokens
+            fx = getattr(self.model, "fx_decode", None)
+            if fx is not None and fx.compiled:  # retry once without the compiled pieces
+                warnings.warn(f"flex engine: decode step with compiled norm/RoPE/SwiGLU failed "
+                              f"({type(err).__name__}: {err}); using the eager pieces.",
+                              stacklevel=2)
+                self.model.fx_decode = self.model.fx_eager
+                return self._capture(st, use_sort)
             warnings.warn(f"flex engine: CUDA graph capture failed for batch bucket {st.rows} "
                           f"({type(err).__name__}: {err}); decoding eagerly.", stacklevel=2)
             st.graph = None

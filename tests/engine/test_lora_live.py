@@ -81,6 +81,9 @@ def test_fused_plain_model_saves_and_reloads(tmp_path):
     model = tiny_model("qwen3")
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     LLM(model, page_size=8, num_pages=8, max_model_len=32)  # re-points q/k/v, gate/up
+    q_ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    LLM(model, page_size=8, num_pages=8, max_model_len=32)  # already fused: no second copy
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == q_ptr
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in ref.items())

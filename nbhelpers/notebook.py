@@ -121,10 +121,23 @@ def losses_finite(result: GRPOResult) -> bool:
     return bool(result.records) and all(r.get("loss") is not None for r in result.records)
 
 
+def zero_advantage_steps(result: GRPOResult) -> int:
+    """Steps whose groups all scored alike (TRL's ``reward_std`` 0): advantage 0, so no gradient.
+
+    GRPO's advantage is ``(r - mean(group)) / std(group)`` (TRL ``GRPOTrainer``): a step where every
+    completion of every group got the same reward teaches nothing, whatever its loss says.
+    """
+    return sum(1 for r in result.records if r.get("reward_std") == 0.0)
+
+
 def result_line(result: GRPOResult, device: str) -> str:
     """The notebook's "Result:" sentence, computed from the run."""
     s, ref, fmt = result.summary, REFERENCE_PHASE0, _fmt
     finite = "losses finite" if losses_finite(result) else "SOME LOSSES MISSING OR NOT FINITE"
+    n_flat = zero_advantage_steps(result)
+    if n_flat:
+        finite += (f"; {n_flat} of {len(result.records)} steps had zero advantage (all completions"
+                   " scored alike, so no learning signal)")
     return (f"**Result:** {s['n_steps']} GRPO steps of `{result.model_name}` on {device} "
             f"({result.backend}): median step {fmt(s['step_time_s_median'], '.2f')} s after "
             f"{s['skip_first']} warm-up steps, peak memory {fmt(s['peak_mem_device_gib'], '.2f')}"

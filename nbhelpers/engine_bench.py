@@ -212,8 +212,12 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
                                  "max_new_tokens": max_new_tokens})
     prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
     res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
-    if profile:
+    if profile and llm.runner.device.type == "cuda":  # CUDA kernel profile
         res["breakdown"]["profile"] = profile_decode_step(llm, batch)
+    if profile:
+        ops = count_decode_ops(llm, batch)  # the CPU proxy, also recorded on the GPU
+        res["breakdown"]["aten_ops"] = {k: ops[k] for k in ("ops_per_step", "ops_per_layer",
+                                                           "fixed_ops")}
     llm.sleep()
     return res
 

@@ -49,6 +49,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="kernel-class breakdown (LoRA, B=32)")
     ap.add_argument("--compiled", action="store_true",
                     help="also run W with compile_decode=True (whole step through inductor)")
+    ap.add_argument("--decode-kernel-options", default="",
+                    help='JSON flex decode kernel options for an extra W LoRA stage, e.g. '
+                    '\'{"SPLIT_KV": 4, "num_warps": 8}\'')
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
     return ap.parse_args()
 
@@ -150,6 +153,14 @@ def main() -> None:
         sidecar(out, "w_lora_compiled", info, lora, WORKLOAD_W.n_prompts, args, res, err,
                 extra={"compile_decode": True})
         table.append(("W LoRA r32, compiled step", WORKLOAD_W.n_prompts, res))
+    if args.decode_kernel_options:
+        kopts = json.loads(args.decode_kernel_options)
+        res, err = stage(f"W LoRA kernel options {kopts}", run_workload, model, name, lora,
+                         WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_kopts",
+                         profile=args.profile, decode_kernel_options=kopts)
+        sidecar(out, "w_lora_kopts", info, lora, WORKLOAD_W.n_prompts, args, res, err,
+                extra={"decode_kernel_options": kopts})
+        table.append((f"W LoRA r32, {kopts}", WORKLOAD_W.n_prompts, res))
     print_table(table)
 
 

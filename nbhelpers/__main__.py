@@ -2,9 +2,14 @@
 
 - ``run TARGET [--profile cpu|h200] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
   (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run);
-  exits 1 when any notebook failed.
+  exits 1 when any notebook failed. Every notebook's config and ``-p`` values are checked
+  against its ``parameters`` cell before anything runs; in a phase run, a notebook without a
+  config for the profile is skipped with a note (``19_compare`` is CPU-only).
 - ``fetch NAME ...``: download model / dataset assets into the cache (nbhelpers.models).
 - ``index``: regenerate ``executed/INDEX.md`` from the sidecars.
+
+Bad user input (phase, profile, notebook, asset name, ``-p``, ``--gpus``) prints one line
+``error: ...`` to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -32,10 +37,46 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_gpus(spec: str | None) -> list[str] | None:
+    """``--gpus 0,1`` -> ``["0", "1"]``, checked against ``nvidia-smi -L``.
+
+    Raises:
+        UserInputError: a non-numeric id, no GPU on this host (nvidia-smi absent or lists
+            none), or an id beyond the GPUs nvidia-smi lists.
+    """
+    from nbhelpers.run_params import UserInputError
+    if spec is None:
+        return None
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    bad = [g for g in gpus if not g.isdigit()]
+    if bad or not gpus:
+        raise UserInputError(f"--gpus {spec!r}: give comma-separated GPU indices, e.g. 0,1.")
+    count = visible_gpu_count()
+    if count == 0:
+        raise UserInputError(f"--gpus {spec}: this host has no GPU (nvidia-smi is missing or "
+                             "lists none); drop --gpus to run on the CPU.")
+    if too_high := [g for g in gpus if int(g) >= count]:
+        raise UserInputError(f"--gpus {spec}: no GPU {', '.join(too_high)} (nvidia-smi lists "
+                             f"{count}: 0..{count - 1}).")
+    return gpus
+
+
+def visible_gpu_count() -> int:
+    """GPUs listed by ``nvidia-smi -L`` (0 when nvidia-smi is missing or fails)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    if out.returncode != 0:
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
 def _run(args: argparse.Namespace) -> int:
     from nbhelpers import run
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
-    jobs = run.run(args.target, profile=args.profile, gpus=gpus,
+    jobs = run.run(args.target, profile=args.profile, gpus=parse_gpus(args.gpus),
                    overrides=run.parse_overrides(args.parameter),
                    executed=Path(args.executed) if args.executed else None)
     for job in jobs:
@@ -47,17 +88,36 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _fetch(names: list[str]) -> int:
+    from nbhelpers import models
+    from nbhelpers.run_params import UserInputError
+    for name in names:  # check all names before downloading anything
+        if name == "gsm8k":
+            continue
+        try:
+            models.get_spec(name)
+        except ValueError as exc:
+            raise UserInputError(f"unknown asset {name!r}: use gsm8k or one of "
+                                 f"{models.list_models()} (or a hub id / local folder, which "
+                                 "need no fetch).") from exc
+    for name in names:
+        models.fetch_assets(name)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from nbhelpers.run_params import UserInputError
     args = _parser().parse_args(argv)
-    if args.command == "run":
-        return _run(args)
-    if args.command == "fetch":
-        from nbhelpers import models
-        for name in args.names:
-            models.fetch_assets(name)
-        return 0
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "fetch":
+            return _fetch(args.names)
+    except UserInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from nbhelpers import run
     from nbhelpers.run_index import write_index
     print(write_index(run.REPO / "executed"))

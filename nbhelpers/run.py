@@ -29,7 +29,18 @@ from queue import Empty, Queue
 from typing import Any
 
 from nbhelpers.run_index import write_index
+from nbhelpers.run_params import (
+    MissingInputError,
+    UserInputError,
+    load_parameters,
+    parse_overrides,
+    plan_parameters,
+    profiles,
+)
 from nbhelpers.stats import device_tag, git_sha, make_sidecar, utc_stamp, write_sidecar
+
+__all__ = ["Job", "UserInputError", "load_parameters", "parse_overrides", "plan_jobs",
+           "plan_parameters", "profiles", "run", "write_index"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,8 @@ class Job:
     parameters: dict[str, Any]
     gpu: str | None = None
     returncode: int | None = None
+    sha: str = ""
+    """Git sha recorded once at the start of the run; the kernel gets it as NBHELPERS_GIT_SHA."""
 
     @property
     def status(self) -> str:
@@ -62,52 +75,23 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
     """Notebooks for a phase name (``phase0``), a phase folder, or one ``.ipynb`` path.
 
     Raises:
-        ValueError: unknown phase, or a phase folder without notebooks.
-        FileNotFoundError: the notebook path does not exist.
+        UserInputError: unknown phase, or a phase folder without notebooks.
+        MissingInputError: the notebook path does not exist (also a ``FileNotFoundError``).
     """
     if target.endswith(".ipynb"):
         path = Path(target) if Path(target).is_absolute() else repo / target
         if not path.is_file():
-            raise FileNotFoundError(f"notebook {target!r} not found (paths are relative to "
+            raise MissingInputError(f"notebook {target!r} not found (paths are relative to "
                                     f"{repo}).")
         return [path]
     folder = PHASE_DIRS.get(target, target)
     if folder not in PHASE_DIRS.values():
-        raise ValueError(f"unknown phase {target!r}: use one of {sorted(PHASE_DIRS)} or a path "
+        raise UserInputError(f"unknown phase {target!r}: use one of {sorted(PHASE_DIRS)} or a path "
                          "to an .ipynb file.")
     found = sorted((repo / "notebooks" / folder).glob("*.ipynb"))
     if not found:
-        raise ValueError(f"phase {target!r} has no notebooks yet under notebooks/{folder}/.")
+        raise UserInputError(f"phase {target!r} has no notebooks yet under notebooks/{folder}/.")
     return found
-
-
-def load_parameters(notebook: Path, profile: str, overrides: dict[str, Any] | None = None,
-                    configs: Path = REPO / "configs") -> dict[str, Any]:
-    """``configs/<stem>.<profile>.yaml`` overridden by ``overrides``.
-
-    A missing file is fine for ``profile="cpu"`` (the notebook's defaults are CPU smoke size).
-
-    Raises:
-        FileNotFoundError: no config file for a non-CPU profile.
-        ValueError: the file is not a mapping of names to literals.
-    """
-    import yaml
-    path = configs / f"{notebook.stem}.{profile}.yaml"
-    params: dict[str, Any] = {}
-    if path.is_file():
-        params = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(params, dict):
-            raise ValueError(f"{path}: must map parameter names to literals, got {type(params)}.")
-    elif profile != "cpu":
-        raise FileNotFoundError(f"no {path.relative_to(configs.parent)} for profile "
-                                f"{profile!r}: write it (literals only) or use --profile cpu.")
-    return {**params, **(overrides or {})}
-
-
-def parse_overrides(pairs: list[tuple[str, str]] | None) -> dict[str, Any]:
-    """``-p NAME VALUE`` pairs, each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str)."""
-    import yaml
-    return {name: yaml.safe_load(value) for name, value in (pairs or [])}
 
 
 def claim_output(folder: Path, stem: str) -> tuple[Path, Path]:
@@ -149,15 +133,17 @@ def gpu_device_tag(gpu: str | None) -> str:
 
 def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[str] | None,
               executed: Path, repo: Path = REPO) -> list[Job]:
-    """Claim output names for every notebook of ``target``; one job per notebook."""
-    jobs, sha = [], git_sha(repo)
-    for nb in resolve_notebooks(target, repo):
-        params = load_parameters(nb, profile, overrides, repo / "configs")
+    """Plan every notebook of ``target`` (:func:`plan_parameters`), then claim output names;
+    a failed plan claims nothing. The git sha is read once, here. One job per notebook."""
+    planned = plan_parameters(resolve_notebooks(target, repo), profile, overrides, repo)
+    jobs: list[Job] = []
+    sha = git_sha(repo)
+    for nb, params in planned:
         gpu = gpus[len(jobs) % len(gpus)] if gpus else None
         stem = f"{utc_stamp()}_{gpu_device_tag(gpu)}_{sha}"
         out, side = claim_output(executed / nb.parent.name / nb.stem, stem)
         params["sidecar_path"] = os.path.relpath(side, repo)
-        jobs.append(Job(nb, out, side, params, gpu))
+        jobs.append(Job(nb, out, side, params, gpu, sha=sha))
     return jobs
 
 
@@ -180,20 +166,33 @@ def _kernel_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def repo_path(path: Path, repo: Path = REPO) -> str:
+    """``path`` relative to ``repo`` (never a machine-specific absolute path in a sidecar)."""
+    return os.path.relpath(path, repo)
+
+
 def execute(job: Job, repo: Path = REPO) -> int:
-    """Run ``job`` in a subprocess (its own ``CUDA_VISIBLE_DEVICES``); fix up the sidecar."""
+    """Run ``job`` in a subprocess (its own ``CUDA_VISIBLE_DEVICES``, ``NBHELPERS_GIT_SHA`` =
+    the run's sha); on failure put the notebook's exception in the sidecar's ``error``."""
     env = _kernel_env(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    if job.sha:
+        env["NBHELPERS_GIT_SHA"] = job.sha
     if job.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.gpu
-    spec = json.dumps({"input": str(job.notebook), "output": str(job.output),
-                       "parameters": job.parameters, "cwd": str(repo)})
-    log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
-    proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env, cwd=repo,
-                          check=False)
+    with tempfile.TemporaryDirectory(prefix="nbhelpers-run-") as tmp:
+        error_file = Path(tmp) / "error.txt"
+        spec = json.dumps({"input": str(job.notebook), "output": str(job.output),
+                           "parameters": job.parameters, "cwd": str(repo),
+                           "error_file": str(error_file)})
+        log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
+        proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env, cwd=repo,
+                              check=False)
+        cause = error_file.read_text().strip() if error_file.is_file() else ""
     job.returncode = proc.returncode
     if proc.returncode != 0:
-        mark_failed(job, f"notebook execution failed (exit {proc.returncode}); see {job.output}")
+        cause = cause or f"notebook execution failed (exit {proc.returncode})"
+        mark_failed(job, f"{cause}\npartial notebook: {repo_path(job.output, repo)}")
     return proc.returncode
 
 
@@ -246,15 +245,25 @@ def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,
 
 
 def _execute_in_child(spec: dict[str, Any]) -> int:
-    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel."""
+    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel. A failure
+    is written to ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count
+    <n>)`` for the parent's sidecar."""
     import papermill as pm
+    error_file = Path(spec["error_file"]) if spec.get("error_file") else None
     try:
         pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
                             kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True)
     except pm.PapermillExecutionError as exc:
-        print(f"notebook failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}",
-              file=sys.stderr)
+        msg = (f"{exc.ename}: {exc.evalue} (cell {exc.cell_index}, execution count "
+               f"{exc.exec_count})")
+        print(f"notebook failed: {msg}", file=sys.stderr)
+        if error_file:
+            error_file.write_text(msg)
         return 1
+    except Exception as exc:  # kernel death, papermill bug: record it, keep the traceback
+        if error_file:
+            error_file.write_text(f"{type(exc).__name__}: {exc}")
+        raise
     return 0
 
 

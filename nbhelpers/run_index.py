@@ -3,7 +3,8 @@
 Contract: :func:`write_index` reads every schema-v1 sidecar under ``executed/`` (via
 :func:`nbhelpers.stats.read_sidecars`), newest first within each notebook, and rewrites the index
 atomically. Headline numbers come from the sidecar's ``headline`` dict (the notebook chooses
-them) or, failing that, from the schema's medians. A sidecar with ``error`` is ``failed``.
+them) or, failing that, from the schema's medians. A sidecar with ``error`` is ``failed`` and its
+headline is the error's first line.
 
 Run: ``python -m nbhelpers index``.
 """
@@ -27,8 +28,17 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+ERROR_CHARS = 80
+"""A failed run's headline is the first line of its ``error``, cut to this many characters."""
+
+
 def headline(side: dict[str, Any]) -> str:
-    """``name=value`` pairs: the sidecar's ``headline`` dict, else the schema medians present."""
+    """A failed run: ``error: <first line of error>`` (at most :data:`ERROR_CHARS`). Else
+    ``name=value`` pairs: the sidecar's ``headline`` dict, else the schema medians present."""
+    if side.get("error"):
+        first = str(side["error"]).strip().splitlines()[0] if str(side["error"]).strip() else "?"
+        cut = first if len(first) <= ERROR_CHARS else first[:ERROR_CHARS - 3] + "..."
+        return f"error: {cut}"
     pairs = side.get("headline") or {k: side.get(k) for k in FALLBACK_HEADLINE
                                      if side.get(k) is not None}
     return ", ".join(f"{k}={_fmt(v)}" for k, v in pairs.items()) or "-"

@@ -93,18 +93,24 @@ def test_load_parameters_profile_and_overrides(repo):
 def test_run_ok_and_failed_notebooks(repo, monkeypatch):
     _notebook(repo / "notebooks/phase0_reference/01_fail.ipynb", FAIL_SOURCE)
     monkeypatch.setattr(runner, "REPO", repo)
+    monkeypatch.setattr(runner, "git_sha", lambda repo=None: "abc1234")  # read once per run
     assert main(["run", "phase0", "-p", "answer", "42"]) == 1  # one failure -> non-zero
     ok, failed = (sorted((repo / "executed/phase0_reference" / s).glob("*.json"))
                   for s in ("00_ok", "01_fail"))
     side_ok, side_fail = json.loads(ok[0].read_text()), json.loads(failed[0].read_text())
     assert side_ok["error"] is None and side_ok["headline"]["answer"] == 42
-    assert "failed" in side_fail["error"] and side_fail["status"] == "failed"
+    assert side_ok["env"]["git_sha"] == "abc1234" and ok[0].stem.endswith("_abc1234")
+    error = side_fail["error"]
+    assert error.startswith("RuntimeError: boom in cell (cell 3,") and side_fail["status"] == "failed"
+    assert f"partial notebook: executed/phase0_reference/01_fail/{failed[0].stem}.ipynb" in error
+    assert str(repo) not in error  # repo-relative, never machine-specific
     partial = nbformat.read(failed[0].with_suffix(".ipynb"), as_version=4)
     texts = [o.get("text", "") for c in partial.cells if c.cell_type == "code"
              for o in c.get("outputs", [])]
     assert any("partial output before the failure" in t for t in texts)
     index = (repo / "executed/INDEX.md").read_text()
     assert "| failed |" in index and "| ok |" in index and "answer=42" in index
+    assert "| error: RuntimeError: boom in cell (cell 3," in index
     # a second run adds files, never overwrites the first
     assert main(["run", "notebooks/phase0_reference/00_ok.ipynb"]) == 0
     assert len(list((repo / "executed/phase0_reference/00_ok").glob("*.json"))) == 2
@@ -178,3 +184,128 @@ def test_runner_error_fails_the_job_instead_of_killing_the_worker(repo, monkeypa
     side = json.loads(job.sidecar.read_text())
     assert job.status == "failed" and "disk full" in side["error"]
     assert "| failed |" in (repo / "executed/INDEX.md").read_text()
+
+
+TYPED = ("answer: int = 1  # help = with an equals sign\nlr: float = 0.5\nflag: bool = False\n"
+         "name: str | None = None\nitems: list = [1]\nsidecar_path: str = ''")
+
+
+def _executed_files(repo: Path) -> list[Path]:
+    return [p for p in (repo / "executed").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"answr": 3}, (r"-p answr: .* no parameter 'answr'\. Did you mean 'answer'\? "
+                    r"Valid names: answer, lr, flag")),
+    ({"answer": "abc"}, r"-p answer .*parameter 'answer' expects int, got 'abc' \(str\)"),
+    ({"answer": 2.5}, "expects int, got 2.5"),
+    ({"answer": True}, "expects int, got True"),
+    ({"flag": 1}, "'flag' expects bool, got 1"),
+    ({"items": "a"}, "'items' expects list"),
+    ({"name": 3}, r"'name' expects str \| None, got 3"),
+])
+def test_bad_parameters_fail_before_anything_is_claimed(repo, over, match):
+    nb = _notebook(repo / "notebooks/phase0_reference/00_ok.ipynb", OK_SOURCE, TYPED)
+    with pytest.raises(runner.UserInputError, match=match):
+        runner.plan_jobs(str(nb), "cpu", over, None, repo / "executed", repo)
+    assert not (repo / "executed").exists()
+
+
+def test_good_parameters_pass_ints_for_floats_and_none_for_optional(repo):
+    _notebook(repo / "notebooks/phase0_reference/00_ok.ipynb", OK_SOURCE, TYPED)
+    ((_, params),) = runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "cpu",
+                                            {"lr": 1, "name": None, "items": []}, repo)
+    assert params == {"answer": 7, "lr": 1, "name": None, "items": []}
+
+
+def test_config_value_of_wrong_type_names_the_file(repo):
+    _notebook(repo / "notebooks/phase0_reference/00_ok.ipynb", OK_SOURCE, TYPED)
+    (repo / "configs/00_ok.cpu.yaml").write_text("answer: seven\n")
+    with pytest.raises(runner.UserInputError, match=r"configs/00_ok\.cpu\.yaml .*'answer' "
+                                                    "expects int, got 'seven'"):
+        runner.plan_jobs("phase0", "cpu", {}, None, repo / "executed", repo)
+
+
+def test_yaml_error_in_a_p_value_names_that_p():
+    with pytest.raises(runner.UserInputError, match=r"-p items '\[1, 2': not a YAML literal"):
+        runner.parse_overrides([("answer", "1"), ("items", "[1, 2")])
+
+
+def test_phase_plan_fails_as_a_whole_and_claims_nothing(repo):
+    """The second notebook's bad config stops the run before the first one's name is claimed."""
+    _notebook(repo / "notebooks/phase0_reference/01_b.ipynb", OK_SOURCE, TYPED)
+    (repo / "configs/01_b.cpu.yaml").write_text("answer: 1.5\n")
+    with pytest.raises(runner.UserInputError, match="01_b"):
+        runner.run("phase0", repo=repo)
+    assert not (repo / "executed").exists()
+
+
+def test_profile_config_missing_skips_a_phase_notebook_but_not_a_target(repo, caplog):
+    _notebook(repo / "notebooks/phase0_reference/09_compare.ipynb", OK_SOURCE)
+    (repo / "configs/00_ok.h200.yaml").write_text("answer: 8\n")
+    with caplog.at_level("WARNING", logger="nbhelpers.run"):
+        planned = runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "h200", {},
+                                         repo)
+    assert [(nb.name, p) for nb, p in planned] == [("00_ok.ipynb", {"answer": 8})]
+    assert "skipped (the rest of the phase runs): no configs/09_compare.h200.yaml" in caplog.text
+    with pytest.raises(FileNotFoundError, match="09_compare.h200.yaml"):
+        runner.plan_parameters([repo / "notebooks/phase0_reference/09_compare.ipynb"], "h200",
+                               {}, repo)
+    (repo / "configs/00_ok.h200.yaml").unlink()
+    (repo / "configs/50_other_phase.h200.yaml").write_text("x: 1\n")
+    with pytest.raises(FileNotFoundError, match="00_ok.h200.yaml"):  # none of the phase has one
+        runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "h200", {}, repo)
+    with pytest.raises(runner.UserInputError, match=r"unknown profile 'b200'.*\['cpu', 'h200'\]"):
+        runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "b200", {}, repo)
+
+
+def test_phase_override_goes_only_to_the_notebooks_declaring_it(repo):
+    _notebook(repo / "notebooks/phase0_reference/09_compare.ipynb", OK_SOURCE,
+              "executed_dir: str = 'executed'\nsidecar_path: str = ''")
+    planned = runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "cpu",
+                                     {"answer": 3}, repo)
+    assert [p for _, p in planned] == [{"answer": 3}, {}]
+    with pytest.raises(runner.UserInputError, match="Did you mean 'executed_dir'"):
+        runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "cpu",
+                               {"executed_dirs": "x"}, repo)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["run", "phase9"], "unknown phase 'phase9'"),
+    (["run", "notebooks/nope.ipynb"], "notebook 'notebooks/nope.ipynb' not found"),
+    (["run", "phase0", "--profile", "b200"], "unknown profile 'b200'"),
+    (["run", "phase0", "-p", "answr", "1"], "Did you mean 'answer'"),
+    (["run", "phase0", "-p", "answer", "[1"], "-p answer '\\[1': not a YAML literal"),
+    (["run", "phase0", "--gpus", "abc"], "--gpus 'abc': give comma-separated GPU indices"),
+    (["run", "phase0", "--gpus", "0"], "--gpus 0: this host has no GPU"),
+    (["fetch", "nope-model"], r"unknown asset 'nope-model': use gsm8k or one of \["),
+])
+def test_cli_user_errors_are_one_line_exit_2(repo, monkeypatch, capsys, argv, match):
+    import re
+
+    from nbhelpers import __main__ as cli
+
+    monkeypatch.setattr(runner, "REPO", repo)
+    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 0)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert re.search(match, err)
+    assert not (repo / "executed").exists()
+
+
+def test_gpus_beyond_the_visible_count_are_refused(monkeypatch):
+    from nbhelpers import __main__ as cli
+
+    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 2)
+    assert cli.parse_gpus("0, 1") == ["0", "1"] and cli.parse_gpus(None) is None
+    with pytest.raises(runner.UserInputError, match=r"no GPU 2 \(nvidia-smi lists 2: 0\.\.1\)"):
+        cli.parse_gpus("0,2")
+
+
+def test_failed_headline_is_the_error_first_line_shortened():
+    from nbhelpers.run_index import headline
+
+    assert headline({"error": "ValueError: short\npartial notebook: x"}) == "error: ValueError: short"
+    long = headline({"error": "E: " + "x" * 200, "headline": {"a": 1}})
+    assert long.startswith("error: E: xxx") and long.endswith("...") and len(long) == 7 + 80

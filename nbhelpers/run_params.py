@@ -1,0 +1,236 @@
+"""Notebook parameters for the runner: read ``-p`` values and configs, check them against the
+notebook's ``parameters`` cell before anything is launched or any output name is claimed.
+
+Contract: :func:`notebook_parameters` parses the cell tagged ``parameters`` with :mod:`ast`
+(``name: type = default`` or ``name = default``; papermill's own inspector skips any line with
+two ``=``) and returns ``{name: annotation or None}``. :func:`check_parameters` raises
+:class:`UserInputError` for an unknown name (listing the valid ones, with a ``difflib`` close
+match) or a value whose type does not match the annotation (``int``, ``float``, ``bool``, ``str``,
+``list``, ``tuple``, ``dict``; ``X | None`` / ``Optional[X]`` also accept ``None``; an int is fine
+for a ``float``; other annotations are not checked). :func:`parse_overrides` reads each ``-p``
+VALUE as a YAML literal and names the ``-p`` whose value does not parse. :func:`plan_parameters`
+loads ``configs/<stem>.<profile>.yaml`` for every notebook of a run and checks all of them (the
+runner calls it before claiming any output name).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("nbhelpers.run")
+
+RUNNER_PARAMETERS = ("sidecar_path",)
+"""Set by the runner itself: the notebook may or may not declare them."""
+
+
+class UserInputError(ValueError):
+    """Bad input from the user (phase, profile, notebook, ``-p``, config, ``--gpus``): the CLI
+    prints ``error: <message>`` and exits 2, without a traceback."""
+
+
+class MissingInputError(UserInputError, FileNotFoundError):
+    """A file the user named (notebook, ``configs/<stem>.<profile>.yaml``) does not exist."""
+
+
+_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "list": lambda v: isinstance(v, list),
+    "tuple": lambda v: isinstance(v, (list, tuple)),  # YAML has no tuples
+    "dict": lambda v: isinstance(v, dict),
+}
+
+
+def _parameters_source(notebook: Path) -> str | None:
+    import nbformat
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            return cell.source
+    return None
+
+
+def notebook_parameters(notebook: Path) -> dict[str, str | None] | None:
+    """``{name: annotation source or None}`` of ``notebook``'s ``parameters`` cell, in order;
+    ``None`` when the notebook has no such cell.
+
+    Raises:
+        UserInputError: the cell is not valid Python (the message names the notebook and line).
+    """
+    src = _parameters_source(notebook)
+    if src is None:
+        return None
+    try:
+        tree = ast.parse(src)
+    except SyntaxError as exc:
+        raise UserInputError(f"{notebook.name}: parameters cell line {exc.lineno} is not valid "
+                             f"Python ({exc.msg}): fix the notebook.") from exc
+    out: dict[str, str | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = ast.unparse(node.annotation)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = None
+    return out
+
+
+def _type_names(annotation: str) -> tuple[set[str], bool] | None:
+    """Base type names of ``annotation`` and whether ``None`` is allowed; ``None`` if unchecked."""
+    ann = annotation.replace("typing.", "").replace(" ", "")
+    if ann.startswith("Optional[") and ann.endswith("]"):
+        ann = ann[len("Optional["):-1] + "|None"
+    names, nullable = set(), False
+    for part in ann.split("|"):
+        base = part.split("[", 1)[0]
+        if base == "None":
+            nullable = True
+        elif base.lower() in _CHECKS:  # List, Dict, Tuple from typing too
+            names.add(base.lower())
+        else:
+            return None
+    return names, nullable
+
+
+def check_value(name: str, annotation: str | None, value: Any, source: str) -> None:
+    """Raise :class:`UserInputError` when ``value`` does not fit ``annotation`` (see module)."""
+    kinds = _type_names(annotation) if annotation else None
+    if kinds is None:
+        return
+    names, nullable = kinds
+    if (value is None and nullable) or any(_CHECKS[n](value) for n in names):
+        return
+    raise UserInputError(f"{source}: parameter {name!r} expects {annotation}, got {value!r} "
+                         f"({type(value).__name__}).")
+
+
+def check_parameters(notebook: Path, params: dict[str, Any], sources: dict[str, str]) -> None:
+    """Check every ``params`` name and value against ``notebook``'s parameters cell.
+
+    ``sources`` maps a name to where its value came from (``-p answer``, ``configs/x.h200.yaml``).
+
+    Raises:
+        UserInputError: unknown name (valid names and a close match listed), a value of the wrong
+            type, or parameters given to a notebook without a ``parameters`` cell.
+    """
+    declared = notebook_parameters(notebook)
+    given = [n for n in params if n not in RUNNER_PARAMETERS]
+    if declared is None:
+        if given:
+            raise UserInputError(f"{notebook.name} has no cell tagged 'parameters', so {given} "
+                                 "cannot be set: tag its parameters cell.")
+        return
+    for name in given:
+        where = sources.get(name, "parameter")
+        if name not in declared:
+            close = difflib.get_close_matches(name, list(declared), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UserInputError(f"{where}: {notebook.name} has no parameter {name!r}.{hint} "
+                                 f"Valid names: {', '.join(declared)}.")
+        check_value(name, declared[name], params[name], f"{where} ({notebook.name})")
+
+
+def parse_overrides(pairs: list[tuple[str, str]] | list[list[str]] | None) -> dict[str, Any]:
+    """``-p NAME VALUE`` pairs, each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str).
+
+    Raises:
+        UserInputError: a VALUE that is not valid YAML (the message names that ``-p``).
+    """
+    import yaml
+    out = {}
+    for name, value in pairs or []:
+        try:
+            out[name] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            first = str(exc).splitlines()[0]
+            raise UserInputError(f"-p {name} {value!r}: not a YAML literal ({first}); quote "
+                                 "lists as '[a, b]' and strings with ':' as '\"a: b\"'.") from exc
+    return out
+
+
+def load_parameters(notebook: Path, profile: str, overrides: dict[str, Any] | None = None,
+                    configs: Path | None = None) -> dict[str, Any]:
+    """``configs/<stem>.<profile>.yaml`` overridden by ``overrides``.
+
+    A missing file is fine for ``profile="cpu"`` (the notebook's defaults are CPU smoke size).
+
+    Raises:
+        MissingInputError: no config file for a non-CPU profile (a ``FileNotFoundError``).
+        UserInputError: the file is not YAML, or not a mapping of names to literals.
+    """
+    import yaml
+    configs = configs or Path(__file__).resolve().parents[1] / "configs"
+    path = configs / f"{notebook.stem}.{profile}.yaml"
+    params: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            params = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserInputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}).") from exc
+        if not isinstance(params, dict):
+            raise UserInputError(f"{path}: must map parameter names to literals, got "
+                                 f"{type(params).__name__}.")
+    elif profile != "cpu":
+        raise MissingInputError(f"no {path.relative_to(configs.parent)} for profile "
+                                f"{profile!r}: write it (literals only) or use --profile cpu.")
+    return {**params, **(overrides or {})}
+
+
+def profiles(configs: Path) -> list[str]:
+    """Profiles with at least one ``configs/<stem>.<profile>.yaml``, plus ``cpu`` (defaults)."""
+    return sorted({"cpu", *(p.name.split(".")[-2] for p in configs.glob("*.*.yaml"))})
+
+
+def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, Any],
+                    repo: Path | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Parameters of each notebook, all checked before any output is claimed.
+
+    In a phase run (several notebooks) a notebook without a config for a non-CPU ``profile`` is
+    skipped with a logged note while another notebook of the phase has one (``19_compare`` is
+    CPU-only); a ``-p`` name is passed only to the notebooks that declare it and must be declared
+    by at least one. A single notebook must have its config and declare every ``-p`` name.
+
+    Raises:
+        UserInputError: unknown profile, missing config (single notebook, or none in the phase),
+            unknown parameter name, or a value of the wrong type (see ``run_params``).
+    """
+    configs = (repo or Path(__file__).resolve().parents[1]) / "configs"
+    if profile not in (known := profiles(configs)):
+        raise UserInputError(f"unknown profile {profile!r}: use one of {known} "
+                             "(configs/<stem>.<profile>.yaml).")
+    planned, missing = [], []
+    for nb in notebooks:
+        try:
+            planned.append((nb, load_parameters(nb, profile, None, configs)))
+        except MissingInputError as exc:
+            missing.append(exc)
+    if missing and (len(notebooks) == 1 or not planned):
+        raise missing[0]
+    for exc in missing:  # the notebook's name is in the message
+        log.warning("skipped (the rest of the phase runs): %s", exc)
+    declared = {nb: notebook_parameters(nb) for nb, _ in planned}
+    if len(planned) > 1:
+        names = list(dict.fromkeys(n for d in declared.values() for n in d or {}))
+        for name in overrides:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise UserInputError(f"-p {name}: no notebook of this phase has this parameter."
+                                     f"{hint} Valid names: {', '.join(names)}.")
+    out = []
+    for nb, params in planned:
+        config = f"configs/{nb.stem}.{profile}.yaml"
+        sources = {n: config for n in params} | {n: f"-p {n}" for n in overrides}
+        mine = {n: v for n, v in overrides.items()
+                if len(planned) == 1 or (declared[nb] is not None and n in declared[nb])}
+        params = {**params, **mine}
+        check_parameters(nb, params, sources)
+        out.append((nb, params))
+    return out

@@ -101,9 +101,8 @@ class LiveGroup:
         self.fuse_lora_a = fuse_lora_a
         self.sizes = [p.base.weight.shape[0] for p in self.parts]
         self._fused: dict[str, Any] | None = None
-        self._ptrs: list[int] = []
-        if fuse_lora_a and len(self.parts) > 1:
-            self._fuse_storage()
+        self._state: tuple = ()
+        self.refresh()
 
     def _lora_fusable(self) -> bool:
         if not all(p.has_lora for p in self.parts):
@@ -111,56 +110,58 @@ class LiveGroup:
         ts = [p.lora_tensors() for p in self.parts]
         return len({(a.dtype, b.dtype, a.device, s) for a, b, s in ts}) == 1
 
-    def _fuse_storage(self) -> None:
-        """Allocate the fused buffers and re-point the parts' tensors to views of them."""
-        import torch
+    def _fuse_storage(self) -> dict[str, Any] | None:
+        """Allocate the fused buffers and re-point the parts' tensors to views of them.
+
+        With LoRA A in the base dtype and no bias, A's rows join the base buffer
+        (``[sum(out) + sum(r), in]``: one GEMM gives ``y`` and ``xa``); else A gets its own.
+        """
         ws = [p.base.weight for p in self.parts]
         bs = [p.base.bias for p in self.parts]
         if (len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1
                 or len({b is None for b in bs}) != 1):
-            self._fused = None  # mixed parts: per-part path
-            return
-        fused = {"W": _repoint(ws)}
+            return None  # mixed parts: per-part path
+        lora = self._lora_fusable()
+        a_list = [p.lora_tensors()[0] for p in self.parts] if lora else []
+        ext = lora and bs[0] is None and a_list[0].dtype == ws[0].dtype
+        if len(self.parts) == 1 and not ext:
+            return None  # nothing to fuse: the live-tensor path
+        fused: dict[str, Any] = {"W": _repoint(ws + a_list if ext else ws), "ext": ext,
+                                 "n_out": sum(self.sizes), "lora": lora}
         fused["bias"] = _repoint(bs) if bs[0] is not None else None
-        if self._lora_fusable():
-            a_list = [p.lora_tensors()[0] for p in self.parts]
-            b_list = [p.lora_tensors()[1] for p in self.parts]
-            fused["A"] = _repoint(a_list)
-            fused["B"] = b_list  # live, contiguous: one GEMM each into its slice of y
+        if lora:
+            fused["A"] = None if ext else _repoint(a_list)
+            fused["B"] = [p.lora_tensors()[1] for p in self.parts]  # live, contiguous
             fused["scaling"] = self.parts[0].lora_tensors()[2]
-        with torch.no_grad():
-            self._fused, self._ptrs = fused, [t.data_ptr() for t in self.tensors()]
+        return fused
+
+    def _current_state(self) -> tuple:
+        return (tuple(t.data_ptr() for t in self.tensors()),
+                tuple(p.has_lora for p in self.parts))
 
     def refresh(self) -> None:
-        """Re-fuse if storage was replaced or adapters toggled since the last fuse (host-side;
+        """Fuse again if storage was replaced or adapters toggled since the last fuse (host-side;
         the runner calls it before each prefill and decode window)."""
-        if not self.fuse_lora_a or len(self.parts) < 2:
-            return
-        if not self._intact() or ("A" in self._fused) != all(p.has_lora for p in self.parts):
-            self._fuse_storage()
-
-    def _intact(self) -> bool:
-        return self._fused is not None and [t.data_ptr() for t in self.tensors()] == self._ptrs
+        if self.fuse_lora_a and self._current_state() != self._state:
+            self._fused = self._fuse_storage()
+            self._state = self._current_state()
 
     def _buffers(self) -> dict[str, Any] | None:
-        """Fused (or single-part) tensors for the GEMM path, or ``None`` for the per-part path."""
-        if len(self.parts) == 1:
-            p = self.parts[0]
-            out = {"W": p.base.weight, "bias": p.base.bias}
-            if p.has_lora:
-                out["A"], b, out["scaling"] = p.lora_tensors()
-                out["B"] = [b]
-            return out
-        if not self.fuse_lora_a:
-            return None
+        """Fused (or single-part live) tensors for the GEMM path, or ``None`` for per-part."""
         import torch
-        if not torch.compiler.is_compiling():  # traced code: the runner called refresh() first
+        if self.fuse_lora_a and not torch.compiler.is_compiling():  # traced: refreshed before
             self.refresh()
-        has_lora = [p.has_lora for p in self.parts]
-        if self._fused is None or (any(has_lora) and "A" not in self._fused):
+        if self._fused is not None and self._fused["lora"] == any(p.has_lora for p in self.parts):
+            return self._fused
+        if len(self.parts) > 1:  # LoRA on some parts only (or mixed dtypes): per part
             return None
-        return self._fused if all(has_lora) else {"W": self._fused["W"],
-                                                  "bias": self._fused["bias"]}
+        p = self.parts[0]
+        out = {"W": p.base.weight, "bias": p.base.bias, "ext": False, "lora": p.has_lora,
+               "n_out": self.sizes[0]}
+        if p.has_lora:
+            out["A"], b, out["scaling"] = p.lora_tensors()
+            out["B"] = [b]
+        return out
 
     def __call__(self, x: Any) -> list[Any]:
         import torch.nn.functional as F
@@ -168,10 +169,13 @@ class LiveGroup:
         if f is None:
             return [p(x) for p in self.parts]
         x2 = x.reshape(-1, x.shape[-1])
-        y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)]
-        if "A" in f:
-            a, b, s = f["A"], f["B"], f["scaling"]
-            xa = F.linear(x2.to(a.dtype), a)  # [N, sum(r)]
+        y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)] (+ [N, sum(r)] when ext)
+        if f["lora"]:
+            b, s, n = f["B"], f["scaling"], f["n_out"]
+            if f["ext"]:
+                y, xa = y[:, :n], y[:, n:]
+            else:
+                xa = F.linear(x2.to(f["A"].dtype), f["A"])  # [N, sum(r)]
             acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT adds in A/B dtype
             for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1), b):
                 y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place

@@ -62,6 +62,8 @@ def test_fused_views_share_storage_and_see_adamw_steps(peft_model):
                  (q.lora_A["default"].weight, k.lora_A["default"].weight)):
         assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    qa = q.lora_A["default"].weight  # same dtype as the base: A rows join the base buffer
+    assert qa.untyped_storage().data_ptr() == q.base_layer.weight.untyped_storage().data_ptr()
     prompt = random_prompts(1, 12, 12, seed=4)[0]
     before = llm.generate([prompt], GREEDY)[0].token_ids
     ids = torch.tensor([prompt])
@@ -102,3 +104,31 @@ def test_replaced_storage_is_re_fused_and_seen(peft_model):
     attn = peft_model.get_base_model().model.layers[0].self_attn
     q, v = attn.q_proj.lora_A["default"].weight, attn.v_proj.lora_A["default"].weight
     assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # fused again
+
+
+def test_disabled_adapter_gives_the_base_model(peft_model):
+    prompt = random_prompts(1, 12, 12, seed=7)[0]
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64)
+    with_lora = llm.generate([prompt], GREEDY)[0].token_ids
+    with peft_model.disable_adapter():
+        base = llm.generate([prompt], GREEDY)[0].token_ids
+        assert base == hf_greedy(peft_model, prompt, 10)[0]
+    assert base != with_lora
+    assert llm.generate([prompt], GREEDY)[0].token_ids == with_lora
+
+
+def test_lora_on_some_projections_only():
+    """LoRA on q/v but not k (TRL-style targets): the q/k/v group runs per part, B is applied."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                     init_lora_weights=False)
+    model = get_peft_model(tiny_model("qwen3"), cfg).eval()
+    prompt = random_prompts(1, 12, 12, seed=8)[0]
+    llm = LLM(model, page_size=8, num_pages=32, max_model_len=64)
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, 10)[0]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, 10)[0]

@@ -1,8 +1,10 @@
 """Frozen, validated configuration objects shared by every notebook, backend and the engine.
 
-Contract: each dataclass is immutable and checks itself in ``__post_init__``; a bad value raises
-``ValueError`` whose message names the field and the fix. Notebook ``parameters`` cells map one to
-one onto these fields.
+Contract: each dataclass is immutable and checks itself in ``__post_init__``: first every field's
+type (:func:`check_field_types`: an ``int`` field takes an int but not a bool or float, a
+``float`` field an int or float, ``str`` a str, ``tuple[str, ...]`` a tuple of str, ``X | None``
+also ``None``), then its range; a bad value raises ``ValueError`` whose message names the field,
+and the type expected or the fix. Notebook ``parameters`` cells map one to one onto these fields.
 
 Reference values (``GRPOSettings`` defaults) come from the public Unsloth notebook
 "Qwen3_(4B)-GRPO.ipynb" (unslothai/notebooks, nb/Qwen3_(4B)-GRPO.ipynb): LoRA r=32, alpha=64 (the
@@ -13,7 +15,10 @@ vLLM sampling min_p=0.1, top_p=1.0, top_k=-1, seed 3407, max_seq_length 2048.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import numbers
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 LORA_TARGETS_ALL: tuple[str, ...] = (
@@ -25,6 +30,53 @@ LORA_TARGETS_ALL: tuple[str, ...] = (
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits the type ``hint`` (see the module docstring for the rules)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is Literal:  # the type only: each __post_init__ names the allowed values
+        return any(type(value) is type(a) for a in args)
+    if origin is tuple:
+        items = args[:1] if len(args) == 2 and args[1] is Ellipsis else args
+        return isinstance(value, tuple) and all(_fits(v, items[0]) for v in value) \
+            if items else isinstance(value, tuple)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "str"
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _value_type(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"tuple of {sorted({type(v).__name__ for v in value})}"
+    return type(value).__name__
+
+
+def check_field_types(obj: Any) -> None:
+    """Check every dataclass field of ``obj`` against its annotation.
+
+    Raises:
+        ValueError: ``<Class>.<field>=<value>: expected <type>, got <type of value>``.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        _require(_fits(value, hints[f.name]), f"{type(obj).__name__}.{f.name}={value!r}: "
+                 f"expected {_type_name(hints[f.name])}, got {_value_type(value)}.")
 
 
 @dataclass(frozen=True)
@@ -45,6 +97,7 @@ class ModelSpec:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _require(bool(self.name), "ModelSpec.name is empty: pass a registry key (see "
                  "nbhelpers.models.list_models()), a hub id or a local path.")
         _require(self.kind in ("real", "random", "hub"),
@@ -68,6 +121,7 @@ class LoraSpec:
     init_b_std: float = 0.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _require(self.rank > 0, f"LoraSpec.rank={self.rank}: must be a positive int (e.g. 32).")
         _require(self.alpha > 0, f"LoraSpec.alpha={self.alpha}: must be positive (e.g. 2*rank).")
         _require(len(self.targets) > 0, "LoraSpec.targets is empty: name at least one module, "
@@ -105,6 +159,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _require(self.temperature >= 0.0, f"SamplingParams.temperature={self.temperature}: must "
                  "be >= 0 (0 = greedy).")
         _require(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p={self.top_p}: must be in (0, 1] "
@@ -158,6 +213,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _require(self.n_prompts >= 1, f"Workload.n_prompts={self.n_prompts}: must be >= 1.")
         _require(self.prompt_tokens >= 1, f"Workload.prompt_tokens={self.prompt_tokens}: >= 1.")
         _require(self.max_new_tokens >= 1, f"Workload.max_new_tokens={self.max_new_tokens}: >= 1.")
@@ -205,6 +261,7 @@ class GRPOSettings:
     lora: LoraSpec = field(default_factory=LoraSpec)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _require(self.max_steps >= 1, f"GRPOSettings.max_steps={self.max_steps}: must be >= 1.")
         _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
                  f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")

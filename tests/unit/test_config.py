@@ -81,3 +81,40 @@ def test_environment_yml_mirrors_pyproject_gpu_extras():
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     assert set(pip) == want
     assert "python=3.12" in env["dependencies"]
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+    (LoraSpec, {"rank": 2.5}, r"LoraSpec\.rank=2\.5: expected int, got float"),
+    (LoraSpec, {"rank": True}, r"LoraSpec\.rank=True: expected int, got bool"),
+    (LoraSpec, {"alpha": "64"}, r"LoraSpec\.alpha='64': expected int, got str"),
+    (LoraSpec, {"dropout": "0.1"}, r"LoraSpec\.dropout='0\.1': expected float, got str"),
+    (LoraSpec, {"targets": ["q_proj"]}, r"targets=\['q_proj'\]: expected tuple\[str, \.\.\.\]"),
+    (LoraSpec, {"targets": ("q_proj", 1)}, (r"expected tuple\[str, \.\.\.\], got tuple of "
+                                            r"\['int', 'str'\]")),
+    (ModelSpec, {"name": 3}, r"ModelSpec\.name=3: expected str, got int"),
+    (ModelSpec, {"name": "m", "kind": 1}, r"ModelSpec\.kind=1: expected str, got int"),
+    (ModelSpec, {"name": "m", "architecture": 3}, r"architecture=3: expected str \| None"),
+    (SamplingParams, {"seed": 1.0}, r"SamplingParams\.seed=1\.0: expected int \| None"),
+    (SamplingParams, {"top_p": None}, r"top_p=None: expected float, got NoneType"),
+    (SamplingParams, {"ignore_eos": 1}, r"ignore_eos=1: expected bool, got int"),
+    (SamplingParams, {"stop_token_ids": [7]}, r"stop_token_ids=\[7\]: expected tuple\[int"),
+    (Workload, {"max_new_tokens": 512.0}, r"Workload\.max_new_tokens=512\.0: expected int"),
+    (Workload, {"sampling": None}, r"Workload\.sampling=None: expected str"),
+    (GRPOSettings, {"learning_rate": "5e-6"}, r"learning_rate='5e-6': expected float, got str"),
+    (GRPOSettings, {"lora": {"rank": 4}}, r"GRPOSettings\.lora=\{'rank': 4\}: expected LoraSpec"),
+    (GRPOSettings, {"gradient_checkpointing": "no"}, "gradient_checkpointing='no': expected bool"),
+])
+def test_wrong_types_raise_naming_field_expected_type_and_value(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_ints_are_fine_for_floats_and_integral_numbers_for_ints():
+    import numpy as np
+
+    assert LoraSpec(dropout=0, init_b_std=1).init_b_std == 1
+    assert SamplingParams(temperature=1, top_p=1, seed=np.int64(3)).seed == 3
+    assert GRPOSettings(learning_rate=1, beta=0).beta == 0
+    assert Workload(n_prompts=np.int32(4)).n_prompts == 4
+    assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == (1, 2)
+    assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5

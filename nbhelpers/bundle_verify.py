@@ -7,6 +7,7 @@ has the name, version not recorded: ``bundle_sets.IMAGE_VERSIONS``), ``excluded`
 purpose by the set), ``conflict`` (a version that does not satisfy the specifier) or ``missing``.
 :func:`import_check` runs each of the set's import statements in a fresh interpreter with the
 set's PYTHONPATH. :func:`verify` prints both and returns 1 when anything is missing or fails.
+A set that is not built yet (no ``OUT/SET/manifest.json``) exits with the build command to run.
 Run: ``python -m nbhelpers.bundles verify SET [--installed SITE --python-exe python3]``.
 """
 
@@ -25,6 +26,22 @@ MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_pl
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython",
               "extra": ""}
+
+
+def require_sets(names: list[str] | tuple[str, ...], out: Path | None = None) -> None:
+    """Exit with a message naming the fix unless every set is known (and, given ``out``, built).
+
+    Raises:
+        SystemExit: ``unknown set ...: choose one of [...]`` or ``set ... is not built under
+            OUT/: build it first: python -m nbhelpers.bundles build SET`` (exit status 1).
+    """
+    for name in names:
+        if name not in SETS:
+            raise SystemExit(f"unknown set {name!r}: choose one of {sorted(SETS)}")
+        if out is not None and not (out / name / "manifest.json").is_file():
+            flag = "" if out == Path(".bundles") else f" --out {out}"
+            raise SystemExit(f"set {name!r} is not built under {out}/: build it first: "
+                             f"python -m nbhelpers.bundles build {name}{flag}")
 
 
 def _meta_text(source: Path) -> str:
@@ -99,8 +116,15 @@ def import_check(bset: BundleSet, site: str, python_exe: str) -> list[tuple[str,
 
 
 def verify(bset: BundleSet, out: Path, installed: str | None, python_exe: str) -> int:
-    """Print the closure and (with ``installed``) import results; 1 if anything is wrong."""
+    """Print the closure and (with ``installed``) import results; 1 if anything is wrong.
+
+    Raises:
+        SystemExit: without ``installed``, the set or one of its ``with_sets`` is not built.
+    """
     from packaging.utils import canonicalize_name
+
+    if not installed:
+        require_sets((*bset.with_sets, bset.name), out)
 
     sets = [SETS[n] for n in (*bset.with_sets, bset.name)]
     owners = {canonicalize_name(p.split("==")[0]) for s in sets for p in s.pins}
@@ -122,7 +146,12 @@ def verify(bset: BundleSet, out: Path, installed: str | None, python_exe: str) -
 
 
 def combined_commands(names: list[str], out: Path) -> str:
-    """One device call for several built ``wheels`` sets sharing a site: carry list + prefix."""
+    """One device call for several built ``wheels`` sets sharing a site: carry list + prefix.
+
+    Raises:
+        SystemExit: an unknown or unbuilt set, or sets that cannot share one call.
+    """
+    require_sets(names, out)
     manifests = [json.loads((out / n / "manifest.json").read_text()) for n in names]
     if len({m["site"] for m in manifests}) != 1 or any(len(m["parts"]) != 1 for m in manifests):
         raise SystemExit(f"{names}: only single-part sets with one site can share a call")

@@ -281,8 +281,8 @@ def write_manifest(manifest: dict, path: Path) -> Path:
 
 
 def _get(name: str) -> BundleSet:
-    if name not in SETS:
-        raise SystemExit(f"unknown set {name!r}: choose one of {sorted(SETS)}")
+    from nbhelpers.bundle_verify import require_sets
+    require_sets([name])
     return SETS[name]
 
 
@@ -312,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--python-exe", default="python3", help="interpreter for the import check")
     c = sub.add_parser("commands", help="carry + command prefix for sets sharing one call")
     c.add_argument("sets", nargs="+")
-    for p in (ap, b, v, c):
-        p.add_argument("--out", type=Path, default=Path(".bundles"))
-    sub.add_parser("list", help="sets and built sizes")
+    lst = sub.add_parser("list", help="sets and built sizes")
+    ap.add_argument("--out", type=Path, default=Path(".bundles"), help="bundle root")
+    for p in (b, v, c, lst):  # SUPPRESS: the top-level --out stays unless given here
+        p.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="bundle root")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         m = build(args.set, args.python, args.out, args.part_mib, args.cache)

@@ -142,3 +142,34 @@ def test_closure_sorts_requirements() -> None:
 def test_unknown_set_names_the_choices() -> None:
     with pytest.raises(SystemExit, match="choose one of"):
         bundles.main(["verify", "nope"])
+
+
+@pytest.mark.parametrize("argv", [["verify", "nope"], ["commands", "trl", "nope"],
+                                  ["build", "nope"]])
+def test_every_subcommand_names_the_choices_for_an_unknown_set(argv: list[str]) -> None:
+    with pytest.raises(SystemExit, match=r"unknown set 'nope': choose one of \['fa4', "):
+        bundles.main(argv)
+
+
+@pytest.mark.parametrize("argv", [["verify", "trl"], ["commands", "trl"]])
+@pytest.mark.parametrize("before", [True, False])
+def test_unbuilt_set_says_build_it_first_wherever_out_is_given(tmp_path: Path, argv: list[str],
+                                                               before: bool) -> None:
+    out = ["--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        bundles.main(out + argv if before else argv + out)
+    assert str(info.value) == (f"set 'trl' is not built under {tmp_path}/: build it first: "
+                               f"python -m nbhelpers.bundles build trl --out {tmp_path}")
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_list_reads_the_out_folder_wherever_out_is_given(tmp_path: Path, capsys,
+                                                         before: bool) -> None:
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl/manifest.json").write_text(json.dumps(
+        {"wheels_bytes": 3 * 2**20, "parts": [{"bytes": 2**20}]}))
+    out = ["--out", str(tmp_path)]
+    assert bundles.main(out + ["list"] if before else ["list"] + out) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["trl"].endswith("wheels 3.0 MiB, parts 1.0 MiB")
+    assert lines["vllm"].endswith("not built")

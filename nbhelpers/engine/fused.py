@@ -9,6 +9,8 @@ are bit-identical to calling the HF modules:
 - :func:`qk_norm_rope`: Qwen3's per-head q/k RMSNorm then HF ``apply_rotary_pos_emb``
   (rotate_half form) on ``q [1, T, H, D]``, ``k [1, T, H_kv, D]`` -> ``[1, H, T, D]`` each.
 - :func:`silu_mul`: the MLP's ``act_fn(gate) * up`` with ``act_fn = silu``.
+- ``sample``: :func:`nbhelpers.engine.sampler.sample` (hash noise, min_p/top-k/top-p, race),
+  ~60 passes over ``[B, vocab]`` eager; compiled, a few fused kernels.
 
 Eager, each is 5-25 aten ops (one CUDA kernel each); :class:`Elementwise` with ``compiled=True``
 wraps them in ``torch.compile(dynamic=False, fullgraph=True)`` (inductor, no cudagraphs: the
@@ -67,13 +69,15 @@ def silu_mul(gate: Any, up: Any) -> Any:
 class Elementwise:
     """The functions above, eager or compiled (``compiled=True``: one inductor graph each)."""
 
-    NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul")
+    NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul", "sample")
 
     def __init__(self, compiled: bool = False):
         import torch
+
+        from nbhelpers.engine.sampler import sample
         self.compiled = compiled
         for name in self.NAMES:
-            fn = globals()[name]
+            fn = sample if name == "sample" else globals()[name]
             setattr(self, name, torch.compile(fn, dynamic=False, fullgraph=True)
                     if compiled else fn)
 

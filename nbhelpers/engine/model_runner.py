@@ -311,8 +311,9 @@ class ModelRunner:
             p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
             kernel_options=self.opt.decode_kernel_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)
-        return sample(m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx,
-                      use_sort=use_sort)
+        fx = getattr(m, "fx_decode", None)
+        return (fx.sample if fx is not None else sample)(
+            m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx, use_sort=use_sort)
 
     def _capture(self, st: DecodeState, use_sort: bool) -> None:
         import torch

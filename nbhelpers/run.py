@@ -7,7 +7,15 @@ on a CPU profile one worker). Each run writes ``executed/<phase dir>/<stem>/<UTC
 .ipynb`` (papermill keeps the partial output when a cell fails) and the JSON sidecar beside it (the
 notebook writes it to the ``sidecar_path`` parameter; the runner writes one with ``error`` when the
 notebook did not, or marks the notebook's sidecar failed). Names are claimed with exclusive file
-creation, so no earlier run is overwritten and two runs at once never share a file.
+creation, so no earlier run is overwritten and two runs at once never share a file. Before any name
+is claimed, every notebook of the run is planned (``run_params.plan_parameters``): its config
+exists and every config / ``-p`` value matches the notebook's ``parameters`` cell; in a phase run
+a notebook without a config for a non-CPU profile (the CPU-only ``19_compare``) is skipped with a
+logged note, while a single-notebook target without one is an error. The git sha is read once per
+run: it names the files and reaches the kernel as ``NBHELPERS_GIT_SHA`` (the notebook's sidecar
+records the same one). A failed notebook's sidecar ``error`` is its exception (``ename: evalue``,
+cell index) and the repo-relative path of the partial notebook. Bad input raises
+:class:`~nbhelpers.run_params.UserInputError` (the CLI prints ``error: ...``, exit 2).
 :func:`write_index` regenerates ``executed/INDEX.md`` from the sidecars.
 
 Run: ``python -m nbhelpers run phase0 --profile cpu`` (see ``nbhelpers/__main__.py``).

@@ -36,8 +36,8 @@ class RunnerOptions:
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
     ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``);
-    ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces (``None`` = on iff
-    CUDA; see ``engine/fused.py``).
+    ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
+    (``None`` = on iff CUDA; see ``engine/fused.py``).
     """
 
     page_size: int = 128
@@ -91,14 +91,14 @@ class ModelRunner:
         on_cuda = next(iter(model.parameters())).is_cuda
         self.use_graphs = on_cuda if opt.use_cuda_graphs is None else opt.use_cuda_graphs
         compile_attn = on_cuda if opt.compile_attention is None else opt.compile_attention
+        compile_layers = on_cuda if opt.compile_layers is None else opt.compile_layers
         from torch.nn.attention.flex_attention import flex_attention
-        if compile_attn:  # one compile per (batch bucket, prefill length): raise dynamo's limits
+        if compile_attn or compile_layers:  # one compile per (batch bucket, prefill length)
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
-        if (on_cuda if opt.compile_layers is None else opt.compile_layers) and hasattr(
-                self.model, "compile_elementwise"):
+        if compile_layers and hasattr(self.model, "compile_elementwise"):
             self.model.compile_elementwise()
         self.device = self.model.device
         self.kv: Any = None  # KVCache, or None while asleep

@@ -210,7 +210,15 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         ValueError: unknown or not-yet-available backend, unknown dataset, no prompt fits.
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
+
+    The other rollout backends (``hf_cb``, ``vllm``, ``unsloth``, ``flex``) run through
+    :func:`nbhelpers.grpo_backends.train` (same setup; its extra options pass through).
     """
+    from nbhelpers import grpo_backends
+    if backend != "hf_generate" and backend in grpo_backends.BACKENDS:
+        return grpo_backends.train(model_name, settings, backend=backend, dataset=dataset,
+                                   n_questions=n_questions, output_dir=output_dir,
+                                   progress=progress, skip_first=skip_first, **config_overrides)
     _check_backend(backend)
     from trl import GRPOTrainer
 

@@ -20,7 +20,7 @@ compile report lands in ``GRPOResult.config["compile_report"]``. Every backend's
 timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised). A backend whose engine is not
 installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
 
-Run: ``python -c "from nbhelpers.grpo_backends import train; from nbhelpers.config import
+Run: ``python -c "from nbhelpers.grpo import train; from nbhelpers.config import
 GRPOSettings; print(train('tiny-llama', GRPOSettings(max_steps=2, max_completion_length=8),
 backend='flex', output_dir='/tmp/g').summary)"``.
 """

@@ -4,7 +4,7 @@ Contract: :func:`write_index` reads every schema-v1 sidecar under ``executed/`` 
 :func:`nbhelpers.stats.read_sidecars`), newest first within each notebook, and rewrites the index
 atomically. Headline numbers come from the sidecar's ``headline`` dict (the notebook chooses
 them) or, failing that, from the schema's medians. A sidecar with ``error`` is ``failed`` and its
-headline is the error's first line.
+headline is the error's first line (a traceback's last line).
 
 Run: ``python -m nbhelpers index``.
 """
@@ -36,7 +36,9 @@ def headline(side: dict[str, Any]) -> str:
     """A failed run: ``error: <first line of error>`` (at most :data:`ERROR_CHARS`). Else
     ``name=value`` pairs: the sidecar's ``headline`` dict, else the schema medians present."""
     if side.get("error"):
-        first = str(side["error"]).strip().splitlines()[0] if str(side["error"]).strip() else "?"
+        lines = [ln.strip() for ln in str(side["error"]).strip().splitlines() if ln.strip()]
+        # a traceback's informative line is its last one ("ValueError: ...")
+        first = (lines[-1] if lines[0].startswith("Traceback") else lines[0]) if lines else "?"
         cut = first if len(first) <= ERROR_CHARS else first[:ERROR_CHARS - 3] + "..."
         return f"error: {cut}"
     pairs = side.get("headline") or {k: side.get(k) for k in FALLBACK_HEADLINE

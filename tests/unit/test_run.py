@@ -307,5 +307,7 @@ def test_failed_headline_is_the_error_first_line_shortened():
     from nbhelpers.run_index import headline
 
     assert headline({"error": "ValueError: short\npartial notebook: x"}) == "error: ValueError: short"
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'head_dim'\n"
+    assert headline({"error": tb}) == "error: KeyError: 'head_dim'"
     long = headline({"error": "E: " + "x" * 200, "headline": {"a": 1}})
     assert long.startswith("error: E: xxx") and long.endswith("...") and len(long) == 7 + 80

@@ -26,11 +26,13 @@ from nbhelpers.shims.transformers_top_k import vllm_top_k_to_transformers
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf_generate",)
-"""Backends :func:`train` runs in this version."""
-LATER_BACKENDS = {
-    name: "the phase 2 issue (GRPO driven by each backend, notebooks/phase2_grpo)"
-    for name in ("hf_cb", "hf_cb_nograph", "cb_sync", "unsloth", "vllm", "flex")
+BACKENDS = ("hf_generate", "hf_cb", "vllm", "unsloth", "flex")
+"""Rollout backends GRPO training runs with (``hf_generate`` here, the others through
+:func:`nbhelpers.grpo_backends.train`)."""
+ROLLOUT_ONLY_BACKENDS = {
+    name: "a phase 1 rollout backend only: TRL's GRPOTrainer drives continuous batching itself "
+          "(use backend='hf_cb')"
+    for name in ("hf_cb_nograph", "cb_sync")
 }
 DATASETS = ("gsm8k", "gsm_symbolic", "dapo_math")
 
@@ -184,9 +186,8 @@ class GRPOResult:
 def _check_backend(backend: str) -> None:
     if backend in BACKENDS:
         return
-    if backend in LATER_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not in this version of nbhelpers.grpo: it is "
-                         f"added by {LATER_BACKENDS[backend]}. Use backend='hf_generate'.")
+    if backend in ROLLOUT_ONLY_BACKENDS:
+        raise ValueError(f"backend={backend!r} is {ROLLOUT_ONLY_BACKENDS[backend]}.")
     raise ValueError(f"backend={backend!r}: unknown; use one of {BACKENDS}.")
 
 
@@ -207,7 +208,7 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     warm-up steps are left out of ``GRPOResult.summary``'s medians.
 
     Raises:
-        ValueError: unknown or not-yet-available backend, unknown dataset, no prompt fits.
+        ValueError: unknown backend (or a rollout-only one), unknown dataset, no prompt fits.
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
 

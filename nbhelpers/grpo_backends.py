@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo import BACKENDS  # one list: nbhelpers.grpo.train dispatches here
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf_generate", "hf_cb", "vllm", "unsloth", "flex")
-"""Backends :func:`train` drives (issue 6); ``nbhelpers.grpo.train`` dispatches here."""
 VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200

@@ -23,7 +23,7 @@ from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
 _LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens"}
 _LLM_OPTIONS = {"page_size", "max_model_len", "sync_every", "use_cuda_graphs", "compile_attention",
                 "fuse_lora_a", "max_num_seqs", "max_prefill_tokens", "share_prefix",
-                "prefill_pad", "compile_decode", "decode_kernel_options"}
+                "prefill_pad", "compile_decode", "decode_kernel_options", "compile_layers"}
 
 
 class FlexBackend:

@@ -59,7 +59,8 @@ def test_build_config_overrides_and_bad_override(tmp_path):
         build_config(GRPOSettings(), tmp_path, not_a_field=1)
 
 
-@pytest.mark.parametrize("name,match", [("vllm", "phase 2"), ("flex", "phase 2"),
+@pytest.mark.parametrize("name,match", [("cb_sync", "use backend='hf_cb'"),
+                                        ("hf_cb_nograph", "rollout backend only"),
                                         ("nope", "unknown")])
 def test_backend_errors_name_the_fix(name, match):
     with pytest.raises(ValueError, match=match):

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ GIB = 1024**3
 
 def utc_stamp() -> str:
     """UTC time as ``YYYYmmddTHHMMSSZ`` (sortable, filename-safe)."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def git_sha(repo: str | os.PathLike | None = None, short: bool = True) -> str:
@@ -83,12 +83,12 @@ def env_info() -> dict[str, Any]:
     """The run's environment: gpu name, driver, library versions, git sha, UTC time, host."""
     info: dict[str, Any] = {"gpu": gpu_name(), "driver": None, "python": platform.python_version(),
                             "platform": platform.platform(), "git_sha": git_sha(),
-                            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            "utc": datetime.now(UTC).isoformat(timespec="seconds"),
                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     info.update({name: _version(name) for name in _VERSIONED})
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+                             capture_output=True, text=True, timeout=10, check=False)
         info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
@@ -228,8 +228,8 @@ def _sanitise(obj: Any) -> Any:
 
 def validate_sidecar(side: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the missing keys when ``side`` is not a schema-v1 sidecar."""
-    if not isinstance(side, dict):
-        raise ValueError(f"not a schema-v{SCHEMA_VERSION} sidecar: a JSON {type(side).__name__}, "
+    if not isinstance(side, dict):  # ValueError like every other "not a sidecar" case
+        raise ValueError(  # noqa: TRY004f"not a schema-v{SCHEMA_VERSION} sidecar: a JSON {type(side).__name__}, "
                          "not an object. Build it with nbhelpers.stats.make_sidecar().")
     missing = [k for k in SIDECAR_KEYS if k not in side]
     if missing or side.get("schema") != SCHEMA_VERSION:

@@ -229,8 +229,9 @@ def _sanitise(obj: Any) -> Any:
 def validate_sidecar(side: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the missing keys when ``side`` is not a schema-v1 sidecar."""
     if not isinstance(side, dict):  # ValueError like every other "not a sidecar" case
-        raise ValueError(  # noqa: TRY004f"not a schema-v{SCHEMA_VERSION} sidecar: a JSON {type(side).__name__}, "
-                         "not an object. Build it with nbhelpers.stats.make_sidecar().")
+        raise ValueError(  # noqa: TRY004
+            f"not a schema-v{SCHEMA_VERSION} sidecar: a JSON {type(side).__name__}, "
+            "not an object. Build it with nbhelpers.stats.make_sidecar().")
     missing = [k for k in SIDECAR_KEYS if k not in side]
     if missing or side.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"not a schema-v{SCHEMA_VERSION} sidecar: missing {missing}, schema="

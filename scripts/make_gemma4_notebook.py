@@ -1,18 +1,14 @@
 """Generate ``notebooks/phase3_flex/34_gemma4.ipynb`` with nbformat (output-stripped).
 
-Run: ``python scripts/make_gemma4_notebook.py``. Edit here, not in the .ipynb; the logic lives in
-``nbhelpers/engine/models/gemma4*.py`` (DESIGN.md rule 1).
+Run: ``python scripts/make_gemma4_notebook.py`` (``--check``: only report it if out of sync).
+Edit here, not in the .ipynb; the logic lives in ``nbhelpers/engine/models/gemma4*.py`` (DESIGN.md
+rule 1); layout and writing in ``scripts/nbgen.py``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
-
-REPO = Path(__file__).resolve().parents[1]
-OUT = "notebooks/phase3_flex/34_gemma4.ipynb"
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+import nbgen
 
 TITLE = """# Phase 3 · 34: Gemma-4 (E2B) in the flex engine
 
@@ -109,55 +105,40 @@ display(Markdown(g4.result_line(parity, frame, device_name)))"""
 
 
 def build() -> nbformat.NotebookNode:
-    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
-    params = code(PARAMETERS)
-    params.metadata["tags"] = ["parameters"]
-    cells = [
-        md(TITLE), code(IMPORTS), params,
-        md("Derived values: the workload (largest batch; each batch size reuses it) and where the "
-           "per-measurement sidecars go."), code(DERIVED),
-        md("## The architecture\nPer layer, read from the HF modules: attention type, head_dim, "
-           "KV heads, whose KV pages it reads (KV-shared layers read a store layer's), MLP width "
-           "(double on shared layers), RoPE theta and rotated fraction, window. Then KV bytes per "
-           "token: the engine's pool holds only the storing layers."), code(ARCH),
-        md("## flex kernel options for head_dim 256 and 512 (GPU)\nflex keeps a `BLOCK_M x D` "
-           "query tile and `num_stages` buffers of `BLOCK_N x D` K and V tiles in shared memory; "
-           "at D=512 the runner's prefill tiles (64 x 64, 2 stages) would need 320 KiB, over the "
-           "H200's 227 KiB. Each candidate is compiled on the engine's paged masks (32 rows x 152 "
-           "tokens, GQA 8:1), checked against the unfused flex result and timed (median ms); "
-           "`engine_default` marks what the engine uses (`nbhelpers/engine/models/gemma4.py`). "
-           "Skipped on the CPU."), code(KERNELS),
-        md("## Parity against HF\nThe engine decodes greedily; one plain HF forward over prompt + "
-           "engine tokens scores the same tokens again (teacher forcing), so a bf16 tie flip does "
-           "not cascade into every later token. `abs_diff`: |engine - HF| logprob of a token; "
-           "`agree`: HF's argmax is the engine's token."), code(PARITY), code(FREE),
-        md("## Throughput beside hf_generate and hf_cb\nOne subprocess per backend and batch size "
-           "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
-           "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "
-           "transformers 5.17 continuous batching (`hf_cb`) reads the global `config.head_dim`, "
-           "which Gemma-4's per-layer config refuses (transformers issue #47721). On the GPU the "
-           "dashed line is the bandwidth ceiling: every weight once per step except the "
-           "per-layer-input table (2.35 B of E2B's 4.63 B parameters; only the batch's rows are "
-           "read) plus each layer's K/V reads, at the H200's measured 4.3 TB/s copy bandwidth."),
-        code(THROUGHPUT),
-        md("## Sidecar and checks\nWrites the schema-v1 sidecar and asserts the claims."),
-        code(SIDECAR)]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = KERNELSPEC
-    nb.metadata["language_info"] = {"name": "python"}
-    return nb
+    """34_gemma4: architecture table, kernel probe, parity against HF, throughput sweep."""
+    return nbgen.build(TITLE, IMPORTS, PARAMETERS, [
+        (("Derived values: the workload (largest batch; each batch size reuses it) and where the "
+          "per-measurement sidecars go."), DERIVED),
+        (("## The architecture\nPer layer, read from the HF modules: attention type, head_dim, KV "
+          "heads, whose KV pages it reads (KV-shared layers read a store layer's), MLP width "
+          "(double on shared layers), RoPE theta and rotated fraction, window. Then KV bytes per "
+          "token: the engine's pool holds only the storing layers."), ARCH),
+        (("## flex kernel options for head_dim 256 and 512 (GPU)\nflex keeps a `BLOCK_M x D` "
+          "query tile and `num_stages` buffers of `BLOCK_N x D` K and V tiles in shared memory; "
+          "at D=512 the runner's prefill tiles (64 x 64, 2 stages) would need 320 KiB, over the "
+          "H200's 227 KiB. Each candidate is compiled on the engine's paged masks (32 rows x 152 "
+          "tokens, GQA 8:1), checked against the unfused flex result and timed (median ms); "
+          "`engine_default` marks what the engine uses (`nbhelpers/engine/models/gemma4.py`). "
+          "Skipped on the CPU."),
+         KERNELS),
+        (("## Parity against HF\nThe engine decodes greedily; one plain HF forward over prompt + "
+          "engine tokens scores the same tokens again (teacher forcing), so a bf16 tie flip does "
+          "not cascade into every later token. `abs_diff`: |engine - HF| logprob of a token; "
+          "`agree`: HF's argmax is the engine's token."), PARITY, FREE),
+        (("## Throughput beside hf_generate and hf_cb\nOne subprocess per backend and batch size "
+          "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
+          "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "
+          "transformers 5.17 continuous batching (`hf_cb`) reads the global `config.head_dim`, "
+          "which Gemma-4's per-layer config refuses (transformers issue #47721). On the GPU the "
+          "dashed line is the bandwidth ceiling: every weight once per step except the "
+          "per-layer-input table (2.35 B of E2B's 4.63 B parameters; only the batch's rows are "
+          "read) plus each layer's K/V reads, at the H200's measured 4.3 TB/s copy bandwidth."),
+         THROUGHPUT)],
+        sidecar=(nbgen.SIDECAR_MD, SIDECAR))
 
 
-def main() -> None:
-    nb = build()
-    for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
-        cell["id"] = f"c{i:02d}"
-    nbformat.validate(nb)
-    path = REPO / OUT
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
-    print("wrote", OUT)
+NOTEBOOKS = {"notebooks/phase3_flex/34_gemma4.ipynb": build}
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(nbgen.main(NOTEBOOKS))

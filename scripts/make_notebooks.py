@@ -1,18 +1,15 @@
 """Generate the lab's notebooks with nbformat (output-stripped), so they stay reproducible.
 
-Run: ``python scripts/make_notebooks.py`` (rewrites every notebook in ``NOTEBOOKS``).
+Run: ``python scripts/make_notebooks.py`` (rewrites every notebook in ``NOTEBOOKS``; ``--check``
+only reports the ones out of sync). Layout and writing: ``scripts/nbgen.py``.
 The notebook is the report; logic lives in ``nbhelpers`` (DESIGN.md rule 1). Edit here, not in
 the .ipynb.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
-
-REPO = Path(__file__).resolve().parents[1]
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+import nbgen
 
 PHASE0_TITLE = """# Phase 0: the reference GRPO run (TRL GRPOTrainer + LoRA, HF `generate`)
 
@@ -115,42 +112,20 @@ display(Markdown(notebook.result_line(result, device)))"""
 
 def phase0() -> nbformat.NotebookNode:
     """The phase 0 reference GRPO notebook."""
-    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
-    params = code(PARAMETERS)
-    params.metadata["tags"] = ["parameters"]
-    cells = [md(PHASE0_TITLE), code(IMPORTS), params,
-             md("Derived values: the settings object every later cell uses."), code(DERIVED),
-             md("## Run GRPO\nTRL's progress bar shows the steps."), code(TRAIN),
-             md("## Completions and their rewards\nReal completions of the policy, with the "
-                "score each reward function gave them (`total` = their sum, TRL's reward)."),
-             code(COMPLETIONS),
-             md("## Per-step statistics\n`wall_s`: seconds per optimiser step (generation + "
-                "training); `peak_mem_*_gib`: GiB (GPU: allocated / in use on the card; CPU: "
-                "peak RSS)."), code(STEPS),
-             md("## Plots\nStep time, rewards per function, KL and loss per step."), code(PLOTS),
-             md("## Beside the reference\n" + REFERENCE), code(REFERENCE_CODE),
-             md("## Sidecar and checks\nWrites the schema-v1 sidecar and asserts the claims."),
-             code(SIDECAR)]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = KERNELSPEC
-    nb.metadata["language_info"] = {"name": "python"}
-    return nb
+    return nbgen.build(PHASE0_TITLE, IMPORTS, PARAMETERS, [
+        ("Derived values: the settings object every later cell uses.", DERIVED),
+        ("## Run GRPO\nTRL's progress bar shows the steps.", TRAIN),
+        (("## Completions and their rewards\nReal completions of the policy, with the score each "
+          "reward function gave them (`total` = their sum, TRL's reward)."), COMPLETIONS),
+        (("## Per-step statistics\n`wall_s`: seconds per optimiser step (generation + training); "
+          "`peak_mem_*_gib`: GiB (GPU: allocated / in use on the card; CPU: peak RSS)."), STEPS),
+        ("## Plots\nStep time, rewards per function, KL and loss per step.", PLOTS),
+        ("## Beside the reference\n" + REFERENCE, REFERENCE_CODE)],
+        sidecar=(nbgen.SIDECAR_MD, SIDECAR))
 
 
 NOTEBOOKS = {"notebooks/phase0_reference/00_reference_grpo.ipynb": phase0}
 
 
-def main() -> None:
-    for rel, build in NOTEBOOKS.items():
-        nb = build()
-        for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
-            cell["id"] = f"c{i:02d}"
-        nbformat.validate(nb)
-        path = REPO / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, path)
-        print("wrote", rel)
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(nbgen.main(NOTEBOOKS))

@@ -1,17 +1,14 @@
 """Generate the phase 1 notebooks (rollout microbenchmark + comparison) with nbformat.
 
 Run: ``python scripts/make_phase1_notebooks.py`` (rewrites both notebooks, outputs stripped).
+``--check`` only reports the ones out of sync. Layout and writing: ``scripts/nbgen.py``.
 Edit here, not in the .ipynb: logic lives in ``nbhelpers.bench`` (DESIGN.md rule 1).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
-
-REPO = Path(__file__).resolve().parents[1]
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+import nbgen
 
 TITLE_10 = """# Phase 1: LoRA rollout engines side by side
 
@@ -154,62 +151,34 @@ display(Markdown("**Result:** " + ("; ".join(
     for r in best.itertuples()) or "no successful runs found") + "."))"""
 
 
-def _notebook(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
-    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
-    out = []
-    for kind, text in cells:
-        cell = md(text) if kind == "md" else code(text)
-        if kind == "params":
-            cell.metadata["tags"] = ["parameters"]
-        out.append(cell)
-    nb = nbformat.v4.new_notebook(cells=out)
-    nb.metadata["kernelspec"] = KERNELSPEC
-    nb.metadata["language_info"] = {"name": "python"}
-    return nb
-
-
 def lora_rollout() -> nbformat.NotebookNode:
     """10_lora_rollout: run the backends, table, charts, sidecar."""
-    return _notebook([
-        ("md", TITLE_10), ("code", IMPORTS_10), ("params", PARAMS_10),
-        ("md", ("Derived values: workload, LoRA modes, output folder, prompt ids, and the "
-               "bandwidth limit (`bench.decode_limit_tok_per_s`: weights + KV read once per "
-               "decode step).")), ("code", DERIVED_10),
-        ("md", ("## Run every backend\nOne subprocess per backend and LoRA mode; a failure is "
-               "recorded in that backend's sidecar and the next one runs.")), ("code", RUN_10),
-        ("md", ("## Table\n`decode_tok_per_s`: new tokens / wall seconds of a round (median); "
-               "`pct_of_vllm`: vs vLLM in the same LoRA mode; `pct_of_limit`: vs the bandwidth "
-               "limit; memory in GiB (`device` includes vLLM's up-front reservation).")),
-        ("code", TABLE_10), ("md", "## Errors\nTraceback tails of failed runs, if any."),
-        ("code", ERRORS_10), ("md", "## Charts"), ("code", PLOTS_10),
-        ("md", "## Sidecar and checks"), ("code", SIDECAR_10)])
+    return nbgen.build(TITLE_10, IMPORTS_10, PARAMS_10, [
+        (("Derived values: workload, LoRA modes, output folder, prompt ids, and the bandwidth "
+          "limit (`bench.decode_limit_tok_per_s`: weights + KV read once per decode step)."),
+         DERIVED_10),
+        (("## Run every backend\nOne subprocess per backend and LoRA mode; a failure is recorded "
+          "in that backend's sidecar and the next one runs."), RUN_10),
+        (("## Table\n`decode_tok_per_s`: new tokens / wall seconds of a round (median); "
+          "`pct_of_vllm`: vs vLLM in the same LoRA mode; `pct_of_limit`: vs the bandwidth limit; "
+          "memory in GiB (`device` includes vLLM's up-front reservation)."), TABLE_10),
+        ("## Errors\nTraceback tails of failed runs, if any.", ERRORS_10),
+        ("## Charts", PLOTS_10)],
+        sidecar=("## Sidecar and checks", SIDECAR_10))
 
 
 def compare() -> nbformat.NotebookNode:
     """19_compare: read every phase 1 sidecar, table and charts per device."""
-    return _notebook([
-        ("md", TITLE_19), ("code", IMPORTS_19), ("params", PARAMS_19),
-        ("md", "## Read the sidecars"), ("code", READ_19),
-        ("md", "## Latest run per device and backend"), ("code", TABLE_19),
-        ("md", "## Charts"), ("code", PLOTS_19), ("md", "## Sidecar and checks"),
-        ("code", SIDECAR_19)])
+    return nbgen.build(TITLE_19, IMPORTS_19, PARAMS_19, [
+        ("## Read the sidecars", READ_19),
+        ("## Latest run per device and backend", TABLE_19),
+        ("## Charts", PLOTS_19)],
+        sidecar=("## Sidecar and checks", SIDECAR_19))
 
 
 NOTEBOOKS = {"notebooks/phase1_rollout/10_lora_rollout.ipynb": lora_rollout,
              "notebooks/phase1_rollout/19_compare.ipynb": compare}
 
 
-def main() -> None:
-    for rel, build in NOTEBOOKS.items():
-        nb = build()
-        for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
-            cell["id"] = f"c{i:02d}"
-        nbformat.validate(nb)
-        path = REPO / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, path)
-        print("wrote", rel)
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(nbgen.main(NOTEBOOKS))

@@ -1,17 +1,14 @@
 """Generate the phase 2 notebooks (GRPO per backend) with nbformat, output-stripped.
 
-Run: ``python scripts/make_phase2_notebooks.py``. Edit here, not in the .ipynb. Logic lives in
-``nbhelpers.grpo_backends`` / ``grpo_compare`` / ``gate`` (DESIGN.md rule 1).
+Run: ``python scripts/make_phase2_notebooks.py`` (``--check``: only report notebooks out of
+sync). Edit here, not in the .ipynb. Logic lives in ``nbhelpers.grpo_backends`` /
+``grpo_compare`` / ``gate`` (DESIGN.md rule 1); layout and writing in ``scripts/nbgen.py``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
-
-REPO = Path(__file__).resolve().parents[1]
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+import nbgen
 
 EQ_TITLE = """# Phase 2: GRPO equivalence and speed across rollout backends
 
@@ -119,32 +116,23 @@ assert all(len(r["rows"]) == max_steps for r in runs.values() if r["error"] is N
 assert_gate(gates)  # raises GateFailed listing every failed check"""
 
 
-def _cell(source: str, kind: str = "code", tags: list[str] | None = None):
-    cell = (nbformat.v4.new_code_cell if kind == "code" else nbformat.v4.new_markdown_cell)(source)
-    if tags:
-        cell.metadata["tags"] = tags
-    return cell
-
-
 def equivalence() -> nbformat.NotebookNode:
     """20_grpo_equivalence: every backend on one GRPO setup, per-step plots, gate, sidecars."""
-    md = lambda s: _cell(s, "md")
-    return _notebook([
-        md(EQ_TITLE), _cell(EQ_IMPORTS), _cell(EQ_PARAMETERS, tags=["parameters"]),
-        md("Derived values: the GRPO settings and the gate's thresholds."), _cell(EQ_DERIVED),
-        md("## Run every backend\nOne spawned process per backend; a failure keeps its row."),
-        _cell(EQ_RUN),
-        md("## Summary and gate verdict\n`wall_s`: trainer construction to end of training; "
-           "`step_time_s_median` / `generate_s_median`: seconds, median after `skip_first` "
-           "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "
-           "`logprob_mismatch_max`: worst per-step mean |engine - trainer| logprob, nats/token."),
-        _cell(EQ_GATE),
-        md("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`)."),
-        _cell(EQ_PLOTS),
-        md("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
-           "breaks and recompiles of `compile_mode`."), _cell(EQ_DETAILS),
-        md("## Gate checks, sidecars and the verdict\nFails loudly when the gate fails."),
-        _cell(EQ_SIDECAR)])
+    return nbgen.build(EQ_TITLE, EQ_IMPORTS, EQ_PARAMETERS, [
+        ("Derived values: the GRPO settings and the gate's thresholds.", EQ_DERIVED),
+        ("## Run every backend\nOne spawned process per backend; a failure keeps its row.",
+         EQ_RUN),
+        (("## Summary and gate verdict\n`wall_s`: trainer construction to end of training; "
+          "`step_time_s_median` / `generate_s_median`: seconds, median after `skip_first` "
+          "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "
+          "`logprob_mismatch_max`: worst per-step mean |engine - trainer| logprob, nats/token."),
+         EQ_GATE),
+        ("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`).",
+         EQ_PLOTS),
+        (("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
+          "breaks and recompiles of `compile_mode`."), EQ_DETAILS)],
+        sidecar=("## Gate checks, sidecars and the verdict\nFails loudly when the gate fails.",
+                 EQ_SIDECAR))
 
 
 CMP_TITLE = """# Phase 2: compare GRPO runs across backends (from sidecars)
@@ -196,38 +184,17 @@ assert runs, f"no phase-2 sidecars under {root}: run 20_grpo_equivalence first"
 
 def compare() -> nbformat.NotebookNode:
     """29_compare: reads the phase-2 sidecars only."""
-    md = lambda s: _cell(s, "md")
-    return _notebook([
-        md(CMP_TITLE), _cell(CMP_IMPORTS), _cell(CMP_PARAMETERS, tags=["parameters"]),
-        md("## Runs found\nOne row per backend run (`backend@run_id`)."), _cell(CMP_LOAD),
-        md("## Per-step curves\nLatest run of each backend."), _cell(CMP_PLOTS),
-        md("## The flex goal\nLatest run per backend; ratios flex / vLLM (`met`: both "
-           "ratios within the goal; `None` when either backend has no numbers)."),
-        _cell(CMP_GOAL)])
-
-
-def _notebook(cells: list) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = KERNELSPEC
-    nb.metadata["language_info"] = {"name": "python"}
-    for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
-        cell["id"] = f"c{i:02d}"
-    return nb
+    return nbgen.build(CMP_TITLE, CMP_IMPORTS, CMP_PARAMETERS, [
+        ("## Runs found\nOne row per backend run (`backend@run_id`).", CMP_LOAD),
+        ("## Per-step curves\nLatest run of each backend.", CMP_PLOTS)],
+        sidecar=(("## The flex goal\nLatest run per backend; ratios flex / vLLM (`met`: both "
+                  "ratios within the goal; `None` when either backend has no numbers)."),
+                 CMP_GOAL))
 
 
 NOTEBOOKS = {"notebooks/phase2_grpo/20_grpo_equivalence.ipynb": equivalence,
              "notebooks/phase2_grpo/29_compare.ipynb": compare}
 
 
-def main() -> None:
-    for rel, build in NOTEBOOKS.items():
-        nb = build()
-        nbformat.validate(nb)
-        path = REPO / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, path)
-        print("wrote", rel)
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(nbgen.main(NOTEBOOKS))

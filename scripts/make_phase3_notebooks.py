@@ -1,17 +1,17 @@
 """Generate the phase 3 flex-engine notebooks 30-33 with nbformat (output-stripped).
 
-Run: ``python scripts/make_phase3_notebooks.py``. Edit here, not in the .ipynb files; the logic
-lives in ``nbhelpers/engine/report.py`` and ``nbhelpers/engine_bench.py`` (DESIGN.md rule 1).
+Run: ``python scripts/make_phase3_notebooks.py`` (``--check``: only report notebooks out of
+sync). Edit here, not in the .ipynb files; the logic lives in ``nbhelpers/engine/report.py`` and
+``nbhelpers/engine_bench.py`` (DESIGN.md rule 1); layout and writing in ``scripts/nbgen.py``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 
 import nbformat
+import nbgen
 
-REPO = Path(__file__).resolve().parents[1]
-KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 IMPORTS = """%load_ext autoreload
 %autoreload 2
 %matplotlib inline
@@ -283,36 +283,20 @@ display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-t
                  f"{max_new_tokens} new tokens) the flex engine reached: " + "; ".join(rows)))""",
 }
 
-NOTEBOOKS = {"30_engine_walkthrough": NB30, "31_parity": NB31, "32_sampling": NB32,
-             "33_flex_vs_baselines": NB33}
+SPECS = {"30_engine_walkthrough": NB30, "31_parity": NB31, "32_sampling": NB32,
+         "33_flex_vs_baselines": NB33}
 
 
 def build(spec: dict) -> nbformat.NotebookNode:
-    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
-    params = code(spec["params"])
-    params.metadata["tags"] = ["parameters"]
-    cells = [md(spec["title"]), code(IMPORTS), params]
-    for text, src in spec["cells"]:
-        cells += [md(text), code(src)]
-    cells += [md("## Sidecar and checks\nWrites the schema-v1 sidecar and asserts the claims."),
-              code(spec["sidecar"])]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = KERNELSPEC
-    nb.metadata["language_info"] = {"name": "python"}
-    for i, cell in enumerate(nb.cells):  # stable ids keep diffs small
-        cell["id"] = f"c{i:02d}"
-    return nb
+    """One flex notebook from its spec: ``title``, ``params``, ``cells`` (markdown, code) pairs and
+    the ``sidecar`` code; every notebook shares ``IMPORTS`` and the sidecar heading."""
+    return nbgen.build(spec["title"], IMPORTS, spec["params"], spec["cells"],
+                       sidecar=(nbgen.SIDECAR_MD, spec["sidecar"]))
 
 
-def main() -> None:
-    for stem, spec in NOTEBOOKS.items():
-        nb = build(spec)
-        nbformat.validate(nb)
-        path = REPO / "notebooks" / "phase3_flex" / f"{stem}.ipynb"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, path)
-        print("wrote", path.relative_to(REPO))
+NOTEBOOKS = {f"notebooks/phase3_flex/{stem}.ipynb": partial(build, spec)
+             for stem, spec in SPECS.items()}
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(nbgen.main(NOTEBOOKS))

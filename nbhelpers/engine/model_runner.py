@@ -56,6 +56,14 @@ class RunnerOptions:
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
     on the H200 (limit 227 KiB; measured 2026-11-30), so smaller tiles."""
 
+    def __post_init__(self) -> None:
+        # page 0 is the null page, so a usable pool needs at least 2
+        for name, low in (("page_size", 1), ("num_pages", 2), ("max_model_len", 1),
+                          ("sync_every", 1), ("prefill_pad", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
+
 
 class DecodeState:
     """Static device buffers of one batch bucket (inputs and outputs of the captured graph)."""

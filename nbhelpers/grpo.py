@@ -162,6 +162,8 @@ class GRPOResult:
         config: the effective GRPOConfig values that matter for comparisons.
         dataset_stats: the prompt-length filter's stats.
         wall_s: seconds from trainer construction to the end of ``train()``.
+        format_warmup: the SFT format warm-up's report (:func:`nbhelpers.sft_warmup.format_warmup`:
+            steps, wall_s, losses, before/after completions); empty when it did not run.
     """
 
     model_name: str
@@ -174,13 +176,14 @@ class GRPOResult:
     config: dict[str, Any] = field(default_factory=dict)
     dataset_stats: dict[str, Any] = field(default_factory=dict)
     wall_s: float | None = None
+    format_warmup: dict[str, Any] = field(default_factory=dict)
 
     def sidecar_extra(self) -> dict[str, Any]:
         """Keys for ``make_sidecar(extra=...)``: GRPO stats beside the schema-v1 keys."""
         return {"grpo_summary": self.summary, "grpo_steps": self.records,
                 "grpo_config": self.config, "grpo_wall_s": self.wall_s,
                 "grpo_completions_sample": self.completions[:8],
-                "dataset_stats": self.dataset_stats}
+                "dataset_stats": self.dataset_stats, "format_warmup": self.format_warmup}
 
 
 def _check_backend(backend: str) -> None:
@@ -198,17 +201,22 @@ _CONFIG_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "n
 
 def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
-          progress: bool = True, skip_first: int = 3, **config_overrides: Any) -> GRPOResult:
+          progress: bool = True, skip_first: int = 3, format_warmup_steps: int = 0,
+          **config_overrides: Any) -> GRPOResult:
     """Run ``settings.max_steps`` GRPO steps of ``model_name`` with LoRA ``settings.lora``.
 
     The reference notebook's setup: its chat template and system prompt
     (:func:`nbhelpers.data.apply_reference_chat_template`), its four reward functions
     (:data:`nbhelpers.rewards.REWARD_FUNCS`), ``n_questions`` questions of ``dataset`` that fit
     ``settings.max_prompt_length``. ``progress`` shows the trainer's progress bar; ``skip_first``
-    warm-up steps are left out of ``GRPOResult.summary``'s medians.
+    warm-up steps are left out of ``GRPOResult.summary``'s medians. ``format_warmup_steps`` > 0
+    first trains the LoRA adapter that GRPO then continues with that many SFT steps on GSM8K
+    worked solutions in the reference format (:mod:`nbhelpers.sft_warmup`, the reference's
+    "pre fine-tune for formatting"; ``hf_generate`` only).
 
     Raises:
-        ValueError: unknown backend (or a rollout-only one), unknown dataset, no prompt fits.
+        ValueError: unknown backend (or a rollout-only one), unknown dataset, no prompt fits,
+            ``n_questions`` > 60 with a format warm-up (its questions would overlap).
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
 
@@ -236,11 +244,17 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     train_ds, ds_stats = build_dataset(dataset, tokenizer, n_questions,
                                        settings.max_prompt_length, settings.seed)
     args = build_config(settings, Path(output_dir), disable_tqdm=not progress, **config_overrides)
+    peft, warm = peft_config(settings.lora), {}
+    if format_warmup_steps > 0:
+        model, warm = _format_warmup(model, tokenizer, settings, peft, format_warmup_steps,
+                                     n_questions, train_ds[0]["prompt"][-1]["content"],
+                                     Path(output_dir) / "format_warmup")
+        peft = None  # GRPOTrainer continues the warmed-up adapter (and copies it as "ref")
     stats, recorder = StatisticsCallback(), CompletionRecorder()
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=recorder.wrap(rewards.REWARD_FUNCS),
                           args=args, train_dataset=train_ds, processing_class=tokenizer,
-                          peft_config=peft_config(settings.lora), callbacks=[stats, recorder])
+                          peft_config=peft, callbacks=[stats, recorder])
     trainer.train()
     wall_s = time.perf_counter() - t0
     return GRPOResult(
@@ -249,4 +263,19 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         log_history=list(trainer.state.log_history),
         reward_names=list(trainer.reward_func_names), dataset_stats=dict(ds_stats),
         config={k: getattr(args, k) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)},
-        wall_s=wall_s)
+        wall_s=wall_s, format_warmup=warm)
+
+
+def _format_warmup(model, tokenizer, settings: GRPOSettings, peft, steps: int, n_questions: int,
+                   probe_question: str, output_dir: Path):
+    """Wrap ``model`` in LoRA and run :func:`nbhelpers.sft_warmup.format_warmup` on it."""
+    from peft import get_peft_model
+
+    from nbhelpers import sft_warmup
+    rows = sft_warmup.sft_rows(n_questions)
+    model = get_peft_model(model, peft)
+    report = sft_warmup.format_warmup(model, tokenizer, rows, steps, output_dir=str(output_dir),
+                                      seed=settings.seed, probe_question=probe_question,
+                                      max_new_tokens=settings.max_completion_length)
+    log.info("format warm-up: %d SFT steps in %.1f s", steps, report["wall_s"])
+    return model, report

@@ -24,7 +24,10 @@ tags, its four reward functions, LoRA r=32 / alpha=64 on all 7 projections, lr 5
 schedule, warm-up ratio 0.1, `num_generations=4`, sampling `min_p=0.1, top_p=1.0, top_k=-1`, seed
 3407 (values and source in `nbhelpers/config.py`). The rollout engine here is TRL's naive
 `model.generate` path (`hf_generate`); later phases swap it. On the CPU default the model is
-SmolLM2-135M-Instruct (real weights) answering real GSM8K test questions."""
+SmolLM2-135M-Instruct (real weights) answering real GSM8K test questions. As the reference does
+("pre fine-tune for formatting"), a short SFT warm-up (`format_warmup_steps`, TRL `SFTTrainer`)
+first teaches the LoRA adapter the answer format on 40 other GSM8K questions' worked solutions;
+GRPO then continues that adapter (`nbhelpers/sft_warmup.py`)."""
 
 IMPORTS = """%load_ext autoreload
 %autoreload 2
@@ -58,6 +61,7 @@ lora_rank: int = 32  # LoRA r
 lora_alpha: int = 64  # LoRA alpha (reference: 2 * r)
 seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
+format_warmup_steps: int = 60  # SFT steps on the answer format before GRPO (0: none)
 output_dir: str = ""  # trainer scratch folder; empty: a fresh temporary folder
 sidecar_path: str = ""  # JSON sidecar to write; empty: none (the runner sets it)"""
 
@@ -76,9 +80,18 @@ settings"""
 
 TRAIN = """result = train(model, settings, backend="hf_generate", dataset=dataset,
                n_questions=n_questions, output_dir=run_dir, progress=True,
-               skip_first=skip_first)
+               skip_first=skip_first, format_warmup_steps=format_warmup_steps)
 print(f"{len(result.records)} steps in {result.wall_s:.1f} s")
 result.dataset_stats"""
+
+WARMUP = """warm = result.format_warmup
+if warm:
+    print(f"{warm['steps']} SFT steps in {warm['wall_s']:.1f} s; loss first/last "
+          f"{warm['losses'][0]:.3f} / {warm['losses'][-1]:.3f}")
+    display(pd.DataFrame({"greedy completion": [warm["before"], warm["after"]]},
+                         index=["before warm-up", "after warm-up"]))
+else:
+    print("format_warmup_steps=0: GRPO started from the untrained LoRA adapter")"""
 
 COMPLETIONS = """completions = notebook.completions_table(result)
 display(completions.groupby("step").head(2))  # two completions of every step
@@ -115,6 +128,9 @@ def phase0() -> nbformat.NotebookNode:
     return nbgen.build(PHASE0_TITLE, IMPORTS, PARAMETERS, [
         ("Derived values: the settings object every later cell uses.", DERIVED),
         ("## Run GRPO\nTRL's progress bar shows the steps.", TRAIN),
+        (("## Format warm-up (SFT before GRPO)\nOne greedy completion of the first GRPO question "
+          "before and after the SFT warm-up on the reference format (GSM8K worked solutions of "
+          "questions 60-99, disjoint from GRPO's first `n_questions`)."), WARMUP),
         (("## Completions and their rewards\nReal completions of the policy, with the score each "
           "reward function gave them (`total` = their sum, TRL's reward)."), COMPLETIONS),
         (("## Per-step statistics\n`wall_s`: seconds per optimiser step (generation + training); "

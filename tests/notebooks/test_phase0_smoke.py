@@ -10,7 +10,8 @@ from nbhelpers.stats import validate_sidecar
 
 NOTEBOOK = "notebooks/phase0_reference/00_reference_grpo.ipynb"
 TINY = {"model": "tiny-llama", "max_steps": 2, "max_completion_length": 8, "n_questions": 8,
-        "max_prompt_length": 256, "lora_rank": 4, "lora_alpha": 8, "skip_first": 1}
+        "max_prompt_length": 256, "lora_rank": 4, "lora_alpha": 8, "skip_first": 1,
+        "format_warmup_steps": 1}
 
 
 @pytest.mark.notebooks
@@ -29,6 +30,7 @@ def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path):
     assert side["grpo_summary"]["n_steps_in_median"] == 1  # skip_first=1 of 2 steps
     assert side["grpo_completions_sample"][0]["completion"] is not None
     assert side["headline"]["steps"] == 2
+    assert side["format_warmup"]["steps"] == 1 and side["format_warmup"]["after"] is not None
     nb = nbformat.read(jobs[0].output, as_version=4)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "image/png" in o.get("data", {})]

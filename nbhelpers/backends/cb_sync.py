@@ -40,8 +40,7 @@ import sys
 from typing import Any
 
 from nbhelpers.backends import _common
-from nbhelpers.backends.base import Completion
-from nbhelpers.backends.hf_cb import CB_OPTIONS, HFCBBackend, completions_from_cb
+from nbhelpers.backends.hf_cb import CB_OPTIONS, HFCBBackend
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
 
 
@@ -141,11 +140,8 @@ class CBSyncBackend(HFCBBackend):
         super().load(model, lora, **engine_options)
 
     def _ensure_manager(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
-        old_key = self._manager_key
-        self.size_for_workload(prompts, sampling)
-        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
-               sampling.ignore_eos, sampling.stop_token_ids, self.sizing)
-        if self.driver is not None and key == old_key:
+        key = self._manager_key(prompts, sampling)
+        if self.driver is not None and key == self._cached_key:
             return
         if self.driver is not None:
             self.driver.close()
@@ -153,23 +149,15 @@ class CBSyncBackend(HFCBBackend):
         cb_cfg.use_async_batching = False  # one IO pair: update right after each step
         gen_cfg = _common.generation_config(sampling, self.eos, self.pad_id)
         self.driver = SyncCBDriver(self.model, gen_cfg, cb_cfg, self.watchdog_s)
-        self._manager_key = key
+        self._cached_key = key
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        import torch
-
-        if self.model is None:
-            raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
-        _common.validate_prompts(prompts)
-        self._ensure_manager(prompts, sampling)
-        rows = _common.expand_prompts(prompts, sampling.n)
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+    def _run_rows(self, rows: list[list[int]], sampling: SamplingParams) -> list[Any]:
+        """``GenerationOutput`` per row from the main-thread driver (no ``generate_batch``)."""
         outputs = self.driver.run(rows, sampling.max_new_tokens)
         self.info = {"attn": self.options["attn_implementation"],
                      "use_cuda_graph": bool(self.options["use_cuda_graph"]),
                      "sizing": vars(self.sizing), "num_steps_total": self.driver.num_steps}
-        return completions_from_cb(rows, outputs, sampling, self.eos)
+        return outputs
 
     def close(self) -> None:
         if self.driver is not None:

@@ -95,7 +95,7 @@ class HFCBBackend:
         self.model: Any = None
         self.sizing: CBSizing | None = None
         self.info: dict[str, Any] = {}
-        self._manager_key: Any = None
+        self._cached_key: Any = None
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
         _common.require("transformers.generation.continuous_batching", self.name, "cpu")
@@ -145,15 +145,19 @@ class HFCBBackend:
             kv_padding_interval_size=o["kv_padding_interval_size"],
             use_cuda_graph=bool(o["use_cuda_graph"]), seed=sampling.seed or 0)
 
-    def _ensure_manager(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
-        """Drop the cached manager when sampling or sizing changed (its logits processors and
-        cache are fixed at creation)."""
+    def _manager_key(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple:
+        """What a cached manager depends on (its logits processors and cache are fixed at
+        creation): the sampling settings and the workload sizing (recomputed here)."""
         self.size_for_workload(prompts, sampling)
-        key = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
-               sampling.ignore_eos, sampling.stop_token_ids, self.sizing)
-        if key != self._manager_key:
+        return (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
+                sampling.ignore_eos, sampling.stop_token_ids, self.sizing)
+
+    def _ensure_manager(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        """Drop the cached manager when sampling or sizing changed."""
+        key = self._manager_key(prompts, sampling)
+        if key != self._cached_key:
             self.model.destroy_cached_continuous_batching_manager()
-            self._manager_key = key
+            self._cached_key = key
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         import torch
@@ -165,12 +169,16 @@ class HFCBBackend:
         rows = _common.expand_prompts(prompts, sampling.n)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
+        return completions_from_cb(rows, self._run_rows(rows, sampling), sampling, self.eos)
+
+    def _run_rows(self, rows: list[list[int]], sampling: SamplingParams) -> list[Any]:
+        """``GenerationOutput`` per row, through transformers' own ``generate_batch``."""
         gen_cfg = _common.generation_config(sampling, self.eos, self.pad_id)
         out = self.model.generate_batch(rows, generation_config=gen_cfg,
                                         continuous_batching_config=self.cb_config(sampling),
                                         persistent_manager=True, progress_bar=False)
         self._record_info()
-        return completions_from_cb(rows, list(out.values()), sampling, self.eos)
+        return list(out.values())
 
     def _record_info(self) -> None:
         mgr = getattr(self.model, "_cached_continuous_batching_manager", None)

@@ -19,8 +19,8 @@ import os
 from typing import Any
 
 from nbhelpers.backends import _common
-from nbhelpers.backends.base import Completion
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.backends.hf_generate import HFGenerateBackend
+from nbhelpers.config import LoraSpec, ModelSpec
 
 UNSLOTH_OPTIONS = {"max_seq_length", "adapter_path", "decode_cuda_graphs"}
 
@@ -38,13 +38,14 @@ def peft_kwargs(lora: LoraSpec) -> dict[str, Any]:
             "random_state": 3407}
 
 
-class UnslothBackend:
-    """Unsloth fast_inference=False (see the module docstring)."""
+class UnslothBackend(HFGenerateBackend):
+    """Unsloth fast_inference=False (see the module docstring); ``generate``/``close`` are
+    :class:`HFGenerateBackend`'s (one batched ``model.generate`` on Unsloth's patched model)."""
 
     name = "unsloth"
 
     def __init__(self) -> None:
-        self.model: Any = None
+        super().__init__()
         self.info: dict[str, Any] = {}
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
@@ -72,12 +73,3 @@ class UnslothBackend:
         self.eos = _common.eos_ids(self.model, self.tokenizer)
         self.pad_id = _common.pad_id_of(getattr(self.tokenizer, "tokenizer", self.tokenizer),
                                         self.eos)
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        if self.model is None:
-            raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
-        return _common.batched_generate(self.model, prompts, sampling, self.eos, self.pad_id)
-
-    def close(self) -> None:
-        self.model = None
-        _common.free_device_memory()

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,27 +39,47 @@ N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
 N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
 VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
 
-# step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s)
-STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int, int]]]] = {
+# step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
+# Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
+# when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
+# Slow HF-family backends get 2 timed rounds (their per-round time is 15-60 s at W).
+R2 = {"rounds": "2"}
+STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int, int, int]]]] = {
+    # x2 chain A, call 1: every non-vLLM, non-flex phase 1 backend, and 34 (Gemma-4).
+    "a1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P1, {"backends": "[hf_cb, unsloth, hf_generate]", **R2}, 480, 540, 0),
+        (P1, {"backends": "[hf_cb_nograph, cb_sync]", **R2}, 340, 400, 1),
+        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 220, 1)]),
+    # x2 chain A, calls 2-4 (back to back: /tmp survives only while the machine is warm): the
+    # vLLM site in three parts, then phase 1 vLLM and phase 2 vLLM side by side.
+    "v1": ([], ["vllm0", "tok"], []),
+    "v2": (["trl"], ["vllm1"], []),
+    "v3": (["notebooks"], ["vllm2", "gsm8k"], [
+        (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260, 0),
+        (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220, 0),
+        (P2, {"backends": "[vllm]"}, 330, 480, 1)]),
+    # x2 chain B: the flex engine everywhere (33 both LoRA modes, phase 1, phase 2 with its
+    # reference backend hf_generate), then phase 2's slow HF-family backends if time is left.
+    "b1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (N33, {}, 330, 400, 0),
+        (P1, {"backends": "[flex]"}, 150, 200, 0),
+        (P2, {"backends": "[hf_generate, flex]"}, 480, 540, 1)]),
+    "b2": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[unsloth]"}, 330, 500, 0),
+        (P2, {"backends": "[hf_cb]"}, 450, 540, 1)]),
+    # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
     "c1": (["notebooks", "trl", "unsloth"], ["tok"], [
-        (N33, {"lora_modes": "[true]"}, 170, 240),
-        (P1, {"backends": "[flex, unsloth]"}, 335, 380)]),
+        (N33, {"lora_modes": "[true]"}, 170, 240, 0),
+        (P1, {"backends": "[flex, unsloth]"}, 335, 380, 0)]),
     "c2": (["notebooks"], ["tok"], [
-        (P1, {"backends": "[hf_cb]"}, 240, 300),
-        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 200, 240),
-        (P1, {"backends": "[hf_generate]"}, 150, 200)]),
-    "v1": (["trl"], ["vllm0"], []),
-    "v2": ([], ["vllm1", "tok"], []),
-    "v3": (["notebooks"], ["vllm2"], [
-        (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260),
-        (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220)]),
-    "p2": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
-        (P2, {"backends": "[hf_generate, flex]"}, 480, 560)]),
+        (P1, {"backends": "[hf_cb]"}, 240, 300, 0),
+        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 200, 240, 0),
+        (P1, {"backends": "[hf_generate]"}, 150, 200, 0)]),
     "c4": (["notebooks"], ["tok"], [
-        (P1, {"backends": "[hf_cb_nograph, cb_sync]"}, 410, 560)]),
+        (P1, {"backends": "[hf_cb_nograph, cb_sync]"}, 410, 560, 0)]),
     "c5": (["notebooks"], ["tok"], [
-        (N33, {"lora_modes": "[false]"}, 150, 220),
-        (N34, {}, 560, 560)]),
+        (N33, {"lora_modes": "[false]"}, 150, 220, 0),
+        (N34, {}, 560, 560, 0)]),
 }
 
 
@@ -99,10 +120,10 @@ def dry_run(step: str) -> int:
         print(f"  carry {p}: {size if size >= 0 else 'MISSING'} B")
     print(f"  total {total} B = {total / 2**20:.1f} MiB (limit 64 MiB)")
     bad += total > LIMIT_BYTES
-    for nb, over, est, cap in STEPS[step][2]:
+    for nb, over, est, cap, lane in STEPS[step][2]:
         params = {k: yaml.safe_load(v) for k, v in over.items()}
         plan_parameters([REPO / nb], "h200", params, REPO)
-        print(f"  job {nb} {over} est {est} s cap {cap} s: parameters ok")
+        print(f"  lane {lane} job {nb} {over} est {est} s cap {cap} s: parameters ok")
     return 1 if bad else 0
 
 
@@ -132,34 +153,61 @@ def stage(step: str, log) -> None:
             sh(begin.split(" && export ")[0].split(" || exit")[0], log)
 
 
+def gpu_count() -> int:
+    """GPUs nvidia-smi lists (0 when it is missing)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    except OSError:
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
 def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
-    """Run the step's notebooks within ``budget`` seconds from ``t0``; returns result lines."""
+    """Run the step's notebooks within ``budget`` seconds from ``t0``; returns result lines.
+
+    One thread per lane; lane ``i`` runs on GPU ``i`` when the machine has more than ``i`` GPUs,
+    otherwise its jobs are appended to lane 0 (run one after another on GPU 0).
+    """
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NBHELPERS_CACHE="/tmp/nbh",
                VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1",
                UNSLOTH_DISABLE_STATISTICS="1")
     sites = [s for s in ("/tmp/vllm_site", "/tmp/site") if Path(s).is_dir()]
     env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
-    results = []
-    for nb, over, est, cap in STEPS[step][2]:
-        left = budget - 25 - (time.time() - t0)  # 25 s kept for packing
-        if left < est:
-            results.append(f"SKIPPED {nb} {over}: {left:.0f} s left < estimate {est} s")
+    n_gpu = max(gpu_count(), 1)
+    lanes: dict[int, list] = {}
+    for nb, over, est, cap, lane in STEPS[step][2]:
+        lanes.setdefault(lane if lane < n_gpu else 0, []).append((nb, over, est, cap))
+    results: list[str] = []
+
+    def one_lane(gpu: int, jobs: list) -> None:
+        for nb, over, est, cap in jobs:
+            left = budget - 25 - (time.time() - t0)  # 25 s kept for packing
+            if left < est:
+                results.append(f"SKIPPED gpu{gpu} {nb} {over}: {left:.0f} s left < est {est} s")
+                log(results[-1])
+                continue
+            cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
+            for k, v in over.items():
+                cmd += ["-p", k, v]
+            log(f"[gpu{gpu}] $ " + " ".join(cmd))
+            start = time.time()
+            proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, CUDA_VISIBLE_DEVICES=str(gpu)),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=min(cap, left))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "killed at time cap"
+            results.append(f"gpu{gpu} {nb} {over}: rc {rc} in {time.time() - start:.0f} s "
+                           f"(est {est})")
             log(results[-1])
-            continue
-        cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
-        for k, v in over.items():
-            cmd += ["-p", k, v]
-        log("$ " + " ".join(cmd))
-        start = time.time()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=min(cap, left))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = "killed at time cap"
-        results.append(f"{nb} {over}: rc {rc} in {time.time() - start:.0f} s (est {est})")
-        log(results[-1])
+
+    threads = [threading.Thread(target=one_lane, args=(g, j)) for g, j in sorted(lanes.items())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return results
 
 

@@ -107,6 +107,9 @@ class HFCBBackend:
                 "q_padding_interval_size": 32, "kv_padding_interval_size": 2048,
                 "allow_block_sharing": False, **engine_options}
         check_attn(opts["attn_implementation"])
+        from nbhelpers.shims import transformers_cb_cache_zero
+
+        self.info["cb_cache_zero_fill"] = transformers_cb_cache_zero.apply()  # NaN-free warm-up
         self.model, self.tokenizer, self.adapter_path = _common.load_hf(
             model, lora, device=opts.get("device"), attn_implementation=opts["attn_implementation"],
             adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))

@@ -215,18 +215,18 @@ def is_not_staged(error: str | None) -> bool:
     return bool(error) and error.startswith("BackendNotInstalled")
 
 
-def check_runs(runs: dict[str, dict[str, Any]], reference: str,
-               thresholds: Thresholds) -> dict[str, GateResult]:
+def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thresholds,
+               reference_run: dict[str, Any] | None = None) -> dict[str, GateResult]:
     """Gate every backend of ``runs`` (``{backend: {"rows": [...], "error": str | None}}``).
 
-    The ``reference`` backend is gated without cross checks; the others against it (when it ran).
-    Raises:
-        ValueError: ``reference`` is not a key of ``runs``.
+    The ``reference`` backend is gated without cross checks; the others against it. When
+    ``reference`` is not among ``runs`` (a run of some backends only, e.g. one per device call),
+    ``reference_run`` (the same dict shape, e.g. from an earlier run's sidecar via
+    :func:`nbhelpers.grpo_compare.runs_from_sidecars`) is the reference; without it the cross
+    checks are skipped with that reason (``29_compare`` gates the latest runs across calls).
     """
-    if reference not in runs:
-        raise ValueError(f"reference={reference!r} is not among the runs {list(runs)}.")
-    ref = runs[reference]
-    ref_rows = None if ref.get("error") else ref.get("rows")
+    ref = runs.get(reference, reference_run)
+    ref_rows = None if ref is None or ref.get("error") else ref.get("rows")
     out = {}
     for name, run in runs.items():
         if run.get("error"):
@@ -235,6 +235,11 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str,
             continue
         out[name] = check_run(name, run["rows"], thresholds,
                               None if name == reference else ref_rows)
+        if ref is None and name != reference:
+            for c in out[name].checks:
+                if c.name in ("kl_vs_reference", "reward_vs_reference"):
+                    c.detail = (f"reference backend {reference!r} is not in this run (runs: "
+                                f"{sorted(runs)}); 29_compare gates the latest runs together")
     return out
 
 

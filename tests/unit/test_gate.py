@@ -80,8 +80,21 @@ def test_check_runs_not_installed_is_skip_other_errors_fail():
     assert res["hf_generate"].passed and res["vllm"].passed and not res["flex"].passed
     with pytest.raises(GateFailed, match="flex.ran: RuntimeError"):
         assert_gate(res)
-    with pytest.raises(ValueError, match="reference='unsloth'"):
-        check_runs(runs, "unsloth", TH)
+
+
+def test_check_runs_without_reference_skips_cross_checks_or_uses_given_reference():
+    runs = {"vllm": {"rows": rows(kl=0.003), "error": None}}
+    alone = check_runs(runs, "hf_generate", TH)["vllm"]
+    assert alone.passed and alone.status("kl_vs_reference") == "skip"
+    assert "'hf_generate' is not in this run" in next(
+        c.detail for c in alone.checks if c.name == "kl_vs_reference")
+    th = thresholds_for("random", kl_tolerance=0.001)
+    given = check_runs(runs, "hf_generate", th,
+                       reference_run={"rows": rows(kl=0.001), "error": None})["vllm"]
+    assert given.status("kl_vs_reference") == "fail"  # |0.003 - 0.001| > 0.001
+    failed_ref = check_runs(runs, "hf_generate", TH,
+                            reference_run={"rows": [], "error": "RuntimeError: x"})["vllm"]
+    assert failed_ref.status("kl_vs_reference") == "skip"
 
 
 def test_mismatch_is_info_only_under_filtered_sampling():

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from _tiny import random_prompts, tiny_model
 
 if not torch.cuda.is_available():  # on a GPU host the kernels compile for the device instead
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -141,3 +142,62 @@ def test_split_heuristic():
     assert choose_num_splits(1, 8, 1024, num_sms=132) == 16  # capped by MAX_SPLITS
     assert choose_num_splits(1, 8, 100, num_sms=132) == 2  # no split under 64 tokens
     assert choose_num_splits(512, 8, 4096, num_sms=132) == 1
+
+
+# ---------------------------------------------------------------- the engine option
+def _greedy(model, n_new=10, **options):
+    """``(uses_triton_kernel, completions)`` of the engine on three ragged prompts."""
+    from nbhelpers.config import SamplingParams
+    from nbhelpers.engine import LLM
+    prompts = random_prompts(3, 5, 40, seed=3)  # ends mid-page and crosses pages (page 16)
+    llm = LLM(model, page_size=16, num_pages=64, max_model_len=128, **options)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n_new,
+                                                ignore_eos=True))
+    return llm.runner.paged_decode is not None, outs
+
+
+@pytest.mark.parametrize("kernel_options", [None, {"num_splits": 3, "BLOCK_N": 16}])
+def test_engine_triton_greedy_matches_flex(kernel_options):
+    """Same greedy tokens; logprobs within 1e-4 (fp32 tiny Qwen3, 2 layers, GQA 4/2, D 16)."""
+    model = tiny_model("qwen3")
+    _, flex = _greedy(model)
+    used, tri = _greedy(model, decode_attention="triton", decode_kernel_options=kernel_options)
+    assert used
+    for a, b in zip(flex, tri):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_engine_triton_sliding_window_matches_flex():
+    """Qwen3 with a sliding layer (window 8) and a full one: the window reaches the kernel.
+
+    The tiny model's greedy tokens do not change with the window, its logprobs do (by 0.18
+    measured): so logprobs are compared too."""
+    from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
+    model = tiny_model("qwen3")
+    model.config.sliding_window = 8
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    runner = ModelRunner(model, RunnerOptions(page_size=16, num_pages=8, max_model_len=64,
+                                              decode_attention="triton"))
+    assert runner.paged_decode.windows == [8, None]
+    _, flex = _greedy(model, n_new=12)
+    _, tri = _greedy(model, n_new=12, decode_attention="triton")
+    for a, b in zip(flex, tri):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_gemma4_keeps_flex_with_a_warning():
+    from test_gemma4 import tiny_gemma4
+    model = tiny_gemma4("no_ple_no_sharing")
+    with pytest.warns(UserWarning, match="keeps flex_attention"):
+        used, tri = _greedy(model, n_new=4, decode_attention="triton")
+    assert not used
+    assert [o.token_ids for o in tri] == [o.token_ids for o in _greedy(model, n_new=4)[1]]
+
+
+def test_engine_unknown_triton_kernel_option_is_a_value_error():
+    from nbhelpers.engine import LLM
+    with pytest.raises(ValueError, match="unknown decode_kernel_options.*num_splits"):
+        LLM(tiny_model("qwen3"), page_size=16, num_pages=8, max_model_len=32,
+            decode_attention="triton", decode_kernel_options={"SPLIT_KV": 4})

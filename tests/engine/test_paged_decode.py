@@ -1,7 +1,8 @@
 """Triton paged decode attention (``engine/paged_decode.py``) vs a dense PyTorch reference.
 
-Runs the kernels in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set below before triton is
-imported); skipped when triton is not installed. Tolerances: fp32 ``1e-5`` (abs/rel; the
+Runs the kernels in Triton's CPU interpreter on CPU-only hosts (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before anything imports triton), compiled on a GPU host; skipped when
+triton is not installed. Tolerances: fp32 ``1e-5`` (abs/rel; the
 interpreter's ``tl.dot`` is numpy fp32), bf16 ``2e-2`` abs (P is rounded to bf16 before ``P @ V``,
 as in every flash kernel; outputs are ``O(1)``), both against an fp32 reference.
 """
@@ -14,16 +15,18 @@ import pytest
 import torch
 from _tiny import random_prompts, tiny_model
 
-if not torch.cuda.is_available():  # on a GPU host the kernels compile for the device instead
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton not installed (pip install triton)")
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a GPU", allow_module_level=True)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by tests/conftest.py without CUDA
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-# imported after TRITON_INTERPRET is set: triton reads it when it decorates the kernels
+from nbhelpers.engine import paged_decode
 from nbhelpers.engine.paged_decode import choose_num_splits, paged_decode_attention
 
-DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if INTERPRET and type(paged_decode._stage1).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
+                allow_module_level=True)
+DEV = "cpu" if INTERPRET else "cuda"
 
 
 @pytest.fixture(autouse=True)

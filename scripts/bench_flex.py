@@ -184,7 +184,8 @@ def decode_variants(args) -> list[dict]:
                              f"object, got {kopts!r}.")
         kopts = dict(kopts)
         out.append({"decode_attention": kopts.pop("decode_attention", "flex"),
-                    "decode_kernel_options": kopts, "tag": "w_lora_kopts" + (f"_{i}" if i else "")})
+                    "decode_kernel_options": kopts,
+                    "tag": "w_lora_kopts" + (f"_{i}" if i else "")})
     return out
 
 

@@ -60,8 +60,10 @@ def _stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, soft_cap, window,
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b).to(tl.int64)
-    lo = tl.maximum(seq_len - window, 0) if USE_WINDOW else seq_len * 0
+    seq_len = tl.load(SeqLens + b).to(tl.int32)  # positions in int32, slots in int64
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
     t_lo = lo // BLOCK_N  # tiles are aligned to absolute positions
     t_hi = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
@@ -161,7 +163,7 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
             allocate here (fine under CUDA-graph capture: the shape is static).
         block_n: keys per tile (power of 2, >= 16); default 64 for ``D <= 128`` else 32.
     Raises:
-        ValueError: shapes that do not fit (heads, head dim, workspace, block_n).
+        ValueError: shapes or dtypes that do not fit (heads, head dim, workspace, block_n).
     """
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -186,8 +188,9 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
         num_warps=num_warps, num_stages=num_stages)
     _stage2[(bsz, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim,
+        BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4)
     return out
 
 
@@ -199,9 +202,11 @@ def new_workspace(batch: int, heads: int, num_splits: int, dim: int,
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int, block_n: int) -> None:
-    if heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"paged decode: q {tuple(q.shape)} vs k/v pool {tuple(k_cache.shape)}/"
-                         f"{tuple(v_cache.shape)}: need H % H_kv == 0 and equal head dims.")
+    if (heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1]
+            or not q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"paged decode: q {tuple(q.shape)} {q.dtype} vs k/v pool "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}: need H % H_kv == 0 and equal "
+                         "head dims and dtypes.")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged decode: q and the k/v pools need unit stride on the head dim.")
     if block_n < 16 or block_n & (block_n - 1):
@@ -251,7 +256,8 @@ class PagedDecode:
                              f"{unknown}; accepted: {list(KERNEL_OPTIONS)}.")
         self.windows = [_window(spec.mask_for_layer(i), i) for i in range(num_layers)]
         self.soft_cap = _soft_cap(spec.attn_score_mod)
-        self.page_size, self.max_model_len, self.num_kv_heads = page_size, max_model_len, num_kv_heads
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.num_kv_heads = num_kv_heads
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if torch.device(device).type == "cuda" else 1)
         self.num_splits = opts.pop("num_splits", None)

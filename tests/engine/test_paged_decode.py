@@ -148,6 +148,11 @@ def test_split_heuristic():
 
 
 # ---------------------------------------------------------------- the engine option
+# The tiny engine models live on the CPU; on a GPU host bench_flex.py's parity stage
+# (``--decode-attention triton``) checks the engine with the compiled kernel and CUDA graphs.
+engine_on_cpu = pytest.mark.skipif(not INTERPRET, reason="CPU engine tests need the interpreter")
+
+
 def _greedy(model, n_new=10, **options):
     """``(uses_triton_kernel, completions)`` of the engine on three ragged prompts."""
     from nbhelpers.config import SamplingParams
@@ -159,6 +164,7 @@ def _greedy(model, n_new=10, **options):
     return llm.runner.paged_decode is not None, outs
 
 
+@engine_on_cpu
 @pytest.mark.parametrize("kernel_options", [None, {"num_splits": 3, "BLOCK_N": 16}])
 def test_engine_triton_greedy_matches_flex(kernel_options):
     """Same greedy tokens; logprobs within 1e-4 (fp32 tiny Qwen3, 2 layers, GQA 4/2, D 16)."""
@@ -171,6 +177,7 @@ def test_engine_triton_greedy_matches_flex(kernel_options):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+@engine_on_cpu
 def test_engine_triton_sliding_window_matches_flex():
     """Qwen3 with a sliding layer (window 8) and a full one: the window reaches the kernel.
 
@@ -190,6 +197,7 @@ def test_engine_triton_sliding_window_matches_flex():
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+@engine_on_cpu
 def test_gemma4_keeps_flex_with_a_warning():
     from test_gemma4 import tiny_gemma4
     model = tiny_gemma4("no_ple_no_sharing")
@@ -199,6 +207,7 @@ def test_gemma4_keeps_flex_with_a_warning():
     assert [o.token_ids for o in tri] == [o.token_ids for o in _greedy(model, n_new=4)[1]]
 
 
+@engine_on_cpu
 def test_engine_unknown_triton_kernel_option_is_a_value_error():
     from nbhelpers.engine import LLM
     with pytest.raises(ValueError, match="unknown decode_kernel_options.*num_splits"):

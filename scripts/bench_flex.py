@@ -6,6 +6,9 @@ writes a sidecar with ``error`` set and the script goes on. Shares every functio
 33 through :mod:`nbhelpers.engine_bench`.
 
 Run (H200): ``python scripts/bench_flex.py --out $OUT --sweep 8,32,64,128,256``
+Decode-attention variants in one call (one extra W LoRA stage each):
+``--decode-attention triton --decode-kernel-options '{"num_warps": 8};{"decode_attention":
+"triton", "num_splits": 4}'`` (a dict's ``decode_attention`` key picks its kernel, default flex).
 Run (CPU smoke): ``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf``
 """
 
@@ -50,8 +53,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--compiled", action="store_true",
                     help="also run W with compile_decode=True (whole step through inductor)")
     ap.add_argument("--decode-kernel-options", default="",
-                    help='JSON flex decode kernel options for an extra W LoRA stage, e.g. '
-                    '\'{"SPLIT_KV": 4, "num_warps": 8}\'')
+                    help='JSON decode kernel options, several separated by ";", one extra W LoRA '
+                    'stage each, e.g. \'{"num_warps": 8};{"decode_attention": "triton", '
+                    '"num_splits": 4}\' (decode_attention: flex by default)')
+    ap.add_argument("--decode-attention", default="", choices=["", "flex", "triton"],
+                    help="an extra W LoRA stage with RunnerOptions.decode_attention set to this")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
     return ap.parse_args()
 
@@ -86,13 +92,16 @@ def stage(name: str, fn, *a, **k):
         return None, f"{type(err).__name__}: {err}"
 
 
-def run_parity(args, dev: str) -> dict:
+def run_parity(args, dev: str, variants: list[dict] = ()) -> dict:
+    """Greedy parity vs HF of the tiny fp32 Qwen3, default engine and each non-flex decode."""
     res = {}
     tiny = eb.random_qwen3(eb.TINY_QWEN3_SHAPE, dtype="float32", device=dev)
-    llm = make_llm(tiny, 4, args)
     prompts = eb.random_prompt_ids(3, 37, tiny.config.vocab_size, seed=1)
-    res["tiny_fp32"] = eb.parity(tiny, llm, prompts, 16)
-    log(f"parity tiny fp32: {res['tiny_fp32']}")
+    kernels = {"": {}} | {f"_{v['decode_attention']}": {"decode_attention": v["decode_attention"]}
+                          for v in variants if v["decode_attention"] != "flex"}
+    for suffix, opts in kernels.items():
+        res[f"tiny_fp32{suffix}"] = eb.parity(tiny, make_llm(tiny, 4, args, **opts), prompts, 16)
+        log(f"parity tiny fp32{suffix}: {res[f'tiny_fp32{suffix}']}")
     return res
 
 
@@ -106,6 +115,7 @@ def run_workload(model, name, lora, batch, args, rounds, tag, profile=False, **o
 
 def main() -> None:
     args = parse()
+    variants = decode_variants(args)  # a malformed option fails here, before any GPU work
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     LOG_PATH.append(out / "bench_flex.log")
@@ -117,7 +127,7 @@ def main() -> None:
     name = "tiny-qwen3-shape" if args.cpu_smoke else "qwen3-4b"
     skip, table = set(args.skip.split(",")), []
     if "parity_tiny" not in skip:
-        par, err = stage("parity", run_parity, args, dev)
+        par, err = stage("parity", run_parity, args, dev, variants)
         (out / "parity.json").write_text(json.dumps({"parity": par, "error": err}, indent=1))
     model = eb.random_qwen3(shape, device=dev,
                             dtype="float32" if args.cpu_smoke else "bfloat16")
@@ -153,15 +163,43 @@ def main() -> None:
         sidecar(out, "w_lora_compiled", info, lora, WORKLOAD_W.n_prompts, args, res, err,
                 extra={"compile_decode": True})
         table.append(("W LoRA r32, compiled step", WORKLOAD_W.n_prompts, res))
-    if args.decode_kernel_options:
-        kopts = json.loads(args.decode_kernel_options)
-        res, err = stage(f"W LoRA kernel options {kopts}", run_workload, model, name, lora,
-                         WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_kopts",
-                         profile=args.profile, decode_kernel_options=kopts)
-        sidecar(out, "w_lora_kopts", info, lora, WORKLOAD_W.n_prompts, args, res, err,
-                extra={"decode_kernel_options": kopts})
-        table.append((f"W LoRA r32, {kopts}", WORKLOAD_W.n_prompts, res))
+    run_decode_variants(model, name, lora, info, args, out, table, variants)
     print_table(table)
+
+
+def decode_variants(args) -> list[dict]:
+    """Extra W LoRA stages as ``{"decode_attention", "decode_kernel_options", "tag"}``: one for
+    ``--decode-attention``, one per ``;``-separated JSON dict of ``--decode-kernel-options``.
+
+    Raises: TypeError: a part is not a JSON object (json.JSONDecodeError: not JSON).
+    """
+    out = []
+    if args.decode_attention:
+        out.append({"decode_attention": args.decode_attention, "decode_kernel_options": None,
+                    "tag": f"w_lora_{args.decode_attention}"})
+    parts = [json.loads(p) for p in args.decode_kernel_options.split(";") if p.strip()]
+    for i, kopts in enumerate(parts):
+        if not isinstance(kopts, dict):
+            raise TypeError(f"--decode-kernel-options: each ';'-separated part must be a JSON "
+                             f"object, got {kopts!r}.")
+        kopts = dict(kopts)
+        out.append({"decode_attention": kopts.pop("decode_attention", "flex"),
+                    "decode_kernel_options": kopts,
+                    "tag": "w_lora_kopts" + (f"_{i}" if i else "")})
+    return out
+
+
+def run_decode_variants(model, name, lora, info, args, out: Path, table: list,
+                        variants: list[dict]) -> None:
+    """One W LoRA stage, sidecar and table row per decode variant (see :func:`decode_variants`)."""
+    for var in variants:
+        opts = {k: v for k, v in var.items() if k != "tag"}
+        label = f"{opts['decode_attention']} decode {opts['decode_kernel_options'] or ''}".strip()
+        res, err = stage(f"W LoRA {label}", run_workload, model, name, lora,
+                         WORKLOAD_W.n_prompts, args, args.rounds, var["tag"],
+                         profile=args.profile, **opts)
+        sidecar(out, var["tag"], info, lora, WORKLOAD_W.n_prompts, args, res, err, extra=opts)
+        table.append((f"W LoRA r32, {label}", WORKLOAD_W.n_prompts, res))
 
 
 def print_table(table) -> None:

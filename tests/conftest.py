@@ -9,3 +9,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    import torch  # imports no triton (transformers and peft do)
+    return torch.cuda.is_available()
+
+
+# CPU-only hosts run Triton kernels (engine/paged_decode.py) in Triton's interpreter. It must be on
+# before anything imports triton (read when kernels are decorated and when they run), hence here.
+# Side effect where triton is installed on a CPU host: TRL's Triton log-prob kernel then also runs
+# interpreted in the GRPO tests, while a plain CPU run without this variable fails in it.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

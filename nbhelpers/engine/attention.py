@@ -22,18 +22,23 @@ LogicalMask = Callable[[Any, Any], Any]
 
 
 def sliding_window(window: int) -> LogicalMask:
-    """Keep keys less than ``window`` positions behind the query (Gemma/Mistral sliding layers)."""
+    """Keep keys less than ``window`` positions behind the query (Gemma/Mistral sliding layers).
+
+    The closure carries ``.window`` so non-flex kernels (``paged_decode.py``) can read it.
+    """
     def mask(q_pos: Any, kv_pos: Any) -> Any:
         return q_pos - kv_pos < window
+    mask.window = window  # type: ignore[attr-defined]
     return mask
 
 
 def soft_cap(cap: float) -> Callable[..., Any]:
-    """score_mod ``cap * tanh(score / cap)`` (Gemma-2 attention logit soft-cap)."""
+    """score_mod ``cap * tanh(score / cap)`` (Gemma-2 attention logit soft-cap); ``.cap`` = cap."""
     import torch
 
     def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return cap * torch.tanh(score / cap)
+    score_mod.cap = cap  # type: ignore[attr-defined]
     return score_mod
 
 

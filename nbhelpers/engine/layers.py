@@ -26,11 +26,15 @@ class AttnBatch:
     """Per-step attention metadata: one BlockMask per layer and whether queries are one per row.
 
     ``block_masks[i]`` is layer ``i``'s mask (layers with the same mask factory share one object).
+    ``paged_decode``: when set (decode with ``decode_attention="triton"``), models that list
+    ``"triton"`` in ``decode_kernels`` call ``paged_decode(i, q [B, H, D], k_cache, v_cache,
+    scale) -> [B, H, D]`` instead of flex (``block_masks`` are then ``None``).
     """
 
     block_masks: list[Any]
     is_decode: bool
     kernel_options: dict[str, Any] | None = None
+    paged_decode: Any = None
 
 
 def base_causal_lm(model: Any) -> Any:
@@ -50,6 +54,8 @@ class EngineModel:
     Raises:
         ValueError: unsupported architecture (from the registry) or more than one LoRA adapter.
     """
+
+    decode_kernels = ("flex", "triton")  # RunnerOptions.decode_attention values it serves
 
     def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
         self.hf = base_causal_lm(model)
@@ -154,6 +160,9 @@ class EngineModel:
         v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         kv.k[i][0].index_copy_(1, slot_mapping, k[0])  # [H_kv, T, D] into physical slots
         kv.v[i][0].index_copy_(1, slot_mapping, v[0])
+        if attn.is_decode and attn.paged_decode is not None:  # Triton split-KV kernel
+            out = attn.paged_decode(i, q[0].transpose(0, 1), kv.k[i], kv.v[i], self.scale)
+            return self.o[i](out.reshape(1, t, -1))[0]  # out [B, H, D]
         if attn.is_decode:
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         out = self.flex(q, kv.k[i], kv.v[i], score_mod=self.spec.attn_score_mod,

@@ -16,6 +16,7 @@ readback) and ``host_s`` (Python bookkeeping), in seconds, CUDA-synchronised onl
 
 from __future__ import annotations
 
+import importlib.util
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DECODE_ATTENTION = ("flex", "triton")
 
 
 @dataclass
@@ -35,7 +37,10 @@ class RunnerOptions:
     """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
-    ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``);
+    ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask) or ``"triton"``
+    (split-KV kernel of ``engine/paged_decode.py``; prefill stays flex); ``decode_kernel_options``:
+    the decode kernel's options (flex: e.g. DESIGN.md's ``num_warps``; triton:
+    ``paged_decode.KERNEL_OPTIONS``);
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
     (``None`` = on iff CUDA; see ``engine/fused.py``).
     """
@@ -50,6 +55,7 @@ class RunnerOptions:
     prefill_pad: int = 128
     compile_decode: bool = False
     compile_layers: bool | None = None
+    decode_attention: str = "flex"
     decode_kernel_options: dict | None = None
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
@@ -63,6 +69,12 @@ class RunnerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"RunnerOptions.decode_attention={self.decode_attention!r}: must be "
+                             f"one of {DECODE_ATTENTION}.")
+        if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
+            raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
+                              "pip install triton (GPU hosts: the gpu extra pins it).")
 
 
 class DecodeState:
@@ -108,6 +120,10 @@ class ModelRunner:
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         if compile_layers and hasattr(self.model, "compile_elementwise"):
             self.model.compile_elementwise()
+        self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
+        if opt.decode_attention == "triton":
+            from nbhelpers.engine.paged_decode import build_paged_decode
+            self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device
         self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1
@@ -311,13 +327,17 @@ class ModelRunner:
         """One decode step for ``[B]`` rows: slots, paged block mask, forward, sample."""
         import torch
         ps, m = self.opt.page_size, self.model
-        used = pos // ps + 1
-        p2l = phys_to_logical(block_table, used, self.opt.num_pages)
-        p2l[:, 0] = torch.where(is_pad, 0, -1)  # padded rows read only the null page
         slots = slot_mapping(block_table, pos, ps)
-        attn = self._masks(lambda extra: decode_block_mask(
-            p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
-            kernel_options=self.opt.decode_kernel_options)
+        if self.paged_decode is not None:  # padded rows: all-null block_table, pos + 1 slots
+            attn = AttnBatch([None] * len(m.layers), True,
+                             paged_decode=self.paged_decode.bind(block_table, pos + 1))
+        else:
+            used = pos // ps + 1
+            p2l = phys_to_logical(block_table, used, self.opt.num_pages)
+            p2l[:, 0] = torch.where(is_pad, 0, -1)  # padded rows read only the null page
+            attn = self._masks(lambda extra: decode_block_mask(
+                p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
+                kernel_options=self.opt.decode_kernel_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)
         fx = getattr(m, "fx_decode", None)
         return (fx.sample if fx is not None else sample)(

@@ -16,6 +16,21 @@ def test_bad_runner_options_name_the_field(option, value):
         LLM(tiny_model(), **{option: value})
 
 
+def test_decode_attention_names_the_accepted_values():
+    with pytest.raises(ValueError, match=r"decode_attention='fa3': must be one of \('flex', "
+                       r"'triton'\)"):
+        LLM(tiny_model(), decode_attention="fa3")
+
+
+def test_triton_decode_without_triton_names_the_install(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(ImportError, match="pip install triton"):
+        LLM(tiny_model(), decode_attention="triton")
+
+
 @pytest.mark.parametrize("bad_id", [-1, VOCAB])
 def test_out_of_vocab_token_ids_are_rejected(bad_id):
     llm = LLM(tiny_model(), page_size=16, num_pages=16, max_model_len=64)

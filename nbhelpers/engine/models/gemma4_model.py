@@ -82,6 +82,8 @@ class Gemma4EngineModel(EngineModel):
             (``use_bidirectional_attention='all'``) or a KV-shared layer without a store layer.
     """
 
+    decode_kernels = ("flex",)  # per-layer head dims and KV sharing: flex only (no Triton decode)
+
     def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
         self.hf = base_causal_lm(model)
         self.config = cfg = self.hf.config

@@ -24,6 +24,7 @@ from typing import Any
 from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
 from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, build_engine_model
+from nbhelpers.engine.lora import check_lora_expand
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
@@ -37,7 +38,9 @@ class RunnerOptions:
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
     ``decode_kernel_options``: flex kernel options for decode (e.g. DESIGN.md's ``num_warps``);
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
-    (``None`` = on iff CUDA; see ``engine/fused.py``).
+    (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
+    group as ``"addmm"`` (one ``addmm_`` per part) or ``"triton"`` (one kernel per group on CUDA,
+    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes).
     """
 
     page_size: int = 128
@@ -51,6 +54,7 @@ class RunnerOptions:
     compile_decode: bool = False
     compile_layers: bool | None = None
     decode_kernel_options: dict | None = None
+    lora_expand: str = "addmm"
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -63,6 +67,7 @@ class RunnerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
+        check_lora_expand(self.lora_expand)
 
 
 class DecodeState:
@@ -106,6 +111,8 @@ class ModelRunner:
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
+        for group in self._groups():
+            group.set_lora_expand(opt.lora_expand)
         if compile_layers and hasattr(self.model, "compile_elementwise"):
             self.model.compile_elementwise()
         self.device = self.model.device
@@ -132,9 +139,13 @@ class ModelRunner:
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:
         """Re-fuse projection groups whose storage was replaced (see ``LiveGroup.refresh``)."""
-        for name in ("qkv", "o", "gate_up", "down"):
-            for group in getattr(self.model, name, []):
-                group.refresh()
+        for group in self._groups():
+            group.refresh()
+
+    def _groups(self) -> list[Any]:
+        """The model's LiveGroups of q/k/v, o, gate/up and down projections."""
+        return [g for name in ("qkv", "o", "gate_up", "down")
+                for g in getattr(self.model, name, [])]
 
     def prefill(self, groups: list[list[Sequence]], sampling: Any) -> None:
         """Prefill each group's leader, fork followers, sample every member's next token."""

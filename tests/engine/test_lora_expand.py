@@ -1,4 +1,4 @@
-"""LoRA B as one Triton kernel per projection group (``engine/lora_expand.py``).
+"""LoRA B as one Triton kernel per projection group (``lora_expand="triton"``).
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set here before the kernel module is
 imported); skipped when triton is not importable.
@@ -15,12 +15,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="lora_expand='triton' needs the triton package")
 
+from _tiny import hf_greedy, random_prompts, tiny_model
+
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine import LLM
 from nbhelpers.engine import lora_expand as le
+from nbhelpers.engine.lora import LiveGroup, check_lora_expand
+from nbhelpers.engine.model_runner import RunnerOptions
 
 if not (le.INTERPRETED or torch.cuda.is_available()):
     pytest.skip("triton imported without TRITON_INTERPRET=1 and no CUDA device",
                 allow_module_level=True)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
 
 def _operands(sizes, ranks, n_rows, y_dtype, b_dtype, seed=0):
@@ -84,6 +92,76 @@ def test_unsupported_shapes_fall_back_or_raise():
     assert not le.supported(y, xa, bs, [16] * 4, [4] * 4)  # more than MAX_PARTS
     _, y, xa, bs = _operands([16, 16], [4, 4], 3, torch.float32, torch.float32)
     assert not le.supported(y, xa, [bs[0], bs[1].t().contiguous().t()], [16, 16], [4, 4])
+
+
+def test_option_is_validated():
+    assert check_lora_expand("triton") == "triton"
+    with pytest.raises(ValueError, match="lora_expand='fused'"):
+        check_lora_expand("fused")
+    with pytest.raises(ValueError, match="lora_expand"):
+        RunnerOptions(lora_expand="fused")
+
+
+def _peft(dtype, autocast_adapter_dtype=True):
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    model = tiny_model("qwen3").to(dtype=dtype, device=DEV)
+    return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype).eval()
+
+
+def _count_calls(monkeypatch):
+    calls = []
+    real = le.lora_expand
+    monkeypatch.setattr(le, "lora_expand", lambda *a: (calls.append(1), real(*a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, True), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16_base_fp32_lora"])
+def test_live_group_same_outputs_with_kernel(monkeypatch, dtype, autocast):
+    model = _peft(dtype, autocast)
+    layer = model.get_base_model().model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert (attn.q_proj.lora_B["default"].weight.dtype == torch.float32) == autocast
+    x = torch.randn(1, 5, 64, device=DEV).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    # PEFT in bf16 rounds B(xa), the scaling and the add apart; near zero that is ~1e-3 absolute
+    tol_peft = tol or {"rtol": 1.6e-2, "atol": 1e-2}
+    calls = _count_calls(monkeypatch)
+    for mods in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj],
+                 [attn.o_proj]):
+        with torch.no_grad():
+            ref = [m(x) for m in mods]  # PEFT's own forward
+            plain = LiveGroup(mods)(x)
+            kernel = LiveGroup(mods, lora_expand="triton")(x)
+        for r, p, k in zip(ref, plain, kernel):
+            assert k.dtype == p.dtype == r.dtype
+            torch.testing.assert_close(k, p, **tol)
+            if DEV == "cpu":  # r=4 sums: bit-equal here (cuBLAS may sum in another order)
+                assert torch.equal(k, p)
+            torch.testing.assert_close(k, r, **tol_peft)
+    assert len(calls) == 3
+
+
+def test_engine_with_kernel_sees_in_place_lora_updates(monkeypatch):
+    model = _peft(torch.float32)
+    calls = _count_calls(monkeypatch)
+    prompt = random_prompts(1, 10, 10, seed=3)[0]
+    llm = LLM(model, page_size=8, num_pages=16, max_model_len=32, lora_expand="triton")
+    before = llm.generate([prompt], GREEDY)[0]
+    assert before.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)[0]
+    assert calls, "the kernel did not run"
+    with torch.no_grad():  # an optimizer step: in place, same storage
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    after = llm.generate([prompt], GREEDY)[0]
+    ref, ref_lp = hf_greedy(model, prompt, GREEDY.max_new_tokens)
+    assert after.token_ids != before.token_ids
+    assert after.token_ids == ref
+    assert max(abs(a - b) for a, b in zip(after.logprobs, ref_lp)) < 1e-4
 
 
 _AOT = """

@@ -7,6 +7,7 @@ writes a sidecar with ``error`` set and the script goes on. Shares every functio
 
 Run (H200): ``python scripts/bench_flex.py --out $OUT --sweep 8,32,64,128,256``
 Run (CPU smoke): ``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf``
+LoRA B as one Triton kernel per group, as an extra stage: add ``--lora-expand triton``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--decode-kernel-options", default="",
                     help='JSON flex decode kernel options for an extra W LoRA stage, e.g. '
                     '\'{"SPLIT_KV": 4, "num_warps": 8}\'')
+    ap.add_argument("--lora-expand", default="", choices=["", "addmm", "triton"],
+                    help="extra W LoRA stage with RunnerOptions.lora_expand (triton: one LoRA-B "
+                    "kernel per projection group)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
     return ap.parse_args()
 
@@ -161,7 +165,20 @@ def main() -> None:
         sidecar(out, "w_lora_kopts", info, lora, WORKLOAD_W.n_prompts, args, res, err,
                 extra={"decode_kernel_options": kopts})
         table.append((f"W LoRA r32, {kopts}", WORKLOAD_W.n_prompts, res))
+    if args.lora_expand:
+        table.append(run_lora_expand(args, model, name, info, lora, out))
     print_table(table)
+
+
+def run_lora_expand(args, model, name, info, lora, out) -> tuple:
+    """W LoRA stage with ``lora_expand=args.lora_expand``; its sidecar and table row."""
+    mode = args.lora_expand
+    res, err = stage(f"W LoRA lora_expand={mode}", run_workload, model, name, lora,
+                     WORKLOAD_W.n_prompts, args, args.rounds, f"w_lora_expand_{mode}",
+                     profile=args.profile, lora_expand=mode)
+    sidecar(out, f"w_lora_expand_{mode}", info, lora, WORKLOAD_W.n_prompts, args, res, err,
+            extra={"lora_expand": mode})
+    return (f"W LoRA r32, lora_expand={mode}", WORKLOAD_W.n_prompts, res)
 
 
 def print_table(table) -> None:

@@ -10,6 +10,7 @@ Decode-attention variants in one call (one extra W LoRA stage each):
 ``--decode-attention triton --decode-kernel-options '{"num_warps": 8};{"decode_attention":
 "triton", "num_splits": 4}'`` (a dict's ``decode_attention`` key picks its kernel, default flex).
 Run (CPU smoke): ``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf``
+LoRA B as one Triton kernel per group, as an extra stage: add ``--lora-expand triton``.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--decode-kernel-options", default="",
                     help='JSON decode kernel options, several separated by ";", one extra W LoRA '
                     'stage each, e.g. \'{"num_warps": 8};{"decode_attention": "triton", '
-                    '"num_splits": 4}\' (decode_attention: flex by default)')
+                    '"num_splits": 4, "lora_expand": "triton"}\' (decode_attention: flex and '
+                    'lora_expand: addmm by default)')
     ap.add_argument("--decode-attention", default="", choices=["", "flex", "triton"],
                     help="an extra W LoRA stage with RunnerOptions.decode_attention set to this")
+    ap.add_argument("--lora-expand", default="", choices=["", "addmm", "triton"],
+                    help="extra W LoRA stage with RunnerOptions.lora_expand (triton: one LoRA-B "
+                    "kernel per projection group)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
     return ap.parse_args()
 
@@ -93,15 +98,23 @@ def stage(name: str, fn, *a, **k):
 
 
 def run_parity(args, dev: str, variants: list[dict] = ()) -> dict:
-    """Greedy parity vs HF of the tiny fp32 Qwen3, default engine and each non-flex decode."""
+    """Greedy parity vs HF of the tiny fp32 Qwen3: without LoRA on the default engine, and with
+    a LoRA r8 adapter (non-zero B) on the default engine and on each distinct non-default
+    ``(decode_attention, lora_expand)`` of ``variants`` (so every kernel a W stage times is
+    checked against HF/PEFT first, with CUDA graphs, on this GPU)."""
+    from nbhelpers.config import LoraSpec
     res = {}
     tiny = eb.random_qwen3(eb.TINY_QWEN3_SHAPE, dtype="float32", device=dev)
     prompts = eb.random_prompt_ids(3, 37, tiny.config.vocab_size, seed=1)
-    kernels = {"": {}} | {f"_{v['decode_attention']}": {"decode_attention": v["decode_attention"]}
-                          for v in variants if v["decode_attention"] != "flex"}
-    for suffix, opts in kernels.items():
-        res[f"tiny_fp32{suffix}"] = eb.parity(tiny, make_llm(tiny, 4, args, **opts), prompts, 16)
-        log(f"parity tiny fp32{suffix}: {res[f'tiny_fp32{suffix}']}")
+    res["tiny_fp32"] = eb.parity(tiny, make_llm(tiny, 4, args), prompts, 16)
+    log(f"parity tiny fp32: {res['tiny_fp32']}")
+    peft = eb.attach_lora(tiny, LoraSpec(rank=8, alpha=16), b_std=0.05)
+    combos = {("flex", "addmm")} | {(v["decode_attention"], v["lora_expand"]) for v in variants}
+    for attn, expand in sorted(combos):
+        key = f"tiny_fp32_lora_{attn}_{expand}"
+        res[key] = eb.parity(peft, make_llm(peft, 4, args, decode_attention=attn,
+                                            lora_expand=expand), prompts, 16)
+        log(f"parity {key}: {res[key]}")
     return res
 
 
@@ -168,15 +181,20 @@ def main() -> None:
 
 
 def decode_variants(args) -> list[dict]:
-    """Extra W LoRA stages as ``{"decode_attention", "decode_kernel_options", "tag"}``: one for
-    ``--decode-attention``, one per ``;``-separated JSON dict of ``--decode-kernel-options``.
+    """Extra W LoRA stages as ``{"decode_attention", "lora_expand", "decode_kernel_options",
+    "tag"}``: one for ``--decode-attention``, one for ``--lora-expand``, one per ``;``-separated
+    JSON dict of ``--decode-kernel-options`` (its ``decode_attention`` / ``lora_expand`` keys are
+    runner options, the rest kernel options).
 
     Raises: TypeError: a part is not a JSON object (json.JSONDecodeError: not JSON).
     """
     out = []
     if args.decode_attention:
-        out.append({"decode_attention": args.decode_attention, "decode_kernel_options": None,
-                    "tag": f"w_lora_{args.decode_attention}"})
+        out.append({"decode_attention": args.decode_attention, "lora_expand": "addmm",
+                    "decode_kernel_options": None, "tag": f"w_lora_{args.decode_attention}"})
+    if args.lora_expand:
+        out.append({"decode_attention": "flex", "lora_expand": args.lora_expand,
+                    "decode_kernel_options": None, "tag": f"w_lora_expand_{args.lora_expand}"})
     parts = [json.loads(p) for p in args.decode_kernel_options.split(";") if p.strip()]
     for i, kopts in enumerate(parts):
         if not isinstance(kopts, dict):
@@ -184,7 +202,8 @@ def decode_variants(args) -> list[dict]:
                              f"object, got {kopts!r}.")
         kopts = dict(kopts)
         out.append({"decode_attention": kopts.pop("decode_attention", "flex"),
-                    "decode_kernel_options": kopts,
+                    "lora_expand": kopts.pop("lora_expand", "addmm"),
+                    "decode_kernel_options": kopts or None,
                     "tag": "w_lora_kopts" + (f"_{i}" if i else "")})
     return out
 
@@ -194,7 +213,8 @@ def run_decode_variants(model, name, lora, info, args, out: Path, table: list,
     """One W LoRA stage, sidecar and table row per decode variant (see :func:`decode_variants`)."""
     for var in variants:
         opts = {k: v for k, v in var.items() if k != "tag"}
-        label = f"{opts['decode_attention']} decode {opts['decode_kernel_options'] or ''}".strip()
+        label = (f"{opts['decode_attention']} decode, lora_expand {opts['lora_expand']} "
+                 f"{opts['decode_kernel_options'] or ''}").strip()
         res, err = stage(f"W LoRA {label}", run_workload, model, name, lora,
                          WORKLOAD_W.n_prompts, args, args.rounds, var["tag"],
                          profile=args.profile, **opts)

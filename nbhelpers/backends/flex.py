@@ -10,7 +10,8 @@ weights), ``kv_tokens`` (KV pool size in tokens, default 32 * 1024), and the
 :class:`~nbhelpers.engine.model_runner.RunnerOptions` / ``LLM`` fields ``page_size`` (default 128
 on CUDA, 16 on CPU), ``max_model_len`` (1024), ``sync_every``, ``use_cuda_graphs``,
 ``compile_attention``, ``fuse_lora_a``, ``max_num_seqs``, ``max_prefill_tokens``, ``share_prefix``,
-``decode_attention`` (``"flex"`` | ``"triton"``), ``decode_kernel_options``.
+``decode_attention`` (``"flex"`` | ``"triton"``), ``decode_kernel_options``,
+``lora_expand`` (``"addmm"`` | ``"triton"``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens"}
 _LLM_OPTIONS = {"page_size", "max_model_len", "sync_every", "use_cuda_graphs", "compile_attention",
                 "fuse_lora_a", "max_num_seqs", "max_prefill_tokens", "share_prefix",
                 "prefill_pad", "compile_decode", "decode_kernel_options", "compile_layers",
-                "decode_attention"}
+                "decode_attention", "lora_expand"}
 
 
 class FlexBackend:

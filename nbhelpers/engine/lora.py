@@ -11,7 +11,8 @@ back to the base output dtype. Dropout is off (inference). One adapter only.
 the parts' base weights and LoRA A are re-pointed (``param.data = view``) to row slices of one fused
 buffer each, so one GEMM serves all parts with no copy per call and the optimizer's in-place
 updates land in the fused buffer; LoRA B adds in place into each part's output slice with the
-scaling folded into ``addmm_`` (see the class docstring).
+scaling folded into ``addmm_`` (see the class docstring), or, with ``lora_expand="triton"``, as
+one Triton launch for all parts (:mod:`nbhelpers.engine.lora_expand`).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).
@@ -20,6 +21,21 @@ re-captures when it changes (an optimizer or ``load_state_dict`` that replaced s
 from __future__ import annotations
 
 from typing import Any
+
+LORA_EXPAND_MODES = ("addmm", "triton")
+"""How LiveGroup adds LoRA B: one ``addmm_`` per part, or one Triton kernel per group."""
+
+
+def check_lora_expand(mode: str) -> str:
+    """``mode`` if valid. Raises ``ValueError``: not in :data:`LORA_EXPAND_MODES`, or
+    ``"triton"`` without an importable ``triton`` package."""
+    import importlib.util
+    if mode not in LORA_EXPAND_MODES:
+        raise ValueError(f"lora_expand={mode!r}: use one of {LORA_EXPAND_MODES}.")
+    if mode == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("lora_expand='triton' needs the triton package (pip install triton); "
+                         "use lora_expand='addmm'.")
+    return mode
 
 
 def _adapter_of(module: Any) -> str | None:
@@ -92,17 +108,32 @@ class LiveGroup:
     which HF ``save_pretrained`` rejects). An optimizer's in-place update lands in the fused buffer (live LoRA). If storage
     is replaced later (``.to()``, ``load_state_dict(assign=True)``) the group re-fuses on its next
     eager call (the runner re-captures its CUDA graphs on the storage-signature change first).
+    ``lora_expand="triton"`` (:meth:`set_lora_expand`) replaces the per-part ``addmm_`` by one
+    kernel over all parts, same dtype order, on CUDA (or under ``TRITON_INTERPRET=1``) when
+    :func:`nbhelpers.engine.lora_expand.supported`; otherwise the ``addmm_`` path runs.
 
     Shapes: ``x [..., in]`` -> list of ``[..., out_i]`` (views of one ``[..., sum(out)]`` output).
     """
 
-    def __init__(self, modules: list[Any], fuse_lora_a: bool = True):
+    def __init__(self, modules: list[Any], fuse_lora_a: bool = True,
+                 lora_expand: str = "addmm"):
         self.parts = [LiveLinear(m) for m in modules]
         self.fuse_lora_a = fuse_lora_a
         self.sizes = [p.base.weight.shape[0] for p in self.parts]
         self._fused: dict[str, Any] | None = None
         self._state: tuple = ()
+        self._expand: Any = None
+        self.set_lora_expand(lora_expand)
         self.refresh()
+
+    def set_lora_expand(self, mode: str) -> None:
+        """``"addmm"`` or ``"triton"`` (see the class docstring); raises ``ValueError`` as
+        :func:`check_lora_expand`."""
+        self.lora_expand = check_lora_expand(mode)
+        self._expand = None
+        if mode == "triton":  # imported here, not per call (traced decode steps)
+            from nbhelpers.engine import lora_expand as expand_module
+            self._expand = expand_module
 
     def _lora_fusable(self) -> bool:
         if not all(p.has_lora for p in self.parts):
@@ -176,12 +207,25 @@ class LiveGroup:
                 y, xa = y[:, :n], y[:, n:]
             else:
                 xa = F.linear(x2.to(f["A"].dtype), f["A"])  # [N, sum(r)]
-            acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT adds in A/B dtype
-            for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1), b):
-                y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place
-            y = acc.to(y.dtype)
+            if not self._expand_in_kernel(y, xa, b, s):
+                acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT: add in B dtype
+                for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1),
+                                          b):
+                    y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place
+                y = acc.to(y.dtype)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return list(y.split(self.sizes, dim=-1)) if len(self.parts) > 1 else [y]
+
+    def _expand_in_kernel(self, y: Any, xa: Any, b: list[Any], scaling: float) -> bool:
+        """``y += LoRA B`` for all parts in one Triton launch when enabled and supported."""
+        le = self._expand
+        if le is None or not (y.is_cuda or le.INTERPRETED):
+            return False
+        ranks = self._ranks()
+        if not le.supported(y, xa, b, self.sizes, ranks):
+            return False
+        le.lora_expand(y, xa, b, self.sizes, ranks, scaling)
+        return True
 
     def _ranks(self) -> list[int]:
         return [p.lora_tensors()[0].shape[0] for p in self.parts]

@@ -25,6 +25,7 @@ from typing import Any
 from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
 from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, build_engine_model
+from nbhelpers.engine.lora import check_lora_expand
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
@@ -42,7 +43,9 @@ class RunnerOptions:
     the decode kernel's options (flex: e.g. DESIGN.md's ``num_warps``; triton:
     ``paged_decode.KERNEL_OPTIONS``);
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
-    (``None`` = on iff CUDA; see ``engine/fused.py``).
+    (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
+    group as ``"addmm"`` (one ``addmm_`` per part) or ``"triton"`` (one kernel per group on CUDA,
+    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes).
     """
 
     page_size: int = 128
@@ -57,6 +60,7 @@ class RunnerOptions:
     compile_layers: bool | None = None
     decode_attention: str = "flex"
     decode_kernel_options: dict | None = None
+    lora_expand: str = "addmm"
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -75,6 +79,7 @@ class RunnerOptions:
         if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")
+        check_lora_expand(self.lora_expand)
 
 
 class DecodeState:
@@ -118,6 +123,8 @@ class ModelRunner:
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
+        for group in self._groups():
+            group.set_lora_expand(opt.lora_expand)
         if compile_layers and hasattr(self.model, "compile_elementwise"):
             self.model.compile_elementwise()
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
@@ -148,9 +155,13 @@ class ModelRunner:
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:
         """Re-fuse projection groups whose storage was replaced (see ``LiveGroup.refresh``)."""
-        for name in ("qkv", "o", "gate_up", "down"):
-            for group in getattr(self.model, name, []):
-                group.refresh()
+        for group in self._groups():
+            group.refresh()
+
+    def _groups(self) -> list[Any]:
+        """The model's LiveGroups of q/k/v, o, gate/up and down projections."""
+        return [g for name in ("qkv", "o", "gate_up", "down")
+                for g in getattr(self.model, name, [])]
 
     def prefill(self, groups: list[list[Sequence]], sampling: Any) -> None:
         """Prefill each group's leader, fork followers, sample every member's next token."""

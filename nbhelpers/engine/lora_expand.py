@@ -1,0 +1,153 @@
+"""LoRA B of a projection group as one Triton kernel ("expand"), in place into the base output.
+
+Contract: :func:`lora_expand` computes, for every part ``i`` of a :class:`~.lora.LiveGroup`
+(q/k/v, gate/up, or one projection),
+
+    ``y[:, off_i:off_i + out_i] += scaling * xa[:, roff_i:roff_i + r_i] @ B_i^T``
+
+in one launch, where ``B_i [out_i, r_i]`` is each PEFT module's own ``lora_B`` weight (up to
+:data:`MAX_PARTS` separate pointers, read at call time: live LoRA, no copy), ``xa [N, sum(r)]``
+is ``x @ A^T`` and ``y [N, sum(out)]`` may be a strided view (row stride > width, e.g. the first
+``sum(out)`` columns of the ``[N, sum(out) + sum(r)]`` output of LiveGroup's ``ext`` GEMM). The
+product accumulates in fp32 and is added to ``y`` in fp32, rounded once to ``y``'s dtype: the
+dtype order of ``addmm_`` on ``y`` when B has ``y``'s dtype, and of PEFT's
+``(y.to(B.dtype) + B(xa) * scaling).to(y.dtype)`` when B is fp32 on a bf16 base (no fp32 copy of
+``y`` needed). fp32 operands multiply in IEEE fp32 (no TF32). Under ``TRITON_INTERPRET=1`` the
+16-bit operands are upcast to fp32 before ``tl.dot`` (the interpreter's bf16 ``tl.dot`` returned
+garbage, ~1e10, with triton 3.6.0 and 3.9.0 on CPU); the products are the same (a bf16 x bf16
+product is exact in fp32), as is the fp32 accumulation; and the interpreter's fp32 -> bf16 cast
+truncates (compiled Triton rounds to nearest even), so there the kernel rounds by bit arithmetic.
+
+Grid: ``(cdiv(N, BLOCK_M), sum(out) / BLOCK_OUT)``; ``BLOCK_OUT`` divides every ``out_i`` so a
+column block never straddles two parts (:func:`block_out` returns ``None`` otherwise: the caller
+keeps its per-part ``addmm_`` path). No allocation and no host sync per call, so it can be
+captured in a CUDA graph; the launch itself is Python (~tens of us) outside a graph.
+
+Source: the shape of punica's / vLLM's LoRA expand kernels (Chen et al. 2023, "Punica: Multi-Tenant
+LoRA Serving", arXiv:2310.18547; vLLM ``vllm/lora/ops/triton_ops/lora_expand_op.py``
+``_lora_expand_kernel`` and ``bgmv_expand_slice``: one launch over (row blocks x column blocks x
+slices), each slice its own B pointer and output offset). Here there is one adapter (no token ->
+LoRA mapping), and the parts are few, so their pointers are kernel arguments instead of vLLM's
+device pointer table.
+
+Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_expand.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+MAX_PARTS = 3
+"""Parts one launch serves (q/k/v is the widest group)."""
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""``TRITON_INTERPRET=1`` when this module was imported (the kernel below is then the
+interpreter's, and runs on CPU tensors)."""
+
+BLOCK_OUT_CHOICES = (64, 128, 32, 16)
+"""Column tiles tried in order; 64 first: Qwen3-4B's q/k/v (4096/1024/1024) gives 96 tiles."""
+
+
+@triton.jit(do_not_specialize=["n_rows", "end0", "end1", "roff1", "roff2", "r0", "r1", "r2"])
+def _expand_kernel(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, stride_y,
+                   end0, end1, roff1, roff2, r0, r1, r2, scaling,
+                   NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                   BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr):
+    col0 = tl.program_id(1) * BLOCK_OUT  # first output column of this tile (global)
+    b_ptr, start, roff, rank = b0_ptr, end0 * 0, roff1 * 0, r0  # part 0
+    # constexpr tests stand alone so the compiler prunes unused parts
+    if NUM_PARTS > 1:  # noqa: SIM102
+        if col0 >= end0:
+            b_ptr, start, roff, rank = b1_ptr, end0, roff1, r1
+    if NUM_PARTS > 2:  # noqa: SIM102
+        if col0 >= end1:
+            b_ptr, start, roff, rank = b2_ptr, end1, roff2, r2
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+    cols = tl.arange(0, BLOCK_OUT)  # [BLOCK_OUT], within the tile
+    ks = tl.arange(0, BLOCK_R)
+    row_ok = rows[:, None] < n_rows
+    acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_R):
+        kk = k0 + ks
+        a = tl.load(xa_ptr + rows[:, None] * stride_xa + (roff + kk)[None, :],
+                    mask=row_ok & (kk[None, :] < rank), other=0.0)  # [BLOCK_M, BLOCK_R]
+        # B_i is [out_i, r_i] row-major: element (n, k) at n * r_i + k; load B_i^T's tile
+        b = tl.load(b_ptr + (col0 - start + cols)[None, :] * rank + kk[:, None],
+                    mask=kk[:, None] < rank, other=0.0)  # [BLOCK_R, BLOCK_OUT]
+        if DOT_FP32:  # exact products either way: bf16 x bf16 fits fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
+    y = tl.load(y_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    out = y + scaling * acc
+    if BF16_RNE:
+        tl.store(y_ptrs, _bf16_rne(out), mask=row_ok)
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16 rounding to nearest even by bit arithmetic (finite values; the interpreter's
+    own cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def block_out(sizes: list[int]) -> int | None:
+    """The first of :data:`BLOCK_OUT_CHOICES` dividing every ``out_i``, else ``None``."""
+    return next((b for b in BLOCK_OUT_CHOICES if all(s % b == 0 for s in sizes)), None)
+
+
+def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]) -> bool:
+    """Whether :func:`lora_expand` serves these operands (else use the per-part ``addmm_``).
+
+    Needs 1 to :data:`MAX_PARTS` parts with ``out_i`` a multiple of 16, ``xa`` and every B of one
+    dtype (bf16/fp16/fp32), contiguous B of shape ``[out_i, r_i]``, unit column stride in ``y``
+    and ``xa``, all on one device.
+    """
+    import torch
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    return (0 < len(bs) <= MAX_PARTS and block_out(sizes) is not None
+            and y.dim() == 2 and xa.dim() == 2 and y.stride(1) == 1 and xa.stride(1) == 1
+            and y.shape == (xa.shape[0], sum(sizes)) and xa.shape[1] == sum(ranks)
+            and y.dtype in floats and xa.dtype in floats
+            and all(b.dtype == xa.dtype and b.is_contiguous() and tuple(b.shape) == (o, r)
+                    and b.device == y.device for b, o, r in zip(bs, sizes, ranks))
+            and xa.device == y.device)
+
+
+def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],
+                scaling: float) -> None:
+    """``y[:, part i] += scaling * xa[:, ranks of i] @ bs[i]^T`` for every part, in place.
+
+    Shapes: ``y [N, sum(sizes)]`` (row stride free, column stride 1), ``xa [N, sum(ranks)]``,
+    ``bs[i] [sizes[i], ranks[i]]`` contiguous. Raises ``ValueError`` when :func:`supported` is
+    false (the caller checks first).
+    """
+    import torch
+    if not supported(y, xa, bs, sizes, ranks):
+        raise ValueError(f"lora_expand: unsupported operands y {tuple(y.shape)} {y.dtype}, xa "
+                         f"{tuple(xa.shape)} {xa.dtype}, parts {sizes} ranks {ranks}; use addmm_.")
+    n_rows, parts = y.shape[0], len(bs)
+    if n_rows == 0:
+        return
+    ends = [sum(sizes[:i + 1]) for i in range(parts)] + [0] * (MAX_PARTS - parts)
+    roffs = [sum(ranks[:i]) for i in range(parts)] + [0] * (MAX_PARTS - parts)
+    rs = list(ranks) + [ranks[0]] * (MAX_PARTS - parts)
+    b_args = list(bs) + [bs[0]] * (MAX_PARTS - parts)  # unused slots: never read
+    tile_m = min(64, max(16, triton.next_power_of_2(n_rows)))
+    tile_r = min(64, max(16, triton.next_power_of_2(max(ranks))))
+    tile_n = block_out(sizes)
+    grid = (triton.cdiv(n_rows, tile_m), sum(sizes) // tile_n)
+    _expand_kernel[grid](xa, y, *b_args, n_rows, xa.stride(0), y.stride(0), ends[0], ends[1],
+                         roffs[1], roffs[2], rs[0], rs[1], rs[2], float(scaling),
+                         NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
+                         DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,
+                         BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16,
+                         num_warps=4)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test suite on a CPU host: the same (idempotent) setup as the main job, then pytest.
+# The test suite on a CPU host: the same (idempotent) setup as the main job, triton for the
+# interpreted kernel tests, then pytest.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not notebooks"`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# triton for the interpreted CPU tests of the engine's Triton kernels (pyproject extra "interp")
+"${VENV:-.venv}/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[interp]"
 exec "${VENV:-.venv}/bin/python" -m pytest -q "$@"

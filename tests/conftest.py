@@ -18,7 +18,6 @@ def _has_cuda() -> bool:
 
 # CPU-only hosts run Triton kernels (engine/paged_decode.py) in Triton's interpreter. It must be on
 # before anything imports triton (read when kernels are decorated and when they run), hence here.
-# Side effect where triton is installed on a CPU host: TRL's Triton log-prob kernel then also runs
-# interpreted in the GRPO tests, while a plain CPU run without this variable fails in it.
+# TRL's Triton log-prob kernel is kept out on CPU hosts by shims/trl_fused_logprob_cpu.py.
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -12,7 +12,8 @@ computes the same five per-token outputs as the kernel's forward (``log_probs``,
 ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; same logit transform: ``logit_scale``, optional
 soft-cap, ``1/temperature``) from the full ``[N, V]`` fp32 logits and lets autograd do the
 backward. Fine for the CPU smoke sizes (N x V = a few hundred tokens x 49k vocab); on a GPU with
-Triton nothing is replaced.
+Triton nothing is replaced. A CPU host with Triton installed (the test venv installs it for the
+engine's interpreted kernel tests) gets the stand-in too: TRL's kernel cannot run on CPU tensors.
 
 Link: TRL source ``trl/kernels/chunked_logprob.py`` and ``trl/trainer/utils.py``
 (https://github.com/huggingface/trl). Removal condition: delete when the pinned TRL falls back to
@@ -58,13 +59,19 @@ class TorchLogProb:
 
 
 def is_needed() -> bool:
-    """True when TRL's Triton kernel could not be imported (its slot is ``None``)."""
+    """True when TRL's slot is ``None`` (Triton could not be imported), or when it holds TRL's
+    Triton kernel but no CUDA device exists (Triton installed on a CPU host: the kernel cannot
+    take CPU tensors; seen with triton 3.6/3.9 and TRL 1.15: "0 active drivers")."""
+    import torch
     import trl.trainer.utils as trl_utils
-    return getattr(trl_utils, "_ChunkedLogProbFunction", "absent") is None
+    slot = getattr(trl_utils, "_ChunkedLogProbFunction", "absent")
+    if slot is None:
+        return True
+    return slot not in ("absent", TorchLogProb) and not torch.cuda.is_available()
 
 
 def install() -> bool:
-    """Fill TRL's empty kernel slot with :class:`TorchLogProb`; returns True when it did."""
+    """Put :class:`TorchLogProb` in TRL's kernel slot when :func:`is_needed`; True when it did."""
     import trl.trainer.utils as trl_utils
     if not is_needed():
         return False

@@ -1,13 +1,11 @@
 """nbhelpers.shims.trl_fused_logprob_cpu: the torch stand-in's math, and when it is installed."""
 
-import importlib.util
+import subprocess
+import sys
 
-import pytest
 import torch
 
 from nbhelpers.shims import trl_fused_logprob_cpu as shim
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _case(seed=0, n=5, h=8, v=11):
@@ -41,23 +39,45 @@ def test_only_requested_outputs_are_computed():
     assert out[0].shape == (5,) and out[1:] == (None, None, None, None)
 
 
-@pytest.mark.skipif(HAS_TRITON, reason="with Triton TRL uses its own kernel; the shim stays out")
-def test_canary_trl_still_lacks_a_cpu_path_and_install_fills_it(monkeypatch):
-    """When this fails, TRL imports a log-prob function without Triton: delete the shim."""
-    import trl.trainer.utils as trl_utils
+def test_canary_trl_still_lacks_a_cpu_path_without_triton():
+    """When this fails, TRL imports a log-prob function without Triton: delete the shim.
 
-    with pytest.raises(ImportError, match="triton"):
-        import trl.kernels  # noqa: F401  (what leaves TRL's slot empty)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)  # as at import, pre-install
-    assert shim.is_needed() and shim.install()
-    assert trl_utils._ChunkedLogProbFunction is shim.TorchLogProb
-    assert not shim.install()  # already filled: nothing replaced
+    Runs in a subprocess where ``import triton`` is blocked (whether or not triton is installed
+    here), as on every CPU-only torch build without it."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import trl.trainer.utils as u\n"
+        "from nbhelpers.shims import trl_fused_logprob_cpu as shim\n"
+        "assert u._ChunkedLogProbFunction is None, u._ChunkedLogProbFunction\n"
+        "assert shim.is_needed() and shim.install() and not shim.install()\n"
+        "assert u._ChunkedLogProbFunction is shim.TorchLogProb\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
-def test_install_leaves_an_existing_kernel_alone(monkeypatch):
+def test_install_leaves_an_existing_kernel_alone_on_cuda(monkeypatch):
     import trl.trainer.utils as trl_utils
 
     sentinel = object()
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not shim.is_needed() and not shim.install()
     assert trl_utils._ChunkedLogProbFunction is sentinel
+
+
+def test_install_replaces_the_triton_kernel_without_cuda(monkeypatch):
+    """Triton installed on a CPU host: TRL's slot holds its kernel, which cannot run here."""
+    import trl.trainer.utils as trl_utils
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert shim.is_needed() and shim.install()
+    assert trl_utils._ChunkedLogProbFunction is shim.TorchLogProb
+    assert not shim.is_needed() and not shim.install()  # filled: nothing more to do

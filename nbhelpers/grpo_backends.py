@@ -67,6 +67,28 @@ class BackendPlan:
     notes: list[str] = field(default_factory=list)
 
 
+TRL_VLLM_MAX_NUM_BATCHED_TOKENS = 4096
+"""``max_num_batched_tokens`` TRL 1.15.0's colocate ``LLM(...)`` hard-codes
+(``trl/generation/vllm_generation.py``)."""
+
+
+def vllm_max_model_length(settings: GRPOSettings) -> int:
+    """``vllm_max_model_length`` for TRL colocate: prompt + completion, raised so that
+    ``max_num_seqs * max_model_len >= 4096`` (TRL's fixed ``max_num_batched_tokens``).
+
+    TRL sets ``max_num_seqs = per_device_train_batch_size * tensor_parallel * steps_per_generation``
+    (4 in phase 2), so 4 x 512 = 2048 < 4096 and vLLM 0.26.0 warns "max_num_batched_tokens (4096)
+    exceeds max_num_seqs * max_model_len (2048). This may lead to unexpected behavior." The first
+    phase 2 vLLM run on the H200 (2026-11-30) then died with "CUDA error: an illegal memory access"
+    right after engine start; that this limit caused it is our hypothesis, not established. A
+    longer max_model_len only sizes vLLM's buffers: GRPO's prompt/completion limits still apply.
+    """
+    steps_per_generation = max(1, settings.gradient_accumulation_steps)
+    max_num_seqs = max(1, settings.per_device_train_batch_size * steps_per_generation)
+    need = -(-TRL_VLLM_MAX_NUM_BATCHED_TOKENS // max_num_seqs)
+    return max(settings.max_prompt_length + settings.max_completion_length, need)
+
+
 def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool = False,
                  vllm_gpu_memory_utilization: float = 0.3,
                  flex_options: dict[str, Any] | None = None) -> BackendPlan:
@@ -91,7 +113,7 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
         plan.config_overrides = {
             "use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": vllm_sleep_mode,
             "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization,
-            "vllm_max_model_length": settings.max_prompt_length + settings.max_completion_length}
+            "vllm_max_model_length": vllm_max_model_length(settings)}
     elif backend == "hf_cb":
         plan.config_overrides = {"use_transformers_continuous_batching": True}
     elif backend == "unsloth":

@@ -204,3 +204,16 @@ def test_group_prompts_and_mismatch_helpers():
     assert logprob_mismatch(t, s, torch.tensor([[1, 1, 0]])) == (0.5, 0.5)
     with pytest.raises(ValueError, match="kv_tokens"):
         grpo_flex.FlexRollout(max_model_len=64, kv_tokens=8)
+
+
+def test_vllm_max_model_length_covers_trls_fixed_batched_tokens():
+    from nbhelpers.grpo_backends import TRL_VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_model_length
+    phase2 = GRPOSettings(per_device_train_batch_size=4, num_generations=4,
+                          max_prompt_length=256, max_completion_length=256)
+    assert vllm_max_model_length(phase2) == 1024  # 4 seqs x 1024 = 4096, not 4 x 512 = 2048
+    long = GRPOSettings(per_device_train_batch_size=16, num_generations=4,
+                        max_prompt_length=1024, max_completion_length=1024)
+    assert vllm_max_model_length(long) == 2048  # 16 x 2048 >= 4096 already: prompt + completion
+    for s in (phase2, long):
+        seqs = s.per_device_train_batch_size * s.gradient_accumulation_steps
+        assert seqs * vllm_max_model_length(s) >= TRL_VLLM_MAX_NUM_BATCHED_TOKENS

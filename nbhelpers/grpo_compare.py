@@ -169,6 +169,7 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
         peak_mem={"allocated": s.get("peak_mem_allocated_gib"),
                   "device": s.get("peak_mem_device_gib")},
         extra={"grpo_summary": s, "grpo_steps": steps, "grpo_config": _jsonable(run.get("config")),
+               "traceback_tail": (run.get("traceback") or "")[-4000:] or None,
                "grpo_wall_s": run.get("wall_s"), "grpo_completions_sample": run.get("completions"),
                "gate": gate_d, "headline": {"step_time_s_median": s.get("step_time_s_median"),
                                             "peak_mem_gib": s.get("peak_mem_device_gib"),
@@ -194,7 +195,7 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
         key = f"{side['backend']}@{run_id}"
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
                      "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
-                     "config": side.get("grpo_config")}
+                     "config": side.get("grpo_config"), "model": side.get("model")}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
@@ -269,6 +270,27 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
             parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
                          f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
     return f"**Result** ({device}): " + "; ".join(parts) + "."
+
+
+def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
+    """Gate the newest run of each backend against the newest ``reference`` run, across device
+    calls (:func:`nbhelpers.gate.check_runs`); ``runs`` as from :func:`runs_from_sidecars`.
+
+    Thresholds (:func:`nbhelpers.gate.thresholds_for`): model kind ``random`` when the runs'
+    model block says ``weights: random`` (else ``real``); filtered sampling read from the
+    recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``.
+    """
+    from types import SimpleNamespace
+
+    from nbhelpers.gate import check_runs, thresholds_for
+    latest = latest_per_backend(runs)
+    ref = latest.get(reference) or next(iter(latest.values()), {})
+    kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
+    cfg = ref.get("config") or {}
+    top_k = cfg.get("top_k") or 0
+    sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0, top_p=cfg.get("top_p", 1.0) or 1.0,
+                               top_k=top_k if top_k > 0 else 0)
+    return check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
 
 
 def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -84,7 +84,9 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
     progress=False)
 for name, run in runs.items():
-    print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")"""
+    print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")
+    if run["error"] and run.get("traceback"):
+        print("  traceback (tail):\n" + run["traceback"][-2500:])"""
 
 EQ_GATE = """gates = check_runs(runs, reference_backend, thresholds)
 summary = grpo_compare.summary_frame(runs, gates)
@@ -155,6 +157,7 @@ from nbhelpers.stats import read_sidecars"""
 
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
+reference_backend: str = "hf_generate"  # the cross-run gate compares KL and reward against it
 sidecar_path: str = ""  # unused: this notebook only reads sidecars (the runner passes it)"""
 
 CMP_LOAD = """root = Path(sidecar_dir)
@@ -173,6 +176,11 @@ for column, label, title in [("wall_s", "s", "Step time"), ("generate_s", "s", "
     if column in steps and steps[column].notna().any():
         display(plots.metric_by_step(steps, column, label, title))"""
 
+CMP_CROSS = """cross = grpo_compare.gate_latest(runs, reference_backend)
+display(grpo_compare.gate_frame(cross))
+failed = [f"{r.backend}.{c.name}" for r in cross.values() for c in r.checks if c.status == "fail"]
+print("cross-run gate:", "pass" if not failed else f"FAILED {failed}")"""
+
 CMP_GOAL = """latest_summary = grpo_compare.summary_frame(latest, {
     b: gates[k] for k in gates for b in latest if k.startswith(f"{b}@")})
 goal = grpo_compare.perf_goal(latest_summary)
@@ -186,7 +194,10 @@ def compare() -> nbformat.NotebookNode:
     """29_compare: reads the phase-2 sidecars only."""
     return nbgen.build(CMP_TITLE, CMP_IMPORTS, CMP_PARAMETERS, [
         ("## Runs found\nOne row per backend run (`backend@run_id`).", CMP_LOAD),
-        ("## Per-step curves\nLatest run of each backend.", CMP_PLOTS)],
+        ("## Per-step curves\nLatest run of each backend.", CMP_PLOTS),
+        (("## Gate across runs\nThe latest run of each backend against the latest "
+          "`reference_backend` run, wherever they ran (one device call may hold only some "
+          "backends, so a run's own gate can lack the reference)."), CMP_CROSS)],
         sidecar=(("## The flex goal\nLatest run per backend; ratios flex / vLLM (`met`: both "
                   "ratios within the goal; `None` when either backend has no numbers)."),
                  CMP_GOAL))

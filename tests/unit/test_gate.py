@@ -149,3 +149,30 @@ def test_flex_options_from_notebook_parameters():
     assert flex_options(True, "on") == {"sleep_between_rollouts": True, "compile_attention": True}
     with pytest.raises(ValueError, match="auto | on | off"):
         flex_options(compile_attention="yes")
+
+
+def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path):
+    """Two notebook runs (as on two device calls): vLLM alone, then hf_generate + flex; the
+    cross-run gate puts vLLM against the hf_generate run and sees a KL gap the per-run gate
+    could not."""
+    from nbhelpers import grpo_compare
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.stats import read_sidecars
+    vllm = _run() | {"rows": rows(kl=0.01)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    grpo_compare.write_sidecars({"vllm": vllm}, check_runs({"vllm": vllm}, "hf_generate", TH),
+                                GRPOSettings(), {"name": "m", "weights": "random"},
+                                tmp_path / "a" / "run.json")
+    first = {"hf_generate": _run(), "flex": _run()}
+    grpo_compare.write_sidecars(first, check_runs(first, "hf_generate", TH), GRPOSettings(),
+                                {"name": "m", "weights": "random"}, tmp_path / "b" / "run.json")
+    runs, own = grpo_compare.runs_from_sidecars(
+        read_sidecars(tmp_path / "a", phase="phase2") + read_sidecars(tmp_path / "b", phase="phase2"))
+    vllm_own = next(g for k, g in own.items() if k.startswith("vllm@"))
+    assert {c["name"]: c["status"] for c in vllm_own["checks"]}["kl_vs_reference"] == "skip"
+    cross = grpo_compare.gate_latest(runs, "hf_generate")
+    assert set(cross) == {"vllm", "hf_generate", "flex"}
+    assert cross["flex"].status("kl_vs_reference") == "pass"
+    assert cross["vllm"].status("kl_vs_reference") == "fail"  # 0.04 vs 0.004 at step 4 > 0.015
+    assert cross["hf_generate"].status("kl_vs_reference") == "skip"

@@ -214,6 +214,7 @@ rounds: int = 1  # timed rounds (W: 3)
 lora_rank: int = 32  # LoRA r (alpha is 2r), on all 7 projections
 lora_modes: list = [True]  # sweep with LoRA (True) and/or without (False); H200: both
 profile: bool = False  # kernel-class profile of one decode step (CUDA only)
+engine_options: dict = {}  # flex RunnerOptions, e.g. {"decode_attention": "triton"}
 gold_dir: str = "docs/reference_measurements"  # phase-1 H200 reference runs (absent: none)
 bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars to show beside
 min_tok_per_s: float = 1.0  # claim: every point ran and produced tokens
@@ -240,10 +241,11 @@ for with_lora in sorted(set(lora_modes)):  # False before True: attaching LoRA i
         hf = eb.attach_lora(hf, lora)
     for b in batches:
         res = eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens, rounds=rounds,
-                                profile=profile and device == "cuda" and b == batches[-1])
+                                profile=profile and device == "cuda" and b == batches[-1],
+                                **engine_options)
         sides.append(eb.flex_sidecar(f"nb33_b{b}{'_lora' if with_lora else ''}", info,
                                      lora if with_lora else None, b, prompt_tokens,
-                                     max_new_tokens, res))
+                                     max_new_tokens, res, extra={"engine_options": engine_options}))
 sweep = eb.flex_frame(sides)
 sweep"""),
         ("## Beside phase 1 and earlier flex runs",
@@ -270,7 +272,7 @@ eb.breakdown_figure(prof["kernel_ms_per_step"], step_ms) if prof else "no profil
                               "max_new_tokens": max_new_tokens, "ignore_eos": True,
                               "sampling": "grpo"},
                     rounds=sides[-1]["rounds"],
-                    extra={"notebook": "33_flex_vs_baselines",
+                    extra={"notebook": "33_flex_vs_baselines", "engine_options": engine_options,
                            "sweep": sweep.to_dict(orient="records")})
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
@@ -280,7 +282,8 @@ rows = [f"{'LoRA r' + str(lora_rank) if r['lora'] else 'no LoRA'} batch {r['batc
         f"{r['decode_tok_per_s']:.0f} tok/s (step {r['decode_step_ms']:.2f} ms, "
         f"peak {r['peak_gib']:.2f} GiB)" for _, r in sweep.iterrows()]
 display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-token prompts, "
-                 f"{max_new_tokens} new tokens) the flex engine reached: " + "; ".join(rows)))""",
+                 f"{max_new_tokens} new tokens, engine options {engine_options or 'default'}) "
+                 "the flex engine reached: " + "; ".join(rows)))""",
 }
 
 SPECS = {"30_engine_walkthrough": NB30, "31_parity": NB31, "32_sampling": NB32,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +39,13 @@ P2 = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
 N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
 N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
 VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
+BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
+DIAG = "scripts/diag_gemma4.py"
+AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
+AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
+           "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
+           "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
+           "\"num_splits\": 8};{\"num_warps\": 8, \"num_stages\": 3}'")
 
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
@@ -67,6 +75,17 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "b2": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
         (P2, {"backends": "[unsloth]"}, 330, 500, 0),
         (P2, {"backends": "[hf_cb]"}, 450, 540, 1)]),
+    # x2 final call of session 2: lane 0 = engine A/B (bench_flex variants, each first checked
+    # against HF/PEFT on a tiny fp32 model), 33 with the fastest parity-clean options ("@ab"),
+    # the Gemma-4 GPU parity diagnosis; lane 1 = phase 2 hf_generate + flex, then the phase 1
+    # LoRA rows of hf_cb / cb_sync again with the CB cache zero-fill shim.
+    "f": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (BENCH, {"args": AB_ARGS}, 150, 200, 0),
+        (N33, {"engine_options": "@ab", "rounds": "2"}, 240, 300, 0),
+        (DIAG, {"args": ""}, 150, 200, 0),
+        (P2, {"backends": "[hf_generate, flex]"}, 400, 480, 1),
+        (P1, {"backends": "[hf_cb, cb_sync]", "without_lora": "false", "rounds": "1"}, 150,
+         200, 1)]),
     # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
     "c1": (["notebooks", "trl", "unsloth"], ["tok"], [
         (N33, {"lora_modes": "[true]"}, 170, 240, 0),
@@ -121,10 +140,48 @@ def dry_run(step: str) -> int:
     print(f"  total {total} B = {total / 2**20:.1f} MiB (limit 64 MiB)")
     bad += total > LIMIT_BYTES
     for nb, over, est, cap, lane in STEPS[step][2]:
-        params = {k: yaml.safe_load(v) for k, v in over.items()}
+        if nb.endswith(".py"):  # script job: its own argument parser checks the command line
+            cmd = [sys.executable, str(REPO / nb), *shlex.split(over.get("args", "")), "--help"]
+            ok = subprocess.run(cmd, capture_output=True, check=False).returncode == 0
+            bad += not ok
+            print(f"  lane {lane} script {nb} est {est} s cap {cap} s: {'ok' if ok else 'BAD'}")
+            continue
+        params = {k: AB_EXAMPLE if v == "@ab" else yaml.safe_load(v) for k, v in over.items()}
         plan_parameters([REPO / nb], "h200", params, REPO)
         print(f"  lane {lane} job {nb} {over} est {est} s cap {cap} s: parameters ok")
     return 1 if bad else 0
+
+
+AB_EXAMPLE = {"decode_attention": "triton", "lora_expand": "triton"}  # what "@ab" may become
+
+
+def pick_ab(folder: Path, min_gain: float = 1.02, max_drift: float = 1e-3) -> dict:
+    """Engine options of the fastest W LoRA stage in a bench_flex ``folder`` whose kernels passed
+    the tiny fp32 HF/PEFT parity (identical greedy tokens, max |dlogprob| <= ``max_drift``);
+    ``{}`` (defaults) unless it beats the default stage (``w_lora``) by ``min_gain``. Writes
+    ``folder/ab_choice.json`` with every candidate and the reason."""
+    par = json.loads((folder / "parity.json").read_text()).get("parity") or {}
+    cands = []
+    for f in sorted(folder.glob("*_w_lora*.json")):
+        side = json.loads(f.read_text())
+        tok = side.get("decode_tok_per_s_median")
+        if not tok or side.get("error"):
+            continue
+        opts = {k: side[k] for k in ("decode_attention", "lora_expand", "decode_kernel_options")
+                if side.get(k) not in (None, "flex", "addmm")}
+        attn, exp = opts.get("decode_attention", "flex"), opts.get("lora_expand", "addmm")
+        p = par.get(f"tiny_fp32_lora_{attn}_{exp}") or {}
+        clean = p.get("prefix_match_frac") == 1.0 and (p.get("max_logprob_diff") or 1) <= max_drift
+        cands.append({"tag": side.get("tag"), "tok_per_s": tok, "options": opts, "parity": p,
+                      "parity_clean": clean})
+    base = next((c["tok_per_s"] for c in cands if c["tag"] == "w_lora"), None)
+    ok = [c for c in cands if c["parity_clean"]]
+    best = max(ok, key=lambda c: c["tok_per_s"], default=None)
+    chosen = best["options"] if best and base and best["tok_per_s"] >= min_gain * base else {}
+    (folder / "ab_choice.json").write_text(json.dumps(
+        {"chosen": chosen, "default_tok_per_s": base, "min_gain": min_gain,
+         "max_drift": max_drift, "candidates": cands}, indent=1))
+    return chosen
 
 
 def sh(cmd: str, log) -> None:
@@ -178,6 +235,7 @@ def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
     for nb, over, est, cap, lane in STEPS[step][2]:
         lanes.setdefault(lane if lane < n_gpu else 0, []).append((nb, over, est, cap))
     results: list[str] = []
+    ab_dir: dict[int, Path] = {}
 
     def one_lane(gpu: int, jobs: list) -> None:
         for nb, over, est, cap in jobs:
@@ -186,9 +244,25 @@ def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
                 results.append(f"SKIPPED gpu{gpu} {nb} {over}: {left:.0f} s left < est {est} s")
                 log(results[-1])
                 continue
-            cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
-            for k, v in over.items():
-                cmd += ["-p", k, v]
+            if nb.endswith(".py"):
+                args = over.get("args", "")
+                if nb == BENCH:
+                    ab_dir[gpu] = REPO / f"{AB_DIR}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                    args += f" --out {ab_dir[gpu]}"
+                elif nb == DIAG:
+                    args += f" --out {REPO / 'executed/phase3_flex/bench'}/diag_gemma4"
+                cmd = [sys.executable, str(REPO / nb), *shlex.split(args)]
+            else:
+                cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
+                for k, v in over.items():
+                    if v == "@ab":
+                        try:
+                            v = json.dumps(pick_ab(ab_dir[gpu]))
+                        except (KeyError, OSError, ValueError) as err:
+                            log(f"[gpu{gpu}] no A/B choice ({err!r}): default engine options")
+                            v = "{}"
+                        log(f"[gpu{gpu}] A/B choice: {v}")
+                    cmd += ["-p", k, v]
             log(f"[gpu{gpu}] $ " + " ".join(cmd))
             start = time.time()
             proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env, CUDA_VISIBLE_DEVICES=str(gpu)),

@@ -86,7 +86,7 @@ EQ_RUN = """runs = grpo_compare.run_backends(
 for name, run in runs.items():
     print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")
     if run["error"] and run.get("traceback"):
-        print("  traceback (tail):\n" + run["traceback"][-2500:])"""
+        print("  traceback (tail):\\n" + run["traceback"][-2500:])"""
 
 EQ_GATE = """gates = check_runs(runs, reference_backend, thresholds)
 summary = grpo_compare.summary_frame(runs, gates)

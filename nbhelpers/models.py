@@ -96,7 +96,7 @@ REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
 )}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_DTYPES = ("bfloat16", "float32", "float16")
+_DTYPES = ("bfloat16", "float32", "float16", "float64")
 
 
 def list_models() -> list[str]:
@@ -196,7 +196,8 @@ def load_model(name_or_spec: str | ModelSpec, *, dtype: str | None = None, devic
     ``torch.manual_seed(seed)``. Real and hub kinds use ``from_pretrained``.
 
     Args:
-        dtype: ``bfloat16`` | ``float32`` | ``float16``; ``None`` = the spec's dtype (bf16).
+        dtype: ``bfloat16`` | ``float32`` | ``float16`` | ``float64`` (exact parity checks);
+            ``None`` = the spec's dtype (bf16).
         attn_implementation: passed to transformers (``sdpa``, ``eager``, ``paged|sdpa``...).
     Raises:
         ModelAssetsMissing: weights/tokenizer not fetched (message names the fix command).

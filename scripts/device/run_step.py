@@ -86,6 +86,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[hf_generate, flex]"}, 400, 480, 1),
         (P1, {"backends": "[hf_cb, cb_sync]", "without_lora": "false", "rounds": "1"}, 150,
          200, 1)]),
+    # x2 last call of session 2: 34_gemma4 (float64 parity + bf16 HF noise floor, then
+    # throughput) with batch 8 on one GPU and batch 64 on the other, 1 timed round each.
+    "g": (["notebooks"], ["tok"], [
+        (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 0),
+        (N34, {"batch_sizes": "[64]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 1)]),
     # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
     "c1": (["notebooks", "trl", "unsloth"], ["tok"], [
         (N33, {"lora_modes": "[true]"}, 170, 240, 0),

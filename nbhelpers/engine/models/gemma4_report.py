@@ -128,13 +128,46 @@ def kernel_probe(seconds: float) -> Any:
     return frame
 
 
-def parity_llm(model: Any, prompts: list[list[int]], steps: int, page_size: int) -> Any:
-    """A flex :class:`~nbhelpers.engine.LLM` whose pool holds every prompt + ``steps`` tokens."""
+def parity_llm(model: Any, prompts: list[list[int]], steps: int, page_size: int,
+               **options: Any) -> Any:
+    """A flex :class:`~nbhelpers.engine.LLM` whose pool holds every prompt + ``steps`` tokens;
+    ``options`` are further :class:`~nbhelpers.engine.model_runner.RunnerOptions` (e.g. the
+    eager path for a float64 check: compiled flex has no fp64 kernels)."""
     from nbhelpers.engine import LLM
     longest = max(map(len, prompts)) + steps
     pages = sum(-(-(len(p) + steps) // page_size) for p in prompts) + 1
     return LLM(model, page_size=page_size, num_pages=pages,
-               max_model_len=-(-longest // page_size) * page_size)
+               max_model_len=-(-longest // page_size) * page_size, **options)
+
+
+def hf_noise_floor(model: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """HF against itself: ``|logprob_sdpa - logprob_eager|`` over every prompt position.
+
+    With random weights (and randomised norms) Gemma-4 E2B amplifies rounding: on the H200 in
+    bf16 HF's own sdpa and eager attention disagree by up to 5.4 nats with 2 % argmax agreement
+    (scripts/diag_gemma4.py, 2026-11-30), so a bf16 engine-vs-HF tolerance says nothing there;
+    this floor is reported beside the (float64) parity. Shapes: ``prompts`` lists of token ids.
+    Returns ``max_abs``, ``mean_abs`` (nats) and ``argmax_agree`` (share of positions).
+    """
+    import torch
+    dev, diffs, agree, n = next(model.parameters()).device, [], 0, 0
+    saved = model.config._attn_implementation
+    try:
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=dev)
+                lp = {}
+                for impl in ("sdpa", "eager"):
+                    model.config._attn_implementation = impl
+                    lp[impl] = torch.log_softmax(model(ids).logits[0].float(), -1)
+                d = (lp["sdpa"] - lp["eager"]).abs()
+                diffs.append((float(d.max()), float(d.mean())))
+                agree += int((lp["sdpa"].argmax(-1) == lp["eager"].argmax(-1)).sum())
+                n += len(prompt)
+    finally:
+        model.config._attn_implementation = saved
+    return {"max_abs": max(m for m, _ in diffs), "mean_abs": sum(a for _, a in diffs) / len(diffs),
+            "argmax_agree": agree / n}
 
 
 def teacher_forced_parity(model: Any, llm: Any, prompts: list[list[int]],
@@ -286,13 +319,20 @@ def notebook_sidecar(model_info: dict, parity: dict, frame: Any, workload: Workl
                           "measurement_sidecars": str(runs)})
 
 
-def result_line(parity: dict, frame: Any, device: str) -> str:
-    """The notebook's **Result:** sentence from the measured numbers."""
+def result_line(parity: dict, frame: Any, device: str, dtype: str | None = None,
+                noise_floor: dict | None = None) -> str:
+    """The notebook's **Result:** sentence from the measured numbers (``dtype``: the parity
+    model's; ``noise_floor``: :func:`hf_noise_floor` in the rollout dtype, when measured)."""
     wide = speedup_table(frame)
-    head = (f"**Result ({device}):** flex vs HF on the same tokens: max |logprob diff| "
-            f"{parity['max_abs_logprob_diff']:.2e}, mean {parity['mean_abs_logprob_diff']:.2e}; "
-            f"HF argmax = engine token for {100 * parity['argmax_agreement']:.0f} % of "
-            f"{parity['n_tokens']} tokens.")
+    head = (f"**Result ({device}):** flex vs HF on the same tokens{f' in {dtype}' if dtype else ''}"
+            f": max |logprob diff| {parity['max_abs_logprob_diff']:.2e}, mean "
+            f"{parity['mean_abs_logprob_diff']:.2e}; HF argmax = engine token for "
+            f"{100 * parity['argmax_agreement']:.0f} % of {parity['n_tokens']} tokens.")
+    if noise_floor:
+        head += (f" For scale, HF against itself (sdpa vs eager attention) differs by up to "
+                 f"{noise_floor['max_abs']:.2f} nats (mean {noise_floor['mean_abs']:.3f}, argmax "
+                 f"agreement {100 * noise_floor['argmax_agree']:.0f} %) in the rollout dtype with "
+                 "these random weights.")
     parts = []
     for b, row in wide.iterrows():
         cells = [f"{c} {row[c]:.0f}" for c in wide.columns

@@ -187,6 +187,7 @@ class HFCBBackend:
         mgr = getattr(self.model, "_cached_continuous_batching_manager", None)
         cfg = getattr(mgr, "continuous_batching_config", None)
         self.info = {"attn": self.options["attn_implementation"],
+                     "cb_cache_zero_fill": self.info.get("cb_cache_zero_fill"),
                      "sizing": vars(self.sizing) if self.sizing else None,
                      "use_cuda_graph": bool(self.options["use_cuda_graph"]),
                      "cb_resolved": None if cfg is None else {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from nbhelpers.config import SamplingParams
 from nbhelpers.shims import transformers_cb_cache_zero as shim
 
 
@@ -64,5 +65,7 @@ def test_real_transformers_cache_is_affected_and_patched_by_hf_cb_load():
     try:
         assert backend.info["cb_cache_zero_fill"] is True
         assert getattr(PagedAttentionCache.__init__, shim._PATCHED, False)
+        out = backend.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=2))
+        assert len(out[0].token_ids) == 2 and backend.info["cb_cache_zero_fill"] is True
     finally:
         backend.close()

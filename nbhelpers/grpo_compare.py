@@ -289,7 +289,7 @@ def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: An
     cfg = ref.get("config") or {}
     top_k = cfg.get("top_k") or 0
     sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0, top_p=cfg.get("top_p", 1.0) or 1.0,
-                               top_k=top_k if top_k > 0 else 0)
+                               top_k=max(0, top_k))
     return check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
 
 

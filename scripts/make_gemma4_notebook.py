@@ -43,10 +43,10 @@ model: str = "tiny-gemma4"  # registry name: tiny-gemma4 (CPU) | gemma-4-e2b (H2
 device: str = "cpu"  # where the parity model runs: cpu | cuda
 parity_dtype: str = "float32"  # parity model dtype (H200: float64, exact; see the noise floor)
 parity_engine_options: dict = {}  # engine options for parity (float64: the eager path)
-noise_floor_dtype: str = ""  # also measure HF sdpa vs HF eager in this dtype ("" skips)
+noise_floor_dtype: str = ""  # measure HF sdpa vs HF eager in this dtype ("" skips)
 parity_prompts: int = 4  # prompts in the parity check
 parity_steps: int = 16  # greedy tokens per prompt scored again by HF
-max_logprob_diff: float = 1e-3  # claim: max |engine - HF| logprob of the same token
+max_logprob_diff: float = 1e-3  # claim: max |engine - HF| logprob (or HF's noise floor if larger)
 min_argmax_agreement: float = 1.0  # claim: share of tokens where HF argmax matches the engine token
 backends: list = ["hf_generate", "hf_cb", "flex"]  # throughput backends, one process each
 batch_sizes: list = [4]  # prompts decoded together (H200: 8, 16, 32, 64)
@@ -108,7 +108,8 @@ SIDECAR = """side = g4.notebook_sidecar(model_info, parity | {"dtype": parity_dt
                             frame, workload, runs, kernels, limits)
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
-assert parity["max_abs_logprob_diff"] <= max_logprob_diff, parity
+limit = max(max_logprob_diff, noise_floor["max_abs"]) if noise_floor else max_logprob_diff
+assert parity["max_abs_logprob_diff"] <= limit, (parity, noise_floor)
 assert parity["argmax_agreement"] >= min_argmax_agreement, parity
 flex_rows = frame[frame["backend"] == "flex"]
 assert len(flex_rows) == len(batch_sizes) and (flex_rows["error"] == "").all(), flex_rows
@@ -137,9 +138,11 @@ def build() -> nbformat.NotebookNode:
           "engine tokens scores the same tokens again (teacher forcing), so a bf16 tie flip does "
           "not cascade into every later token. `abs_diff`: |engine - HF| logprob of a token; "
           "`agree`: HF's argmax is the engine's token. On the H200 the check runs in float64 "
-          "on the engine's eager path (bf16 is meaningless here: with random weights HF's own sdpa "
-          "and eager attention disagree by nats in bf16; the noise floor below measures that), "
-          "while the throughput runs below use bf16 and the compiled kernels."), PARITY, FREE),
+          "on the engine's eager path: with these random weights HF's own sdpa and eager attention "
+          "disagree by nats in bf16 (scripts/diag_gemma4.py), and HF's Gemma-4 RMSNorm runs in "
+          "fp32 whatever the model dtype, so the tolerance is HF against itself in "
+          "`noise_floor_dtype` (measured below) when that is larger. The throughput runs below use "
+          "bf16 and the compiled kernels."), PARITY, FREE),
         (("## Throughput beside hf_generate and hf_cb\nOne subprocess per backend and batch size "
           "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
           "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "

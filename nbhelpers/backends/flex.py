@@ -37,6 +37,7 @@ class FlexBackend:
     def __init__(self) -> None:
         self.model: Any = None
         self.llm: Any = None
+        self.info: dict[str, Any] = {}
         self.tokenizer: Any = None
         self.adapter_path: str | None = None
 
@@ -52,6 +53,10 @@ class FlexBackend:
         self.llm = build_llm(self.model, _common.eos_ids(self.model, self.tokenizer),
                              **{k: v for k, v in engine_options.items() if k not in
                                 _LOAD_OPTIONS - {"kv_tokens"}})
+        runner = self.llm.runner
+        self.info = {"decode_attention": runner.decode_attention,  # "auto" resolved
+                     "lora_expand": runner.lora_expand, "page_size": self.llm.opt.page_size,
+                     "num_pages": self.llm.opt.num_pages}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         if self.llm is None:

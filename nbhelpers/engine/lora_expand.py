@@ -52,7 +52,7 @@ BLOCK_OUT_CHOICES = (64, 128, 32, 16)
 
 
 @triton.jit(do_not_specialize=["n_rows", "end0", "end1", "roff1", "roff2", "r0", "r1", "r2"])
-def _expand_kernel(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, stride_y,
+def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, stride_y,
                    end0, end1, roff1, roff2, r0, r1, r2, scaling,
                    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr):
@@ -145,7 +145,7 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
     tile_r = min(64, max(16, triton.next_power_of_2(max(ranks))))
     tile_n = block_out(sizes)
     grid = (triton.cdiv(n_rows, tile_m), sum(sizes) // tile_n)
-    _expand_kernel[grid](xa, y, *b_args, n_rows, xa.stride(0), y.stride(0), ends[0], ends[1],
+    _lora_expand_gemm[grid](xa, y, *b_args, n_rows, xa.stride(0), y.stride(0), ends[0], ends[1],
                          roffs[1], roffs[2], rs[0], rs[1], rs[2], float(scaling),
                          NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
                          DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,

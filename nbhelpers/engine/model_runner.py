@@ -25,12 +25,12 @@ from typing import Any
 from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
 from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, build_engine_model
-from nbhelpers.engine.lora import check_lora_expand
+from nbhelpers.engine.lora import LORA_EXPAND_MODES, check_lora_expand
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-DECODE_ATTENTION = ("flex", "triton")
+DECODE_ATTENTION = ("auto", "flex", "triton")
 
 
 @dataclass
@@ -38,14 +38,21 @@ class RunnerOptions:
     """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
-    ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask) or ``"triton"``
-    (split-KV kernel of ``engine/paged_decode.py``; prefill stays flex); ``decode_kernel_options``:
+    ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask), ``"triton"``
+    (split-KV kernel of ``engine/paged_decode.py``; prefill stays flex) or ``"auto"`` (triton on
+    CUDA when the triton package imports, else flex); ``decode_kernel_options``:
     the decode kernel's options (flex: e.g. DESIGN.md's ``num_warps``; triton:
     ``paged_decode.KERNEL_OPTIONS``);
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
     (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
-    group as ``"addmm"`` (one ``addmm_`` per part) or ``"triton"`` (one kernel per group on CUDA,
-    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes).
+    group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
+    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes) or ``"auto"``
+    (triton on CUDA with triton, else addmm).
+
+    Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30
+    (``executed/phase3_flex/bench/ab_20261130T084802Z``): flex+addmm 5,066 tok/s, triton decode
+    5,346, triton LoRA-B 5,347, both 5,759 (+13.7 %), every variant with identical greedy tokens
+    to HF/PEFT on a tiny fp32 model (max |dlogprob| 4.8e-7).
     """
 
     page_size: int = 128
@@ -58,9 +65,9 @@ class RunnerOptions:
     prefill_pad: int = 128
     compile_decode: bool = False
     compile_layers: bool | None = None
-    decode_attention: str = "flex"
+    decode_attention: str = "auto"
     decode_kernel_options: dict | None = None
-    lora_expand: str = "addmm"
+    lora_expand: str = "auto"
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -79,7 +86,22 @@ class RunnerOptions:
         if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")
-        check_lora_expand(self.lora_expand)
+        if self.lora_expand not in ("auto", *LORA_EXPAND_MODES):
+            raise ValueError(f"RunnerOptions.lora_expand={self.lora_expand!r}: must be one of "
+                             f"{('auto', *LORA_EXPAND_MODES)}.")
+        if self.lora_expand != "auto":
+            check_lora_expand(self.lora_expand)
+
+
+def resolve_kernels(opt: RunnerOptions, on_cuda: bool) -> tuple[str, str]:
+    """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA
+    when the triton package imports, else ``("flex", "addmm")``."""
+    triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
+    attn = opt.decode_attention if opt.decode_attention != "auto" else (
+        "triton" if triton_ok else "flex")
+    expand = opt.lora_expand if opt.lora_expand != "auto" else (
+        "triton" if triton_ok else "addmm")
+    return attn, expand
 
 
 class DecodeState:
@@ -123,12 +145,16 @@ class ModelRunner:
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
+        self.decode_attention, self.lora_expand = resolve_kernels(opt, on_cuda)
+        if opt.decode_attention == "auto" and "triton" not in getattr(self.model,
+                                                                     "decode_kernels", ()):
+            self.decode_attention = "flex"  # e.g. Gemma-4 keeps flex (no warning under auto)
         for group in self._groups():
-            group.set_lora_expand(opt.lora_expand)
+            group.set_lora_expand(self.lora_expand)
         if compile_layers and hasattr(self.model, "compile_elementwise"):
             self.model.compile_elementwise()
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
-        if opt.decode_attention == "triton":
+        if self.decode_attention == "triton":
             from nbhelpers.engine.paged_decode import build_paged_decode
             self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device

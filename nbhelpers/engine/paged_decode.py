@@ -50,7 +50,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, soft_cap, window,
+def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, soft_cap, window,
             stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
             stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -115,7 +115,7 @@ def _stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, soft_cap, window,
 
 
 @triton.jit
-def _stage2(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+def _paged_attention_stage2(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
             stride_ob, stride_oh,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
             BLOCK_S: tl.constexpr):
@@ -176,7 +176,7 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
                          f"{(bsz, heads, num_splits, dim)} (contiguous fp32).")
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(max(dim, 16))
-    _stage1[(bsz, kv_heads, num_splits)](
+    _paged_attention_stage1[(bsz, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse, scale, soft_cap or 1.0,
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(1), v_cache.stride(2), block_table.stride(0), mid_o.stride(0),
@@ -186,7 +186,7 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
         USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
-    _stage2[(bsz, heads)](
+    _paged_attention_stage2[(bsz, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -226,7 +226,7 @@ def build_paged_decode(model: Any, options: Any) -> PagedDecode | None:
         warnings.warn(f"decode_attention='triton': {type(model).__name__} keeps flex_attention "
                       "for decode.", stacklevel=3)
         return None
-    if model.device.type == "cpu" and type(_stage1).__name__ != "InterpretedFunction":
+    if model.device.type == "cpu" and type(_paged_attention_stage1).__name__ != "InterpretedFunction":
         raise ValueError("decode_attention='triton' on the CPU runs in Triton's interpreter: set "
                          "TRITON_INTERPRET=1 before importing nbhelpers.engine.paged_decode.")
     return PagedDecode(model.spec, len(model.layers), model.num_kv_heads, options.page_size,

@@ -88,20 +88,20 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
          200, 1)]),
     # x2 last call of session 2: 34_gemma4 (float64 parity + bf16 HF noise floor, then
     # throughput) with batch 8 on one GPU and batch 64 on the other, 1 timed round each.
-    "g": (["notebooks"], ["tok"], [
+    "g": (["notebooks"], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 0),
         (N34, {"batch_sizes": "[64]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 1)]),
     # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
-    "c1": (["notebooks", "trl", "unsloth"], ["tok"], [
+    "c1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
         (N33, {"lora_modes": "[true]"}, 170, 240, 0),
         (P1, {"backends": "[flex, unsloth]"}, 335, 380, 0)]),
-    "c2": (["notebooks"], ["tok"], [
+    "c2": (["notebooks"], ["tok", "gsm8k"], [
         (P1, {"backends": "[hf_cb]"}, 240, 300, 0),
         (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 200, 240, 0),
         (P1, {"backends": "[hf_generate]"}, 150, 200, 0)]),
-    "c4": (["notebooks"], ["tok"], [
+    "c4": (["notebooks"], ["tok", "gsm8k"], [
         (P1, {"backends": "[hf_cb_nograph, cb_sync]"}, 410, 560, 0)]),
-    "c5": (["notebooks"], ["tok"], [
+    "c5": (["notebooks"], ["tok", "gsm8k"], [
         (N33, {"lora_modes": "[false]"}, 150, 220, 0),
         (N34, {}, 560, 560, 0)]),
 }

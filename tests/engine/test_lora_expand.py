@@ -169,7 +169,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine import lora_expand as le
-fn = le._expand_kernel
+fn = le._lora_expand_gemm
 ints = ["n_rows", "stride_xa", "stride_y", "end0", "end1", "roff1", "roff2", "r0", "r1", "r2"]
 for y, b, parts, dot32 in (("bf16", "bf16", 3, False), ("bf16", "fp32", 2, True),
                            ("fp32", "fp32", 1, True)):

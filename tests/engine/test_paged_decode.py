@@ -23,7 +23,7 @@ if not INTERPRET and not torch.cuda.is_available():
 from nbhelpers.engine import paged_decode
 from nbhelpers.engine.paged_decode import choose_num_splits, paged_decode_attention
 
-if INTERPRET and type(paged_decode._stage1).__name__ != "InterpretedFunction":
+if INTERPRET and type(paged_decode._paged_attention_stage1).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
                 allow_module_level=True)
 DEV = "cpu" if INTERPRET else "cuda"

@@ -44,8 +44,9 @@ def test_unaffected_class_is_left_alone():
 
 def test_zero_fill_counts_tensors():
     class C:
-        key_cache = [torch.ones(2)]
-        value_cache = [torch.ones(2), torch.ones(2)]
+        def __init__(self):
+            self.key_cache = [torch.ones(2)]
+            self.value_cache = [torch.ones(2), torch.ones(2)]
     c = C()
     assert shim.zero_fill(c) == 3
     assert all(t.sum() == 0 for t in c.key_cache + c.value_cache)

@@ -1,0 +1,37 @@
+"""RunnerOptions ``"auto"`` kernels: the Triton decode attention and LoRA-B kernel on CUDA when
+triton imports, flex / addmm otherwise; explicit choices are kept; bad values raise."""
+
+import importlib.util
+
+import pytest
+
+from nbhelpers.engine.model_runner import RunnerOptions, resolve_kernels
+
+
+def test_auto_resolves_by_device_and_triton(monkeypatch):
+    opt = RunnerOptions()
+    assert (opt.decode_attention, opt.lora_expand) == ("auto", "auto")
+    assert resolve_kernels(opt, on_cuda=False) == ("flex", "addmm")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert resolve_kernels(opt, on_cuda=True) == ("triton", "triton")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert resolve_kernels(opt, on_cuda=True) == ("flex", "addmm")
+
+
+def test_explicit_choices_are_kept():
+    opt = RunnerOptions(decode_attention="flex", lora_expand="addmm")
+    assert resolve_kernels(opt, on_cuda=True) == ("flex", "addmm")
+
+
+@pytest.mark.parametrize("field,value", [("decode_attention", "fast"), ("lora_expand", "bmm")])
+def test_bad_values_name_the_choices(field, value):
+    with pytest.raises(ValueError, match="auto"):
+        RunnerOptions(**{field: value})
+
+
+def test_cpu_engine_resolves_auto_to_flex_and_addmm():
+    from nbhelpers.engine import LLM
+    from nbhelpers.models import load_model
+    model, _ = load_model("tiny-qwen3")
+    llm = LLM(model, page_size=16, num_pages=8, max_model_len=64)
+    assert (llm.runner.decode_attention, llm.runner.lora_expand) == ("flex", "addmm")

@@ -182,7 +182,7 @@ def decode_limit_tok_per_s(hf_config: Any, n_params: int, batch: int, prompt_tok
     return batch * bandwidth_bytes_per_s / step_bytes
 
 
-FRAME_COLUMNS = ("backend", "engine", "lora", "decode_tok_per_s", "decode_tok_per_s_min",
+FRAME_COLUMNS = ("backend", "engine", "model", "lora", "decode_tok_per_s", "decode_tok_per_s_min",
                  "decode_tok_per_s_max", "wall_s", "n_rounds",
                  "peak_mem_allocated_gib", "peak_mem_device_gib", "gpu", "run_id", "error")
 
@@ -194,12 +194,12 @@ def _spread(rounds: list[dict[str, float]] | None) -> dict[str, float | None]:
 
 
 def results_frame(sidecars: list[dict[str, Any]]) -> Any:
-    """Tidy DataFrame, one row per sidecar: backend, engine, lora, tok/s (median, min and max
+    """Tidy DataFrame, one row per sidecar: backend, engine, model, lora, tok/s (median, min and max
     over the timed rounds), median wall s, memory GiB, gpu, run id, error tail."""
     import pandas as pd
 
     rows = [{"backend": s["backend"], "engine": s.get("engine", s["backend"]),
-             "lora": s.get("lora") is not None,
+             "model": (s.get("model") or {}).get("name"), "lora": s.get("lora") is not None,
              "decode_tok_per_s": s.get("decode_tok_per_s_median"), **_spread(s.get("rounds")),
              "wall_s": s.get("wall_s_median"), "n_rounds": len(s.get("rounds") or []),
              "peak_mem_allocated_gib": s.get("peak_mem_allocated_gib"),

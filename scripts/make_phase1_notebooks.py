@@ -107,7 +107,7 @@ engines rank, with and without LoRA?
 **Result:** computed in the last cell.
 
 CPU only: this notebook reads the schema-v1 sidecars the phase 1 notebooks wrote and measures
-nothing itself. The latest run of each (device, backend) is kept; `pct_of_vllm` compares with
+nothing itself. The latest run of each (device, model, backend) is kept; `pct_of_vllm` compares with
 vLLM on the same device and LoRA mode."""
 
 IMPORTS_19 = """%load_ext autoreload
@@ -120,7 +120,7 @@ from nbhelpers import bench
 from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 PARAMS_19 = """\
-executed_dir: str = "executed"  # archive root searched for phase 1 sidecars
+executed_dir: str = "executed/phase1_rollout"  # folder searched for phase 1 sidecars
 require_any: bool = True  # assert that at least one backend sidecar was found
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
@@ -129,13 +129,15 @@ frame = bench.results_frame(sides)
 print(len(sides), "phase 1 backend sidecars;", frame["gpu"].nunique() if len(frame) else 0,
       "device(s)")"""
 
-TABLE_19 = """latest = frame.sort_values("run_id").groupby(["gpu", "backend"]).tail(1)
-table = (pd.concat([bench.comparison_table(g) for _, g in latest.groupby("gpu")])
+TABLE_19 = """keys = ["gpu", "model"]
+latest = frame.sort_values("run_id").groupby([*keys, "backend"], dropna=False).tail(1)
+table = (pd.concat([bench.comparison_table(g) for _, g in latest.groupby(keys, dropna=False)])
          if len(latest) else latest)
 table.drop(columns=["error"], errors="ignore").round(2)"""
 
-PLOTS_19 = """for gpu, group in table.groupby("gpu"):
-    display(bench.bar_figure(group, ["decode_tok_per_s"], "decode tok/s", f"{gpu}: decode"))"""
+PLOTS_19 = """for (gpu, model), group in table.groupby(["gpu", "model"], dropna=False):
+    display(bench.bar_figure(group, ["decode_tok_per_s"], "decode tok/s",
+                             f"{gpu}, {model}: decode"))"""
 
 SIDECAR_19 = """summary = make_sidecar(phase="phase1", backend="summary:19_compare", extra={
     "kind": "summary", "notebook": "19_compare", "n_sidecars": len(sides),
@@ -145,9 +147,12 @@ if sidecar_path:
 assert not (require_any and not sides), f"no phase 1 sidecars under {executed_dir}"
 ok = table[table["decode_tok_per_s"].notna()] if len(table) else table
 assert (ok["decode_tok_per_s"] > 0).all(), "a successful run reports no throughput"
-best = ok.loc[ok.groupby("gpu")["decode_tok_per_s"].idxmax()] if len(ok) else ok
+groups = ["gpu", "model", "lora"]
+best = (ok.loc[ok.groupby(groups, dropna=False)["decode_tok_per_s"].idxmax()] if len(ok)
+        else ok)
 display(Markdown("**Result:** " + ("; ".join(
-    f"{r.gpu}: {r.backend} fastest at {r.decode_tok_per_s:,.0f} tok/s"
+    f"{r.gpu}, {r.model}, {'LoRA' if r.lora else 'no LoRA'}: {r.backend} fastest at "
+    f"{r.decode_tok_per_s:,.0f} tok/s ({r.peak_mem_device_gib:.1f} GiB on the device)"
     for r in best.itertuples()) or "no successful runs found") + "."))"""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import difflib
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +138,12 @@ def check_parameters(notebook: Path, params: dict[str, Any], sources: dict[str, 
         check_value(name, declared[name], params[name], f"{where} ({notebook.name})")
 
 
+_SCI_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+
+
 def parse_overrides(pairs: list[tuple[str, str]] | list[list[str]] | None) -> dict[str, Any]:
-    """``-p NAME VALUE`` pairs, each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str).
+    """``-p NAME VALUE`` pairs, each VALUE read as a YAML literal (``3`` -> int, ``a`` -> str;
+    ``1e-5``, a string to YAML 1.1, -> float).
 
     Raises:
         UserInputError: a VALUE that is not valid YAML (the message names that ``-p``).
@@ -148,6 +153,8 @@ def parse_overrides(pairs: list[tuple[str, str]] | list[list[str]] | None) -> di
     for name, value in pairs or []:
         try:
             out[name] = yaml.safe_load(value)
+            if isinstance(out[name], str) and _SCI_FLOAT.fullmatch(value.strip()):
+                out[name] = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         except yaml.YAMLError as exc:
             first = str(exc).splitlines()[0]
             raise UserInputError(f"-p {name} {value!r}: not a YAML literal ({first}); quote "

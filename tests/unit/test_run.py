@@ -80,6 +80,8 @@ def test_load_parameters_profile_and_overrides(repo):
     over = runner.parse_overrides([("answer", "9"), ("name", "abc"), ("lr", "0.5"),
                                    ("flag", "true")])
     assert over == {"answer": 9, "name": "abc", "lr": 0.5, "flag": True}
+    sci = runner.parse_overrides([("lr", "1e-5"), ("b", "-2E3"), ("name", "e5"), ("v", "1.5e2")])
+    assert sci == {"lr": 1e-5, "b": -2000.0, "name": "e5", "v": 150.0}  # YAML 1.1: "1e-5" is str
     assert runner.load_parameters(nb, "cpu", configs=repo / "configs") == {"answer": 7}
     assert runner.load_parameters(nb, "cpu", {"answer": 9}, repo / "configs") == {"answer": 9}
     with pytest.raises(FileNotFoundError, match="h200"):

@@ -91,6 +91,17 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "g": (["notebooks"], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 0),
         (N34, {"batch_sizes": "[64]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 1)]),
+    # next session (x2), see docs/h200_runbook.md section 6: phase 2 everywhere, 34 complete.
+    "n1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[hf_generate, flex]"}, 400, 480, 0),
+        (P2, {"backends": "[unsloth]"}, 330, 420, 1),
+        (P1, {"backends": "[flex]"}, 150, 200, 1)]),
+    "n2": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[hf_cb]"}, 450, 540, 0),
+        (N34, {"batch_sizes": "[16, 32]", "rounds": "1", "probe_kernels_s": "0"}, 330, 420, 1)]),
+    "v3p2": (["notebooks"], ["vllm2", "gsm8k"], [
+        (P2, {"backends": "[vllm]"}, 330, 480, 0),
+        (N34, {"batch_sizes": "[8, 64]", "probe_kernels_s": "0"}, 330, 480, 1)]),
     # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
     "c1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
         (N33, {"lora_modes": "[true]"}, 170, 240, 0),

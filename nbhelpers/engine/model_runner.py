@@ -16,119 +16,23 @@ readback) and ``host_s`` (Python bookkeeping), in seconds, CUDA-synchronised onl
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
 from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, build_engine_model
-from nbhelpers.engine.lora import LORA_EXPAND_MODES, check_lora_expand
+from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public names)
+    DECODE_ATTENTION,
+    DecodeState,
+    RunnerOptions,
+    resolve_kernels,
+)
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.scheduler import Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-DECODE_ATTENTION = ("auto", "flex", "triton")
-
-
-@dataclass
-class RunnerOptions:
-    """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
-
-    ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
-    ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask), ``"triton"``
-    (split-KV kernel of ``engine/paged_decode.py``; prefill stays flex) or ``"auto"`` (triton on
-    CUDA when the triton package imports, else flex); ``decode_kernel_options``:
-    the decode kernel's options (flex: e.g. DESIGN.md's ``num_warps``; triton:
-    ``paged_decode.KERNEL_OPTIONS``);
-    ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
-    (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
-    group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
-    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes) or ``"auto"``
-    (triton on CUDA with triton, else addmm).
-
-    Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30
-    (``executed/phase3_flex/bench/ab_20261130T084802Z``): flex+addmm 5,066 tok/s, triton decode
-    5,346, triton LoRA-B 5,347, both 5,759 (+13.7 %), every variant with identical greedy tokens
-    to HF/PEFT on a tiny fp32 model (max |dlogprob| 4.8e-7).
-    """
-
-    page_size: int = 128
-    num_pages: int = 256
-    max_model_len: int = 2048
-    sync_every: int = 32
-    use_cuda_graphs: bool | None = None
-    compile_attention: bool | None = None
-    fuse_lora_a: bool = True
-    prefill_pad: int = 128
-    compile_decode: bool = False
-    compile_layers: bool | None = None
-    decode_attention: str = "auto"
-    decode_kernel_options: dict | None = None
-    lora_expand: str = "auto"
-    prefill_kernel_options: dict | None = field(default_factory=lambda: {
-        "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
-    """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
-    on the H200 (limit 227 KiB; measured 2026-11-30), so smaller tiles."""
-
-    def __post_init__(self) -> None:
-        # page 0 is the null page, so a usable pool needs at least 2
-        for name, low in (("page_size", 1), ("num_pages", 2), ("max_model_len", 1),
-                          ("sync_every", 1), ("prefill_pad", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"RunnerOptions.decode_attention={self.decode_attention!r}: must be "
-                             f"one of {DECODE_ATTENTION}.")
-        if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
-            raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
-                              "pip install triton (GPU hosts: the gpu extra pins it).")
-        if self.lora_expand not in ("auto", *LORA_EXPAND_MODES):
-            raise ValueError(f"RunnerOptions.lora_expand={self.lora_expand!r}: must be one of "
-                             f"{('auto', *LORA_EXPAND_MODES)}.")
-        if self.lora_expand != "auto":
-            check_lora_expand(self.lora_expand)
-
-
-def resolve_kernels(opt: RunnerOptions, on_cuda: bool) -> tuple[str, str]:
-    """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA
-    when the triton package imports, else ``("flex", "addmm")``."""
-    triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
-    attn = opt.decode_attention if opt.decode_attention != "auto" else (
-        "triton" if triton_ok else "flex")
-    expand = opt.lora_expand if opt.lora_expand != "auto" else (
-        "triton" if triton_ok else "addmm")
-    return attn, expand
-
-
-class DecodeState:
-    """Static device buffers of one batch bucket (inputs and outputs of the captured graph)."""
-
-    def __init__(self, rows: int, max_pages: int, window: int, device: Any):
-        import torch
-        z = {"device": device}
-        self.rows = rows
-        self.tokens = torch.zeros(rows, dtype=torch.long, **z)
-        self.pos = torch.zeros(rows, dtype=torch.long, **z)
-        self.gen_idx = torch.zeros(rows, dtype=torch.long, **z)
-        self.seeds = torch.zeros(rows, dtype=torch.long, **z)
-        self.block_table = torch.zeros(rows, max_pages, dtype=torch.long, **z)
-        self.is_pad = torch.ones(rows, dtype=torch.bool, **z)
-        self.temperature = torch.ones(rows, **z)
-        self.min_p = torch.zeros(rows, **z)
-        self.top_p = torch.ones(rows, **z)
-        self.top_k = torch.zeros(rows, dtype=torch.long, **z)
-        self.out_tok = torch.zeros(rows, window, dtype=torch.long, **z)
-        self.out_lp = torch.zeros(rows, window, **z)
-        self.col = torch.zeros(1, dtype=torch.long, **z)
-        self.graph: Any = None
-        self.use_sort = True
-        self.signature: tuple[int, ...] = ()
-
-
 class ModelRunner:
     """See the module docstring. ``model`` is an HF causal LM (PEFT-wrapped or not)."""
 

@@ -1,0 +1,122 @@
+"""Where a flex decode step goes: kernel classes from a CUDA profile of one eager step
+(:func:`profile_decode_step`) and an aten-op count of one step (:func:`count_decode_ops`, the CPU
+proxy for the kernel count). Used by :mod:`nbhelpers.engine_bench` (re-exported there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KERNEL_CLASSES = (("attention", ("flex", "attention")), ("gemm", ("gemm", "nvjet", "cutlass",
+                  "xmma", "matmul", "splitk")), ("sort/sample", ("sort", "radix", "argmax",
+                  "softmax", "scan", "cumsum")))
+
+
+def kernel_class(name: str) -> str:
+    """Coarse class of a CUDA kernel name: attention, gemm, sort/sample or elementwise/other."""
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)),
+                "elementwise/other")
+
+
+def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
+    """GPU kernel time of one eager decode step by class (ms) and the kernel count, from
+    ``torch.profiler`` over ``steps`` steps of the last-used state of bucket >= ``batch``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= batch)
+    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            st.col.zero_()
+            for buf, val in zip((st.pos, st.gen_idx, st.tokens), saved):
+                buf.copy_(val)
+            llm.runner._step_body(st, st.use_sort)
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = {}
+    count = 0
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us:
+            cls = kernel_class(evt.key)
+            by_class[cls] = by_class.get(cls, 0.0) + dev_us / 1e3 / steps
+            count += evt.count
+    return {"kernel_ms_per_step": by_class, "kernels_per_step": count / steps,
+            "kernel_ms_total": sum(by_class.values())}
+
+
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "t", "unsqueeze", "squeeze",
+                       "expand", "slice", "select", "split", "split_with_sizes", "as_strided",
+                       "alias", "detach", "permute", "unbind", "narrow", "lift_fresh",
+                       "view_as"})
+
+
+def count_decode_ops(llm: Any, batch: int = 4) -> dict[str, Any]:
+    """Aten ops of one eager decode step: the CPU proxy for CUDA kernels per step.
+
+    Counts every aten call under a ``TorchDispatchMode`` except pure view/metadata ops and
+    same-dtype ``to`` (no kernel on the GPU). The flex_attention call counts as one op per layer
+    (compiled on the GPU it is one Triton kernel; its eager CPU decomposition is not what the H200
+    runs), and so does each call of a torch.compiled elementwise piece (``compiled:<name>``,
+    ``compile_layers=True``; inductor emits one or two kernels for each, an assumption here). ``ops_per_layer`` is the difference between a step over all layers and one over all
+    but the last layer (Llama-block models). Needs a prior ``generate`` so a decode state of bucket
+    >= ``batch`` exists. Returns ``{"ops_per_step", "ops_per_layer", "fixed_ops", "num_layers",
+    "by_op"}`` (``by_op``: op name -> count over the step, top 25). Raises ``ValueError`` when no
+    decode state exists yet.
+    """
+    runner = llm.runner
+    states = [s for (b, _), s in sorted(runner.states.items()) if b >= batch]
+    if not states:
+        raise ValueError("count_decode_ops: no decode state yet; run llm.generate first.")
+    model = runner.model
+    full = _count_step(runner, states[0])
+    layers = model.layers
+    model.layers = layers[:-1]
+    try:
+        fewer = _count_step(runner, states[0])
+    finally:
+        model.layers = layers
+    total, per_layer = sum(full.values()), sum(full.values()) - sum(fewer.values())
+    return {"ops_per_step": total, "ops_per_layer": per_layer, "num_layers": len(layers),
+            "fixed_ops": total - per_layer * len(layers),
+            "by_op": dict(sorted(full.items(), key=lambda kv: -kv[1])[:25])}
+
+
+def _count_step(runner: Any, st: Any) -> dict[str, int]:
+    """Op-name counts of one eager ``_step_body`` on state ``st`` (state restored afterwards)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    counts: dict[str, int] = {}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name not in _VIEW_OPS and not (name == "to" and args and out is args[0]):
+                counts[name] = counts.get(name, 0) + 1
+            return out
+
+    def as_one(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            with _disable_current_modes():  # runs outside the counter: one op
+                return fn(*a, **k)
+        return call
+
+    model, flex = runner.model, runner.model.flex
+    fx = getattr(model, "fx_decode", None)
+    fx_saved = {n: getattr(fx, n) for n in fx.NAMES} if fx is not None and fx.compiled else {}
+    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone(), st.col.clone())
+    model.flex = as_one("flex_attention", flex)
+    for name, fn in fx_saved.items():
+        setattr(fx, name, as_one(f"compiled:{name}", fn))
+    try:
+        with torch.inference_mode(), Counter():
+            runner._step_body(st, st.use_sort)
+    finally:
+        model.flex = flex
+        for name, fn in fx_saved.items():
+            setattr(fx, name, fn)
+        for buf, val in zip((st.pos, st.gen_idx, st.tokens, st.col), saved):
+            buf.copy_(val)
+    return counts

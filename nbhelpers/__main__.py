@@ -76,6 +76,12 @@ def visible_gpu_count() -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from nbhelpers import run
+    from nbhelpers.run_params import UserInputError, profiles
+    known = profiles(run.REPO / "configs")
+    if (args.profile != "cpu" and args.profile in known and args.gpus is None
+            and visible_gpu_count() == 0):
+        raise UserInputError(f"--profile {args.profile} sizes the runs for a GPU host, and "
+                             "nvidia-smi lists no GPU here: use --profile cpu (the CPU sizes).")
     jobs = run.run(args.target, profile=args.profile, gpus=parse_gpus(args.gpus),
                    overrides=run.parse_overrides(args.parameter),
                    executed=Path(args.executed) if args.executed else None)
@@ -118,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        from nbhelpers import run
+        from nbhelpers.run_index import write_index
+        write_index(Path(getattr(args, "executed", None) or run.REPO / "executed"))
+        print("interrupted: the partial notebook is kept and marked failed in executed/INDEX.md",
+              file=sys.stderr)
+        return 130
     from nbhelpers import run
     from nbhelpers.run_index import write_index
     print(write_index(run.REPO / "executed"))

@@ -15,6 +15,7 @@ vLLM sampling min_p=0.1, top_p=1.0, top_k=-1, seed 3407, max_seq_length 2048.
 
 from __future__ import annotations
 
+import math
 import numbers
 import types
 import typing
@@ -144,8 +145,8 @@ class SamplingParams:
     ``n`` is the number of samples per prompt (TRL's ``num_generations``).
 
     Raises:
-        ValueError: temperature < 0, top_p not in (0, 1], top_k < -1, min_p not in [0, 1],
-            n < 1, max_new_tokens < 1.
+        ValueError: temperature < 0 or not finite, top_p not in (0, 1], top_k < -1, min_p not in
+            [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id.
     """
 
     temperature: float = 1.0
@@ -160,8 +161,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _require(self.temperature >= 0.0, f"SamplingParams.temperature={self.temperature}: must "
-                 "be >= 0 (0 = greedy).")
+        _require(0.0 <= self.temperature < math.inf, f"SamplingParams.temperature="
+                 f"{self.temperature}: must be finite and >= 0 (0 = greedy).")
+        _require(self.seed is None or 0 <= self.seed < 2**62, f"SamplingParams.seed="
+                 f"{self.seed}: must be in [0, 2**62) (the engine adds the request index).")
+        _require(all(t >= 0 for t in self.stop_token_ids), f"SamplingParams.stop_token_ids="
+                 f"{self.stop_token_ids}: token ids are >= 0.")
         _require(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p={self.top_p}: must be in (0, 1] "
                  "(1.0 disables it).")
         _require(isinstance(self.top_k, int) and self.top_k >= -1, f"SamplingParams.top_k="

@@ -80,7 +80,8 @@ class Job:
 
 
 def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
-    """Notebooks for a phase name (``phase0``), a phase folder, or one ``.ipynb`` path.
+    """Notebooks for a phase name (``phase0``), a phase folder (``phase0_reference`` or
+    ``notebooks/phase0_reference``), or one ``.ipynb`` path.
 
     Raises:
         UserInputError: unknown phase, or a phase folder without notebooks.
@@ -92,7 +93,7 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
             raise MissingInputError(f"notebook {target!r} not found (paths are relative to "
                                     f"{repo}).")
         return [path]
-    folder = PHASE_DIRS.get(target, target)
+    folder = PHASE_DIRS.get(target, target.rstrip("/").removeprefix("notebooks/"))
     if folder not in PHASE_DIRS.values():
         raise UserInputError(f"unknown phase {target!r}: use one of {sorted(PHASE_DIRS)} or a path "
                          "to an .ipynb file.")
@@ -194,8 +195,14 @@ def execute(job: Job, repo: Path = REPO) -> int:
                            "parameters": job.parameters, "cwd": str(repo),
                            "error_file": str(error_file)})
         log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
-        proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env, cwd=repo,
-                              check=False)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env,
+                                  cwd=repo, check=False)
+        except KeyboardInterrupt:  # keep the interrupted run visible (sidecar + INDEX row)
+            job.returncode = 130
+            mark_failed(job, "interrupted (Ctrl-C / SIGINT) while running\npartial notebook: "
+                        f"{repo_path(job.output, repo)}")
+            raise
         cause = error_file.read_text().strip() if error_file.is_file() else ""
     job.returncode = proc.returncode
     if proc.returncode != 0:

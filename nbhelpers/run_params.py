@@ -50,7 +50,12 @@ _CHECKS = {
 
 def _parameters_source(notebook: Path) -> str | None:
     import nbformat
-    nb = nbformat.read(notebook, as_version=4)
+    try:
+        nb = nbformat.read(notebook, as_version=4)
+    except Exception as exc:
+        raise UserInputError(f"{notebook}: not a readable Jupyter notebook ({type(exc).__name__}:"
+                             f" {str(exc).splitlines()[0] if str(exc) else ''}); give one of the "
+                             "notebooks/<phase>/*.ipynb files.") from exc
     for cell in nb.cells:
         if "parameters" in cell.get("metadata", {}).get("tags", []):
             return cell.source
@@ -239,5 +244,49 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
                 if len(planned) == 1 or (declared[nb] is not None and n in declared[nb])}
         params = {**params, **mine}
         check_parameters(nb, params, sources)
+        check_values(params, sources, nb.name)
         out.append((nb, params))
     return out
+
+
+_MIN = {"max_steps": 1, "num_generations": 1, "per_device_train_batch_size": 1,
+        "n_questions": 1, "max_prompt_length": 1, "max_completion_length": 1,
+        "max_new_tokens": 1, "n_prompts": 1, "prompt_tokens": 1, "rounds": 1,
+        "parity_prompts": 1, "parity_steps": 1, "warmup_rounds": 0, "skip_first": 0,
+        "format_warmup_steps": 0, "lora_rank": 0, "gradient_accumulation_steps": 1}
+"""Lower bounds of the notebooks' count parameters (a value below fails before anything runs)."""
+
+
+def check_values(params: dict[str, Any], sources: dict[str, str], notebook: str) -> None:
+    """Value checks the type check cannot make, so a typo fails in a second, not after a run:
+    count parameters against :data:`_MIN` (``skip_first >= max_steps`` is allowed: the summary
+    then notes that no post-warm-up step is left), ``model`` a registry name
+    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.DATASETS``, ``backends`` known.
+
+    Raises:
+        UserInputError: the first bad value, naming where it came from and what is accepted.
+    """
+    def where(name: str) -> str:
+        return f"{sources.get(name, name)} ({notebook})"
+
+    for name, low in _MIN.items():
+        value = params.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < low:
+            raise UserInputError(f"{where(name)}: {name}={value} must be >= {low}.")
+    if isinstance(params.get("model"), str):
+        from nbhelpers.models import get_spec
+        try:
+            get_spec(params["model"])
+        except ValueError as exc:
+            raise UserInputError(f"{where('model')}: {exc}") from exc
+    if isinstance(params.get("dataset"), str):
+        from nbhelpers.grpo import DATASETS
+        if params["dataset"] not in DATASETS:
+            raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
+                                 f"of {DATASETS}.")
+    if isinstance(params.get("backends"), list):
+        from nbhelpers.backends import BACKENDS as ROLLOUT
+        from nbhelpers.grpo import BACKENDS as GRPO
+        known = GRPO if notebook.startswith("2") else ROLLOUT
+        if bad := [b for b in params["backends"] if b not in known]:
+            raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")

@@ -17,6 +17,7 @@ Run::
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any
 
@@ -25,6 +26,39 @@ from nbhelpers.config import SamplingParams
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
 from nbhelpers.engine.scheduler import Scheduler, Sequence
+
+
+def normalize_prompts(prompts: Any) -> list[list[int]]:
+    """``prompts`` as a list of token-id lists: any iterable of sequences of ints (a generator is
+    read once; 1-D tensors/arrays become lists).
+
+    Raises:
+        TypeError: a string, a flat list of ints, or ids that are not ints (the message says what
+            to pass instead).
+    """
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("LLM.generate takes token ids, not text: pass "
+                        "[tokenizer(text).input_ids, ...].")
+    try:
+        rows = list(prompts)
+    except TypeError as exc:
+        raise TypeError(f"LLM.generate(prompts): a list of token-id lists is expected, got "
+                        f"{type(prompts).__name__}.") from exc
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row, (int, float)) and not isinstance(row, bool):
+            raise TypeError("LLM.generate(prompts) got a flat list of ids: wrap one prompt as "
+                            "[prompt_ids].")
+        if isinstance(row, (str, bytes)):
+            raise TypeError(f"prompt {i} is text: pass tokenizer(text).input_ids.")
+        row = row.tolist() if hasattr(row, "tolist") else list(row)
+        bad = next((t for t in row if isinstance(t, bool)
+                    or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__} "
+                            f"{bad!r}.")
+        out.append([int(t) for t in row])
+    return out
 
 
 class LLM:
@@ -43,6 +77,9 @@ class LLM:
     def __init__(self, model: Any, eos_token_id: int | list[int] | None = None,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 8192,
                  share_prefix: bool = True, **options: Any):
+        if not hasattr(model, "parameters") or not hasattr(model, "config"):
+            raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
+                            "e.g. nbhelpers.models.load_model(name)[0].")
         self.runner = ModelRunner(model, RunnerOptions(**options))
         self.opt = self.runner.opt
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
@@ -56,6 +93,7 @@ class LLM:
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """Generate ``sampling.n`` completions per prompt; see the module docstring."""
+        prompts = normalize_prompts(prompts)
         self._check(prompts, sampling)
         if self.runner.kv is None:
             raise RuntimeError("LLM.generate after sleep(): call wake_up() first.")

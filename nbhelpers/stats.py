@@ -10,6 +10,7 @@ Run: ``python -c "from nbhelpers.stats import env_info; print(env_info())"``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -255,9 +256,13 @@ def read_sidecars(root: str | os.PathLike, phase: str | None = None) -> list[dic
     for p in sorted(Path(root).rglob("*.json")):
         try:
             side = json.loads(p.read_text())
-            validate_sidecar(side)
-        except (ValueError, json.JSONDecodeError, OSError):
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+            logging.getLogger(__name__).warning("skipped %s: not readable JSON (%s)", p, exc)
             continue
+        try:
+            validate_sidecar(side)
+        except (ValueError, TypeError, AttributeError):
+            continue  # other JSON (bench choices, worker specs): not a sidecar
         if phase is None or side.get("phase") == phase:
             side["_path"] = str(p)
             out.append(side)

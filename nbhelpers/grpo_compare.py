@@ -195,7 +195,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
         key = f"{side['backend']}@{run_id}"
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
                      "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
-                     "config": side.get("grpo_config"), "model": side.get("model")}
+                     "config": side.get("grpo_config"), "model": side.get("model"),
+                     "gpu": (side.get("env") or {}).get("gpu") or "cpu"}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
@@ -273,24 +274,35 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
 
 
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
-    """Gate the newest run of each backend against the newest ``reference`` run, across device
-    calls (:func:`nbhelpers.gate.check_runs`); ``runs`` as from :func:`runs_from_sidecars`.
+    """Gate the newest run of each backend against the newest ``reference`` run on the same
+    device and model, across device calls (:func:`nbhelpers.gate.check_runs`); ``runs`` as from
+    :func:`runs_from_sidecars`.
 
     Thresholds (:func:`nbhelpers.gate.thresholds_for`): model kind ``random`` when the runs'
     model block says ``weights: random`` (else ``real``); filtered sampling read from the
-    recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``.
+    recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``, keyed
+    ``"backend (device, model)"`` when the runs span several devices or models.
     """
     from types import SimpleNamespace
 
     from nbhelpers.gate import check_runs, thresholds_for
-    latest = latest_per_backend(runs)
-    ref = latest.get(reference) or next(iter(latest.values()), {})
-    kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
-    cfg = ref.get("config") or {}
-    top_k = cfg.get("top_k") or 0
-    sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0, top_p=cfg.get("top_p", 1.0) or 1.0,
-                               top_k=max(0, top_k))
-    return check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for key, run in runs.items():
+        group = (run.get("gpu") or "cpu", (run.get("model") or {}).get("name") or "?")
+        groups.setdefault(group, {})[key] = run
+    out = {}
+    for (gpu, model), members in sorted(groups.items()):
+        latest = latest_per_backend(members)
+        ref = latest.get(reference) or next(iter(latest.values()), {})
+        kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
+        cfg = ref.get("config") or {}
+        top_k = cfg.get("top_k") or 0
+        sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0,
+                                   top_p=cfg.get("top_p", 1.0) or 1.0, top_k=max(0, top_k))
+        gates = check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
+        for name, gate in gates.items():
+            out[name if len(groups) == 1 else f"{name} ({gpu}, {model})"] = gate
+    return out
 
 
 def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -176,3 +176,16 @@ def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path
     assert cross["flex"].status("kl_vs_reference") == "pass"
     assert cross["vllm"].status("kl_vs_reference") == "fail"  # 0.04 vs 0.004 at step 4 > 0.015
     assert cross["hf_generate"].status("kl_vs_reference") == "skip"
+
+
+def test_gate_latest_never_mixes_devices_or_models(tmp_path):
+    from nbhelpers import grpo_compare
+    runs = {"hf_generate@1": _run() | {"gpu": "NVIDIA H200", "model": {"name": "q"}},
+            "vllm@2": _run() | {"rows": rows(kl=0.01), "gpu": "NVIDIA H200", "model": {"name": "q"}},
+            "hf_generate@3": _run() | {"gpu": "cpu", "model": {"name": "s"}},
+            "flex@4": _run() | {"gpu": "cpu", "model": {"name": "s"}}}
+    cross = grpo_compare.gate_latest(runs, "hf_generate")
+    assert set(cross) == {"hf_generate (NVIDIA H200, q)", "vllm (NVIDIA H200, q)",
+                          "hf_generate (cpu, s)", "flex (cpu, s)"}
+    assert cross["vllm (NVIDIA H200, q)"].status("kl_vs_reference") == "fail"
+    assert cross["flex (cpu, s)"].status("kl_vs_reference") == "pass"

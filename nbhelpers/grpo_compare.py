@@ -189,8 +189,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
     """``(runs, gates)`` keyed ``"<backend>@<run_id>"`` from phase-2 per-backend sidecars."""
     runs, gates = {}, {}
     for side in sidecars:
-        if side.get("phase") != PHASE or side.get("backend") == "all":
-            continue
+        if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
+            continue  # notebook summaries and the runner's failure sidecars are not backend runs
         run_id = str(side["run_id"]).removesuffix(f"_{side['backend']}")
         key = f"{side['backend']}@{run_id}"
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),

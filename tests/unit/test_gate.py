@@ -167,8 +167,12 @@ def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path
     first = {"hf_generate": _run(), "flex": _run()}
     grpo_compare.write_sidecars(first, check_runs(first, "hf_generate", TH), GRPOSettings(),
                                 {"name": "m", "weights": "random"}, tmp_path / "b" / "run.json")
+    from nbhelpers.stats import make_sidecar, write_sidecar
+    write_sidecar(make_sidecar(phase="phase2", backend="unknown", error="SyntaxError: x",
+                               extra={"status": "failed"}), tmp_path / "b" / "failed.json")
     runs, own = grpo_compare.runs_from_sidecars(
         read_sidecars(tmp_path / "a", phase="phase2") + read_sidecars(tmp_path / "b", phase="phase2"))
+    assert not any(k.startswith("unknown@") for k in runs)  # a failed notebook is not a run
     vllm_own = next(g for k, g in own.items() if k.startswith("vllm@"))
     assert {c["name"]: c["status"] for c in vllm_own["checks"]}["kl_vs_reference"] == "skip"
     cross = grpo_compare.gate_latest(runs, "hf_generate")

@@ -86,6 +86,24 @@ PLOTS_10 = """display(bench.bar_figure(table, ["decode_tok_per_s"], "decode tok/
 bench.bar_figure(table, ["peak_mem_allocated_gib", "peak_mem_device_gib"], "GiB",
                  "Peak memory: torch allocated vs in use on the device")"""
 
+INTERACTIVE_10 = """from dataclasses import replace
+
+from nbhelpers.backends import BACKENDS
+from nbhelpers.widgets import run_controls
+
+
+def rerun(backends, lora_rank, n_prompts):
+    \"\"\"One more run with the picked choices; its sidecars go to <out_dir>/interactive.\"\"\"
+    mode = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
+    got = bench.run_backends(backends, model, mode, replace(workload, n_prompts=n_prompts),
+                             out_dir / "interactive", engine_options, timeout_s=timeout_s)
+    return bench.comparison_table(bench.results_frame(got), limits).drop(
+        columns=["error", "run_id"])
+
+
+run_controls(rerun, backends=(BACKENDS, backends), lora_rank=([0, 8, 16, 32, 64], lora_rank),
+             n_prompts=([1, 2, 4, 8, 16, 32, 64], n_prompts))"""
+
 SIDECAR_10 = """params = dict(model=model, backends=backends, lora_rank=lora_rank, without_lora=without_lora,
               n_prompts=n_prompts, max_new_tokens=max_new_tokens, sampling=sampling,
               rounds=rounds, bandwidth_tb_s=bandwidth_tb_s, limits_tok_per_s=limits)
@@ -168,7 +186,11 @@ def lora_rollout() -> nbformat.NotebookNode:
           "`pct_of_vllm`: vs vLLM in the same LoRA mode; `pct_of_limit`: vs the bandwidth limit; "
           "memory in GiB (`device` includes vLLM's up-front reservation)."), TABLE_10),
         ("## Errors\nTraceback tails of failed runs, if any.", ERRORS_10),
-        ("## Charts", PLOTS_10)],
+        ("## Charts", PLOTS_10),
+        (("## Try other choices (JupyterLab)\nPick backends, LoRA rank and batch, then Run: the "
+          "same `bench.run_backends` call as above, into `interactive/` beside this run's "
+          "sidecars. Under papermill the panel is only shown; the parameters cell drove the run."),
+         INTERACTIVE_10)],
         sidecar=("## Sidecar and checks", SIDECAR_10))
 
 

@@ -19,6 +19,7 @@ speed). Config sources: ``nbhelpers/model_configs.py``. Run:
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ def build_config(name_or_spec: str | ModelSpec) -> Any:
         return REGISTRY[spec.name].config_builder()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_weights_path(spec))
+    return AutoConfig.from_pretrained(_weights_path(spec), **_hub_kwargs(spec))
 
 
 def _weights_path(spec: ModelSpec) -> str:
@@ -157,20 +158,56 @@ def load_tokenizer(name_or_spec: str | ModelSpec) -> Any:
     """The model's tokenizer, padding on the left (generation), pad token set (eos if absent).
 
     Raises:
-        ModelAssetsMissing: tokenizer files not fetched (message names the fix command).
+        ModelAssetsMissing: tokenizer files not fetched (message names the fix command), or a
+            hub id that is neither cached nor reachable (:func:`_hub_kwargs`).
         RuntimeError: a hub id could not be loaded (no hub access here).
     """
     from transformers import AutoTokenizer
 
     spec = _spec(name_or_spec)
+    hub_kwargs = _hub_kwargs(spec)  # raises ModelAssetsMissing offline (outside the try)
     try:
-        tok = AutoTokenizer.from_pretrained(_tokenizer_path(spec))
+        tok = AutoTokenizer.from_pretrained(_tokenizer_path(spec), **hub_kwargs)
     except (OSError, ValueError) as err:  # missing files / no tokenizer file in the folder
         raise RuntimeError(_hub_error(spec, err)) from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """True when a TCP connection to huggingface.co:443 opens within ``timeout_s`` seconds."""
+    import socket
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _hub_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """``from_pretrained`` kwargs for a hub id: ``local_files_only`` when the hub is unreachable
+    but the files are cached (no retries against the network); ``{}`` online, offline
+    (``HF_HUB_OFFLINE``) or for a local folder.
+
+    Raises:
+        ModelAssetsMissing: a hub id that is not cached while huggingface.co is unreachable
+            (answers in seconds, not after transformers' ~30 s of retries).
+    """
+    if spec.kind != "hub" or Path(spec.name).expanduser().is_dir():
+        return {}
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or hub_reachable():
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(spec.name, "config.json"), str):
+        return {"local_files_only": True}
+    raise ModelAssetsMissing(f"{spec.name!r} is not in the local Hugging Face cache and "
+                             "huggingface.co is unreachable from here: download it where there "
+                             f"is access (`huggingface-cli download {spec.name}`) and copy the "
+                             "cache, pass a local folder, or use a registry model "
+                             f"({list_models()}).")
 
 
 def _hub_error(spec: ModelSpec, err: Exception) -> str:
@@ -218,7 +255,7 @@ def load_model(name_or_spec: str | ModelSpec, *, dtype: str | None = None, devic
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(_weights_path(spec), device_map=device,
-                                                         **kwargs)
+                                                         **kwargs, **_hub_kwargs(spec))
         except (OSError, ValueError) as err:
             raise RuntimeError(_hub_error(spec, err)) from err
     return model.eval(), tok

@@ -166,3 +166,27 @@ def test_read_sidecars_warns_on_a_corrupt_json_and_skips_other_json(tmp_path, ca
         sides = read_sidecars(tmp_path)
     assert [s["backend"] for s in sides] == ["x"]
     assert "corrupt.json" in caplog.text and "choice.json" not in caplog.text
+
+
+def test_uncached_hub_id_without_network_fails_fast_naming_the_fix(monkeypatch):
+    import time
+
+    import huggingface_hub
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: None)
+    t0 = time.perf_counter()
+    with pytest.raises(models.ModelAssetsMissing, match="huggingface-cli download nope/nope"):
+        models.load_tokenizer("nope/nope")
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_cached_hub_id_without_network_loads_local_files_only(monkeypatch):
+    import huggingface_hub
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: "/c/config.json")
+    spec = models.get_spec("org/model")
+    assert models._hub_kwargs(spec) == {"local_files_only": True}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline mode: transformers reads the cache itself
+    assert models._hub_kwargs(spec) == {}

@@ -109,6 +109,26 @@ EQ_DETAILS = """details = pd.DataFrame({name: {
     for name, run in runs.items()}).T
 details"""
 
+EQ_INTERACTIVE = """from dataclasses import replace
+
+from nbhelpers.grpo import BACKENDS
+from nbhelpers.widgets import run_controls
+
+
+def rerun(backends, max_steps):
+    \"\"\"The same GRPO setup for the picked backends and steps; summary with the gate.\"\"\"
+    got = grpo_compare.run_backends(
+        backends, model, replace(settings, max_steps=max_steps), dataset=dataset,
+        n_questions=n_questions, skip_first=skip_first, compile_mode=compile_mode,
+        vllm_sleep_mode=vllm_sleep_mode,
+        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
+        flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
+                                               flex_compile_attention), progress=False)
+    return grpo_compare.summary_frame(got, check_runs(got, reference_backend, thresholds))
+
+
+run_controls(rerun, backends=(BACKENDS, backends), max_steps=([1, 2, 5, 10, 20], max_steps))"""
+
 EQ_SIDECAR = """display(grpo_compare.gate_frame(gates))
 if sidecar_path:
     for path in grpo_compare.write_sidecars(runs, gates, settings, model_info, sidecar_path):
@@ -132,7 +152,10 @@ def equivalence() -> nbformat.NotebookNode:
         ("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`).",
          EQ_PLOTS),
         (("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
-          "breaks and recompiles of `compile_mode`."), EQ_DETAILS)],
+          "breaks and recompiles of `compile_mode`."), EQ_DETAILS),
+        (("## Try other choices (JupyterLab)\nPick backends and steps, then Run: the same "
+          "`grpo_compare.run_backends` and gate as above. Under papermill the panel is only "
+          "shown."), EQ_INTERACTIVE)],
         sidecar=("## Gate checks, sidecars and the verdict\nFails loudly when the gate fails.",
                  EQ_SIDECAR))
 

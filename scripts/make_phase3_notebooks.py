@@ -265,6 +265,26 @@ if prof is None and earlier is not None:  # fall back to the recorded H200 profi
 else:
     step_ms = sides[-1]["breakdown"]["decode_step_ms"]
 eb.breakdown_figure(prof["kernel_ms_per_step"], step_ms) if prof else "no profile" """),
+        (("## Try other choices (JupyterLab)\nPick batch sizes and decode kernels, then Run: the "
+          "same `eb.run_flex_point` as the sweep, on the model as it is now (with LoRA if the "
+          "sweep attached it). Under papermill the panel is only shown."),
+         """from nbhelpers.widgets import run_controls
+
+KERNELS = {"auto (Triton on CUDA)": {}, "flex + addmm": {"decode_attention": "flex",
+                                                        "lora_expand": "addmm"}}
+
+
+def rerun(batches, kernels):
+    \"\"\"The sweep again for the picked batches and decode kernels; a frame like `sweep`.\"\"\"
+    opts = {**engine_options, **KERNELS[kernels]}
+    got = [eb.flex_sidecar(f"ui_b{b}", info, None, b, prompt_tokens, max_new_tokens,
+                           eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens,
+                                             rounds=rounds, **opts)) for b in batches]
+    return eb.flex_frame(got)
+
+
+run_controls(rerun, batches=([1, 2, 4, 8, 16, 32, 64, 128, 256], batches),
+             kernels=(list(KERNELS), "auto (Triton on CUDA)"))"""),
     ],
     "sidecar": """side = make_sidecar(phase="phase3_flex", backend="flex", model=info,
                     lora={"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)},

@@ -30,25 +30,6 @@ CONFIGS = {  # RunnerOptions overrides; None = the engine's CUDA defaults (all o
 }
 
 
-def hf_self_check(model, prompts) -> dict:
-    """Max |logprob| difference between HF sdpa and HF eager attention on the prompts."""
-    import torch
-    dev = next(model.parameters()).device
-    out = {}
-    with torch.no_grad():
-        ids = torch.tensor([prompts[0]], device=dev)
-        lp = {}
-        for impl in ("sdpa", "eager"):
-            model.config._attn_implementation = impl
-            lp[impl] = torch.log_softmax(model(ids).logits[0].float(), -1)
-        model.config._attn_implementation = "sdpa"
-        d = (lp["sdpa"] - lp["eager"]).abs()
-        out = {"max_abs": float(d.max()), "mean_abs": float(d.mean()),
-               "argmax_agree": float((lp["sdpa"].argmax(-1) == lp["eager"].argmax(-1))
-                                     .float().mean())}
-    return out
-
-
 def run(dtype: str, configs: dict, steps: int, n_prompts: int, log, model: str = "gemma-4-e2b",
         device: str = "cuda") -> dict:
     import torch
@@ -60,19 +41,14 @@ def run(dtype: str, configs: dict, steps: int, n_prompts: int, log, model: str =
     g4.randomise_norms_and_scalars(hf)
     prompts = data.workload_prompt_ids(tok, n_prompts, 150, seed=1)
     try:
-        res["hf_sdpa_vs_eager"] = hf_self_check(hf, prompts)
+        res["hf_sdpa_vs_eager"] = g4.hf_noise_floor(hf, prompts[:1])
         log(f"[{dtype}] hf sdpa vs eager: {res['hf_sdpa_vs_eager']}")
     except Exception as err:  # noqa: BLE001 -- diagnostics go on
         res["hf_sdpa_vs_eager"] = {"error": f"{type(err).__name__}: {err}"}
     for name, opts in configs.items():
         t0 = time.perf_counter()
         try:
-            llm = g4.parity_llm(hf, prompts, steps, 128 if device == "cuda" else 16)
-            if opts:  # rebuild with the overrides (parity_llm sizes the pool)
-                from nbhelpers.engine import LLM
-                o = llm.opt
-                llm = LLM(hf, page_size=o.page_size, num_pages=o.num_pages,
-                          max_model_len=o.max_model_len, **opts)
+            llm = g4.parity_llm(hf, prompts, steps, 128 if device == "cuda" else 16, **opts)
             summary, frame = g4.teacher_forced_parity(hf, llm, prompts, steps)
             summary["first_step_abs_diff"] = float(frame[frame["step"] == 0]["abs_diff"].max())
             res[name] = summary | {"options": opts, "s": round(time.perf_counter() - t0, 1)}

@@ -226,15 +226,6 @@ def stage(step: str, log) -> None:
             sh(begin.split(" && export ")[0].split(" || exit")[0], log)
 
 
-def gpu_count() -> int:
-    """GPUs nvidia-smi lists (0 when it is missing)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    except OSError:
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-
-
 def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
     """Run the step's notebooks within ``budget`` seconds from ``t0``; returns result lines.
 
@@ -246,7 +237,8 @@ def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
                UNSLOTH_DISABLE_STATISTICS="1")
     sites = [s for s in ("/tmp/vllm_site", "/tmp/site") if Path(s).is_dir()]
     env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
-    n_gpu = max(gpu_count(), 1)
+    from nbhelpers.__main__ import visible_gpu_count  # stdlib-only imports: safe pre-staging
+    n_gpu = max(visible_gpu_count(), 1)
     lanes: dict[int, list] = {}
     for nb, over, est, cap, lane in STEPS[step][2]:
         lanes.setdefault(lane if lane < n_gpu else 0, []).append((nb, over, est, cap))

@@ -49,10 +49,8 @@ class ModelRunner:
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
-        self.decode_attention, self.lora_expand = resolve_kernels(opt, on_cuda)
-        if opt.decode_attention == "auto" and "triton" not in getattr(self.model,
-                                                                     "decode_kernels", ()):
-            self.decode_attention = "flex"  # e.g. Gemma-4 keeps flex (no warning under auto)
+        self.decode_attention, self.lora_expand = resolve_kernels(
+            opt, on_cuda, getattr(self.model, "decode_kernels", ()))
         for group in self._groups():
             group.set_lora_expand(self.lora_expand)
         if compile_layers and hasattr(self.model, "compile_elementwise"):

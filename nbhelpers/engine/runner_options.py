@@ -76,12 +76,14 @@ class RunnerOptions:
             check_lora_expand(self.lora_expand)
 
 
-def resolve_kernels(opt: RunnerOptions, on_cuda: bool) -> tuple[str, str]:
+def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
+                    decode_kernels: tuple[str, ...] = ("flex", "triton")) -> tuple[str, str]:
     """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA
-    when the triton package imports, else ``("flex", "addmm")``."""
+    when the triton package imports (decode attention only where the model's
+    ``decode_kernels`` lists ``"triton"``: Gemma-4 keeps flex), else ``("flex", "addmm")``."""
     triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
     attn = opt.decode_attention if opt.decode_attention != "auto" else (
-        "triton" if triton_ok else "flex")
+        "triton" if triton_ok and "triton" in decode_kernels else "flex")
     expand = opt.lora_expand if opt.lora_expand != "auto" else (
         "triton" if triton_ok else "addmm")
     return attn, expand

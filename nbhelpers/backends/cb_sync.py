@@ -154,10 +154,7 @@ class CBSyncBackend(HFCBBackend):
     def _run_rows(self, rows: list[list[int]], sampling: SamplingParams) -> list[Any]:
         """``GenerationOutput`` per row from the main-thread driver (no ``generate_batch``)."""
         outputs = self.driver.run(rows, sampling.max_new_tokens)
-        self.info = {"attn": self.options["attn_implementation"],
-                     "cb_cache_zero_fill": self.info.get("cb_cache_zero_fill"),
-                     "use_cuda_graph": bool(self.options["use_cuda_graph"]),
-                     "sizing": vars(self.sizing), "num_steps_total": self.driver.num_steps}
+        self.info = {**self._common_info(), "num_steps_total": self.driver.num_steps}
         return outputs
 
     def close(self) -> None:

@@ -95,6 +95,7 @@ class HFCBBackend:
         self.model: Any = None
         self.sizing: CBSizing | None = None
         self.info: dict[str, Any] = {}
+        self.cache_zero_fill: bool | None = None
         self._cached_key: Any = None
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
@@ -109,7 +110,7 @@ class HFCBBackend:
         check_attn(opts["attn_implementation"])
         from nbhelpers.shims import transformers_cb_cache_zero
 
-        self.info["cb_cache_zero_fill"] = transformers_cb_cache_zero.apply()  # NaN-free warm-up
+        self.cache_zero_fill = transformers_cb_cache_zero.apply()  # NaN-free warm-up
         self.model, self.tokenizer, self.adapter_path = _common.load_hf(
             model, lora, device=opts.get("device"), attn_implementation=opts["attn_implementation"],
             adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))
@@ -119,6 +120,7 @@ class HFCBBackend:
             raise ValueError(f"{self.name}: use_cuda_graph=True needs a CUDA device; pass "
                              "use_cuda_graph=False on the CPU.")
         self.options = opts
+        self.info = self._common_info()
         self.eos = _common.eos_ids(self.model, self.tokenizer)
         self.pad_id = _common.pad_id_of(self.tokenizer, self.eos)
 
@@ -183,13 +185,17 @@ class HFCBBackend:
         self._record_info()
         return list(out.values())
 
+    def _common_info(self) -> dict[str, Any]:
+        """Engine info every CB driver records: attention, CUDA graphs, sizing, the cache shim."""
+        return {"attn": self.options["attn_implementation"],
+                "use_cuda_graph": bool(self.options["use_cuda_graph"]),
+                "sizing": vars(self.sizing) if self.sizing else None,
+                "cb_cache_zero_fill": self.cache_zero_fill}
+
     def _record_info(self) -> None:
         mgr = getattr(self.model, "_cached_continuous_batching_manager", None)
         cfg = getattr(mgr, "continuous_batching_config", None)
-        self.info = {"attn": self.options["attn_implementation"],
-                     "cb_cache_zero_fill": self.info.get("cb_cache_zero_fill"),
-                     "sizing": vars(self.sizing) if self.sizing else None,
-                     "use_cuda_graph": bool(self.options["use_cuda_graph"]),
+        self.info = {**self._common_info(),
                      "cb_resolved": None if cfg is None else {
                          k: getattr(cfg, k, None) for k in
                          ("num_blocks", "max_batch_tokens", "max_requests_per_batch",

@@ -39,6 +39,7 @@ P2 = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
 N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
 N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
 VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
+VLLM_MANIFEST = ".bundles/vllm/manifest.json"
 BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
 DIAG = "scripts/diag_gemma4.py"
 AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
@@ -66,15 +67,6 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260, 0),
         (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220, 0),
         (P2, {"backends": "[vllm]"}, 330, 480, 1)]),
-    # x2 chain B: the flex engine everywhere (33 both LoRA modes, phase 1, phase 2 with its
-    # reference backend hf_generate), then phase 2's slow HF-family backends if time is left.
-    "b1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
-        (N33, {}, 330, 400, 0),
-        (P1, {"backends": "[flex]"}, 150, 200, 0),
-        (P2, {"backends": "[hf_generate, flex]"}, 480, 540, 1)]),
-    "b2": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
-        (P2, {"backends": "[unsloth]"}, 330, 500, 0),
-        (P2, {"backends": "[hf_cb]"}, 450, 540, 1)]),
     # x2 final call of session 2: lane 0 = engine A/B (bench_flex variants, each first checked
     # against HF/PEFT on a tiny fp32 model), 33 with the fastest parity-clean options ("@ab"),
     # the Gemma-4 GPU parity diagnosis; lane 1 = phase 2 hf_generate + flex, then the phase 1
@@ -102,19 +94,6 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "v3p2": (["notebooks"], ["vllm2", "gsm8k"], [
         (P2, {"backends": "[vllm]"}, 330, 480, 0),
         (N34, {"batch_sizes": "[8, 64]", "probe_kernels_s": "0"}, 330, 480, 1)]),
-    # single-GPU steps of the first plan (docs/h200_runbook.md), kept for a one-GPU machine.
-    "c1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
-        (N33, {"lora_modes": "[true]"}, 170, 240, 0),
-        (P1, {"backends": "[flex, unsloth]"}, 335, 380, 0)]),
-    "c2": (["notebooks"], ["tok", "gsm8k"], [
-        (P1, {"backends": "[hf_cb]"}, 240, 300, 0),
-        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 200, 240, 0),
-        (P1, {"backends": "[hf_generate]"}, 150, 200, 0)]),
-    "c4": (["notebooks"], ["tok", "gsm8k"], [
-        (P1, {"backends": "[hf_cb_nograph, cb_sync]"}, 410, 560, 0)]),
-    "c5": (["notebooks"], ["tok", "gsm8k"], [
-        (N33, {"lora_modes": "[false]"}, 150, 220, 0),
-        (N34, {}, 560, 560, 0)]),
 }
 
 
@@ -124,6 +103,8 @@ def carry(step: str) -> list[str]:
     paths = [f".bundles/{s}/wheels" for s in sets]
     for e in extra:
         paths.append({"tok": TOK, "gsm8k": GSM8K}.get(e) or VLLM_PART.format(e[-1]))
+    if any(e.startswith("vllm") for e in extra):
+        paths.append(VLLM_MANIFEST)  # stage() reads the restore command from it
     return paths
 
 
@@ -221,7 +202,7 @@ def stage(step: str, log) -> None:
         elif e == "gsm8k":
             sh(f"mkdir -p /tmp/nbh/pypi && cp {GSM8K}/*.whl /tmp/nbh/pypi/", log)
         else:
-            call = json.loads((REPO / ".bundles/vllm/manifest.json").read_text())
+            call = json.loads((REPO / VLLM_MANIFEST).read_text())
             begin = call["device"]["calls"][int(e[-1])]["begin"].rstrip(";")
             sh(begin.split(" && export ")[0].split(" || exit")[0], log)
 

@@ -244,7 +244,7 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
                 if len(planned) == 1 or (declared[nb] is not None and n in declared[nb])}
         params = {**params, **mine}
         check_parameters(nb, params, sources)
-        check_values(params, sources, nb.name)
+        check_values(params, sources, nb)
         out.append((nb, params))
     return out
 
@@ -257,7 +257,7 @@ _MIN = {"max_steps": 1, "num_generations": 1, "per_device_train_batch_size": 1,
 """Lower bounds of the notebooks' count parameters (a value below fails before anything runs)."""
 
 
-def check_values(params: dict[str, Any], sources: dict[str, str], notebook: str) -> None:
+def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path) -> None:
     """Value checks the type check cannot make, so a typo fails in a second, not after a run:
     count parameters against :data:`_MIN` (``skip_first >= max_steps`` is allowed: the summary
     then notes that no post-warm-up step is left), ``model`` a registry name
@@ -267,7 +267,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: str)
         UserInputError: the first bad value, naming where it came from and what is accepted.
     """
     def where(name: str) -> str:
-        return f"{sources.get(name, name)} ({notebook})"
+        return f"{sources.get(name, name)} ({notebook.name})"
 
     for name, low in _MIN.items():
         value = params.get(name)
@@ -287,6 +287,6 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: str)
     if isinstance(params.get("backends"), list):
         from nbhelpers.backends import BACKENDS as ROLLOUT
         from nbhelpers.grpo import BACKENDS as GRPO
-        known = GRPO if notebook.startswith("2") else ROLLOUT
+        known = GRPO if notebook.parent.name.startswith("phase2") else ROLLOUT  # GRPO trainers
         if bad := [b for b in params["backends"] if b not in known]:
             raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")

@@ -42,6 +42,7 @@ VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
 VLLM_MANIFEST = ".bundles/vllm/manifest.json"
 BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
 DIAG = "scripts/diag_gemma4.py"
+DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
 AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
@@ -94,6 +95,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "v3p2": (["notebooks"], ["vllm2", "gsm8k"], [
         (P2, {"backends": "[vllm]"}, 330, 480, 0),
         (N34, {"batch_sizes": "[8, 64]", "probe_kernels_s": "0"}, 330, 480, 1)]),
+    # session 3: why flex decodes slower inside GRPO than in 33 (adapter dtype A/B), and phase 2
+    # flex with the trainer's forward compiled (compile_mode default, graph-break report).
+    "d1": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout"}, 150, 240, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 300, 1)]),
 }
 
 

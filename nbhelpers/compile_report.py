@@ -1,9 +1,17 @@
 """``torch.compile`` of a GRPO trainer's policy (and reference) forward, with a per-run report.
 
-Contract: :func:`compile_trainer_models` compiles, in place, the innermost HF causal LM of the
-trainer's policy (under PEFT's wrappers, so the training forward, TRL's log-prob pass and
+Contract: :func:`compile_trainer_models` compiles, in place, the decoder backbone
+(``get_decoder()``: embeddings + transformer layers + final norm) of the innermost HF causal LM of
+the trainer's policy (under PEFT's wrappers, so the training forward, TRL's log-prob pass and
 ``model.generate`` all go through it) and of ``trainer.ref_model`` when there is one, with
-``nn.Module.compile(mode=...)``, after the trainer is built (issue 6, item 3). vLLM keeps its own
+``nn.Module.compile(mode=...)``, after the trainer is built (issue 6, item 3). The LM head stays
+eager: TRL 1.15 patches the LM's forward (``_fused_forward``, trl/trainer/utils.py) to run the
+backbone and then its own Triton log-prob kernel (``trl/kernels/chunked_logprob.py``), and with
+the whole LM compiled inductor failed to build that kernel on the H200 (torch 2.11, triton 3.6,
+2026-11-30: "Loop-carried variable m has initial type fp32 but is re-assigned to fp64",
+``executed/phase2_grpo/20_grpo_equivalence/20261130T110443Z_h200_039c472.ipynb``); on the CPU
+the same region gave graph breaks on ``aten.nonzero`` (``hidden_states[mask]``).
+vLLM keeps its own
 compilation: its engine never calls these modules. The flex engine reads the modules' tensors,
 not their forward, so compiling changes only the trainer side for it.
 
@@ -14,8 +22,8 @@ and the recompiles (records of the ``torch._dynamo.guards.__recompiles`` logger,
 :meth:`CompileWatch.report` returns a JSON-ready dict. The counts cover everything dynamo compiled
 inside the block: with the flex backend that includes the engine's own ``flex_attention`` wrapper
 (its recompiles name ``_flex_attention_hop_wrapper``). Seen on the CPU (tiny Llama, TRL 1.15.0,
-torch 2.13): ``default`` mode gave 4 graph breaks, all ``aten.nonzero`` (a data-dependent shape)
-in TRL's ``_fused_forward`` (trl/trainer/utils.py), and one recompile per new sequence length.
+torch 2.13) when the whole LM was compiled: ``default`` mode gave 4 graph breaks, all
+``aten.nonzero`` in TRL's ``_fused_forward``, and one recompile per new sequence length.
 
 Run::
 
@@ -49,8 +57,18 @@ def innermost_lm(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def backbone(model: Any) -> Any:
+    """The decoder backbone of :func:`innermost_lm` (``get_decoder()``; the LM itself when it has
+    none)."""
+    lm = innermost_lm(model)
+    get = getattr(lm, "get_decoder", None)
+    dec = get() if callable(get) else None
+    return dec if dec is not None and dec is not lm else lm
+
+
 def compile_trainer_models(trainer: Any, mode: str) -> list[str]:
-    """Compile the policy (and reference model) forward in place; returns what was compiled.
+    """Compile the policy's (and reference model's) decoder backbone in place (module
+    docstring); returns what was compiled, e.g. ``["policy"]``.
 
     Raises:
         ValueError: unknown ``mode`` (see :data:`COMPILE_MODES`).
@@ -60,7 +78,7 @@ def compile_trainer_models(trainer: Any, mode: str) -> list[str]:
     done = []
     for name, model in (("policy", trainer.model), ("ref_model", trainer.ref_model)):
         if model is not None:
-            innermost_lm(model).compile(mode=mode)
+            backbone(model).compile(mode=mode)
             done.append(name)
     return done
 

@@ -110,7 +110,9 @@ class LiveGroup:
     eager call (the runner re-captures its CUDA graphs on the storage-signature change first).
     ``lora_expand="triton"`` (:meth:`set_lora_expand`) replaces the per-part ``addmm_`` by one
     kernel over all parts, same dtype order, on CUDA (or under ``TRITON_INTERPRET=1``) when
-    :func:`nbhelpers.engine.lora_expand.supported`; otherwise the ``addmm_`` path runs.
+    :func:`nbhelpers.engine.lora_expand.supported`; otherwise the ``addmm_`` path runs. In that
+    mode fp32 adapters on a 16-bit base (TRL's GRPO default) also get A as one Triton launch
+    reading the 16-bit input (:mod:`nbhelpers.engine.lora_shrink`) instead of cast + fp32 GEMM.
 
     Shapes: ``x [..., in]`` -> list of ``[..., out_i]`` (views of one ``[..., sum(out)]`` output).
     """
@@ -130,10 +132,11 @@ class LiveGroup:
         """``"addmm"`` or ``"triton"`` (see the class docstring); raises ``ValueError`` as
         :func:`check_lora_expand`."""
         self.lora_expand = check_lora_expand(mode)
-        self._expand = None
+        self._expand = self._shrink = None
         if mode == "triton":  # imported here, not per call (traced decode steps)
             from nbhelpers.engine import lora_expand as expand_module
-            self._expand = expand_module
+            from nbhelpers.engine import lora_shrink as shrink_module
+            self._expand, self._shrink = expand_module, shrink_module
 
     def _lora_fusable(self) -> bool:
         if not all(p.has_lora for p in self.parts):
@@ -206,7 +209,7 @@ class LiveGroup:
             if f["ext"]:
                 y, xa = y[:, :n], y[:, n:]
             else:
-                xa = F.linear(x2.to(f["A"].dtype), f["A"])  # [N, sum(r)]
+                xa = self._lora_a(x2, f["A"])  # [N, sum(r)]
             if not self._expand_in_kernel(y, xa, b, s):
                 acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT: add in B dtype
                 for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1),
@@ -215,6 +218,15 @@ class LiveGroup:
                 y = acc.to(y.dtype)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return list(y.split(self.sizes, dim=-1)) if len(self.parts) > 1 else [y]
+
+    def _lora_a(self, x2: Any, a: Any) -> Any:
+        """``x2.to(A.dtype) @ A^T`` ``[N, sum(r)]``: one Triton launch for fp32 A on a 16-bit
+        input when enabled (:mod:`nbhelpers.engine.lora_shrink`), else cast + ``F.linear``."""
+        import torch.nn.functional as F
+        ls = self._shrink
+        if ls is not None and ls.supported(x2, a):
+            return ls.lora_shrink(x2, a)
+        return F.linear(x2.to(a.dtype), a)
 
     def _expand_in_kernel(self, y: Any, xa: Any, b: list[Any], scaling: float) -> bool:
         """``y += LoRA B`` for all parts in one Triton launch when enabled and supported."""

@@ -26,7 +26,8 @@ class RunnerOptions:
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
     (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
-    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes) or ``"auto"``
+    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
+    16-bit base also get LoRA A as one kernel, ``engine/lora_shrink.py``) or ``"auto"``
     (triton on CUDA with triton, else addmm).
 
     Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30

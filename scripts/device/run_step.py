@@ -100,6 +100,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "d1": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout"}, 150, 240, 0),
         (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 300, 1)]),
+    # session 3, after the LoRA-shrink kernel (fp32 adapters) and the backbone-only compile: the
+    # decode step at GRPO's shape again, phase 2 flex eager (lane 0) and compiled (lane 1).
+    "d2": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_shrink "
+                   "--variants fp32_adapters,bf16_adapters --batches 4 --rounds 3"}, 60, 100, 0),
+        (P2, {"backends": "[flex]"}, 130, 200, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 260, 1)]),
 }
 
 

@@ -217,3 +217,26 @@ def test_vllm_max_model_length_covers_trls_fixed_batched_tokens():
     for s in (phase2, long):
         seqs = s.per_device_train_batch_size * s.gradient_accumulation_steps
         assert seqs * vllm_max_model_length(s) >= TRL_VLLM_MAX_NUM_BATCHED_TOKENS
+
+
+def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
+    """TRL's patched LM forward (its Triton log-prob kernel) must stay outside the compiled
+    region (compile_report module docstring); the backbone under PEFT is what gets compiled."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from nbhelpers.compile_report import backbone, compile_trainer_models
+    from nbhelpers import models
+    lm, _ = models.load_model("tiny-llama", dtype="float32", device="cpu")
+    policy = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj"]))
+    trainer = SimpleNamespace(model=policy, ref_model=None)
+    assert backbone(policy) is lm.model
+    assert compile_trainer_models(trainer, "none") == []
+    assert compile_trainer_models(trainer, "default") == ["policy"]
+    assert lm.model._compiled_call_impl is not None
+    assert lm._compiled_call_impl is None  # the LM head / TRL's fused forward stay eager
+    x = torch.randint(0, lm.config.vocab_size, (1, 5))
+    with torch.no_grad():
+        out = policy(input_ids=x).logits
+    assert out.shape == (1, 5, lm.config.vocab_size) and torch.isfinite(out).all()

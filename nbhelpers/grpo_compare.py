@@ -103,6 +103,24 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings,
     return {b: run_isolated(b, model, settings, **kwargs) for b in backends}
 
 
+def filter_device(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``(runs, gates)`` of the runs whose device name contains ``device`` (case-insensitive:
+    ``"h200"`` matches ``"NVIDIA H200"``; ``""`` keeps all).
+
+    Raises:
+        ValueError: no run matches; the message lists the devices the sidecars hold.
+    """
+    if not device:
+        return runs, gates
+    keep = {k: r for k, r in runs.items() if device.lower() in str(r.get("gpu", "")).lower()}
+    if not keep:
+        seen = sorted({str(r.get("gpu")) for r in runs.values()})
+        raise ValueError(f"device={device!r} matches no phase-2 run; the sidecars hold runs on "
+                         f"{seen}: pass one of those (a part of the name is enough) or ''.")
+    return keep, {k: g for k, g in gates.items() if k in keep}
+
+
 def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None = None):
     """One row per backend: wall, median step / generation time, peak memory, gate, error."""
     import pandas as pd

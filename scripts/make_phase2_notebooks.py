@@ -181,7 +181,7 @@ from nbhelpers.stats import read_sidecars"""
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
 reference_backend: str = "hf_generate"  # the cross-run gate compares KL and reward against it
-device: str = ""  # keep runs of this device only (e.g. "NVIDIA H200", "cpu"); empty: all
+device: str = ""  # keep runs whose device name contains this (e.g. "h200", "cpu"); empty: all
 sidecar_path: str = ""  # unused: this notebook only reads sidecars (the runner passes it)"""
 
 CMP_LOAD = """root = Path(sidecar_dir)
@@ -189,9 +189,7 @@ if not root.is_absolute() and not root.exists():
     root = Path.cwd().parents[1] / sidecar_dir  # papermill runs in the notebook's folder
 sidecars = read_sidecars(root, phase=grpo_compare.PHASE)
 runs, gates = grpo_compare.runs_from_sidecars(sidecars)
-if device:
-    runs = {k: r for k, r in runs.items() if r["gpu"] == device}
-    gates = {k: g for k, g in gates.items() if k in runs}
+runs, gates = grpo_compare.filter_device(runs, gates, device)  # "h200" matches "NVIDIA H200"
 print(f"{len(sidecars)} phase-2 sidecars under {root}, {len(runs)} backend runs"
       f"{f' on {device}' if device else ''}")
 summary = grpo_compare.summary_frame(runs, gates)

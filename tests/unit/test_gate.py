@@ -193,3 +193,14 @@ def test_gate_latest_never_mixes_devices_or_models(tmp_path):
                           "hf_generate (cpu, s)", "flex (cpu, s)"}
     assert cross["vllm (NVIDIA H200, q)"].status("kl_vs_reference") == "fail"
     assert cross["flex (cpu, s)"].status("kl_vs_reference") == "pass"
+
+
+def test_filter_device_matches_part_of_the_name_and_names_the_devices_seen():
+    from nbhelpers import grpo_compare
+    runs = {"flex@a": {"gpu": "NVIDIA H200"}, "flex@b": {"gpu": "cpu"}}
+    gates = {"flex@a": "ga", "flex@b": "gb"}
+    assert grpo_compare.filter_device(runs, gates, "") == (runs, gates)
+    kept, kept_gates = grpo_compare.filter_device(runs, gates, "h200")
+    assert list(kept) == ["flex@a"] and kept_gates == {"flex@a": "ga"}
+    with pytest.raises(ValueError, match=r"matches no phase-2 run.*'NVIDIA H200'"):
+        grpo_compare.filter_device(runs, gates, "a100")

@@ -42,6 +42,9 @@ from nbhelpers.grpo import BACKENDS  # one list: nbhelpers.grpo.train dispatches
 log = logging.getLogger(__name__)
 
 VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
+WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex")
+"""Backends whose policy is an in-process HF model that :func:`train`'s format warm-up can merge
+into (vLLM loads weights from a folder, Unsloth loads its own model)."""
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200
 (DESIGN.md "The H200 machine"; FlashInfer's sampler is not in the bundle)."""
@@ -198,22 +201,41 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
           vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
-          callbacks: Sequence[Any] = (), **config_overrides: Any):
+          callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
+          **config_overrides: Any):
     """Run ``settings.max_steps`` GRPO steps of ``model_name`` with rollouts from ``backend``.
 
     Same arguments as :func:`nbhelpers.grpo.train`, plus ``compile_mode`` (see
     :data:`nbhelpers.compile_report.COMPILE_MODES`), the vLLM options, ``flex_options``
     (:class:`~nbhelpers.grpo_flex.FlexRollout` fields), ``reward_funcs`` (default: the reference
     notebook's four) and extra trainer ``callbacks``. Returns a :class:`~nbhelpers.grpo.GRPOResult`
-    whose ``config`` also holds ``notes``, ``compile_report`` and ``flex_generate_s``.
+    whose ``config`` also holds ``notes``, ``compile_report``, ``flex_generate_s`` and
+    ``format_warmup``.
+
+    ``format_warmup_steps`` > 0 (backends of :data:`WARMUP_BACKENDS`): first that many SFT steps
+    of a LoRA adapter on GSM8K worked solutions in the reference format
+    (:func:`nbhelpers.grpo._format_warmup`, the reference's "pre fine-tune for formatting"), merged
+    into the base weights (``merge_and_unload``); GRPO then trains a fresh adapter on that base
+    and TRL's reference policy is the warmed base. Every backend of one comparison thus starts
+    from the same policy and a model that scores, so rewards vary within a group, advantages are
+    non-zero and the KL checks compare trained policies (a model that never matches the format
+    gives every completion the same reward, zero advantages and zero gradients).
 
     Raises:
-        ValueError: unknown backend / dataset / compile mode, or no prompt fits.
+        ValueError: unknown backend / dataset / compile mode, no prompt fits, or a format warm-up
+            with a backend outside :data:`WARMUP_BACKENDS` or with ``n_questions`` > 60.
         BackendNotInstalled: the backend's engine is missing (message names the extra).
     """
     from nbhelpers.compile_report import CompileWatch, check_compile_mode
     from nbhelpers.grpo import _is_cuda, build_dataset
     compile_mode = check_compile_mode(compile_mode)
+    if format_warmup_steps and backend not in WARMUP_BACKENDS:
+        raise ValueError(f"format_warmup_steps={format_warmup_steps} with backend={backend!r}: "
+                         f"the warm-up runs in-process on backends {WARMUP_BACKENDS}; for "
+                         f"{backend!r} pass format_warmup_steps=0 (or a warmed model folder as "
+                         "model).")
+    if format_warmup_steps < 0:
+        raise ValueError(f"format_warmup_steps={format_warmup_steps}: must be >= 0.")
     plan = plan_backend(backend, settings, vllm_sleep_mode=vllm_sleep_mode,
                         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
                         flex_options=dict(flex_options or {}))
@@ -222,6 +244,11 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     data.apply_reference_chat_template(tok)
     train_ds, ds_stats = build_dataset(dataset, tok, n_questions, settings.max_prompt_length,
                                        settings.seed)
+    warm: dict[str, Any] = {}
+    if format_warmup_steps:
+        model, warm = warm_and_merge(model, tok, settings, format_warmup_steps, n_questions,
+                                     train_ds[0]["prompt"][-1]["content"],
+                                     Path(output_dir) / "format_warmup")
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings, output_dir,
                                     progress, reward_funcs, callbacks, config_overrides)
     watch = CompileWatch(compile_mode)
@@ -232,9 +259,27 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         trainer.train()
     wall_s = time.perf_counter() - t0
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
-             "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None}
+             "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
+             "format_warmup": warm or None}
     return _result(model_name, plan, trainer, parts, settings, ds_stats, wall_s, skip_first,
                    extra)
+
+
+def warm_and_merge(model: Any, tok: Any, settings: GRPOSettings, steps: int, n_questions: int,
+                   probe_question: str, output_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The format warm-up of :func:`train` (docstring there): ``(merged model, report)``; the
+    report is :func:`nbhelpers.sft_warmup.format_warmup`'s (``steps``, ``wall_s``, ``losses``,
+    ``before``/``after`` probe completions).
+
+    Raises:
+        ValueError: ``n_questions`` > 60 (GRPO's questions would overlap the warm-up's).
+    """
+    from nbhelpers.grpo import _format_warmup, peft_config
+    peft_model, report = _format_warmup(model, tok, settings, peft_config(settings.lora), steps,
+                                        n_questions, probe_question, output_dir)
+    merged = peft_model.merge_and_unload()
+    merged.train()
+    return merged, dict(report)
 
 
 def _build_trainer(plan: BackendPlan, model: Any, tok: Any, peft: Any, train_ds: Any,

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def variant(base, name: str, lora, log) -> tuple:
     """``(policy, undo)``: the model for one variant and a function that restores ``base``."""
+    import torch
     from peft import get_peft_model
 
     from nbhelpers.grpo import peft_config
-    import torch
     if name == "no_lora":
         return base, lambda: None
     peft = get_peft_model(base, peft_config(lora),

@@ -63,6 +63,7 @@ flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs wh
 flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
 cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest); 0 = leave
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
+format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged (not vllm/unsloth)
 sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it); empty: none"""
 
 EQ_DERIVED = """settings = GRPOSettings(
@@ -82,9 +83,14 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     skip_first=skip_first, compile_mode=compile_mode, vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
-    progress=False)
+    format_warmup_steps=format_warmup_steps, progress=False)
 for name, run in runs.items():
     print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")
+    warm = (run["config"] or {}).get("format_warmup")
+    if warm:
+        losses = warm["losses"] or [float("nan")]
+        print(f"  format warm-up: {warm['steps']} SFT steps in {warm['wall_s']:.0f} s, loss "
+              f"{losses[0]:.2f} -> {losses[-1]:.2f}")
     if run["error"] and run.get("traceback"):
         print("  traceback (tail):\\n" + run["traceback"][-2500:])"""
 
@@ -123,7 +129,8 @@ def rerun(backends, max_steps):
         vllm_sleep_mode=vllm_sleep_mode,
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
         flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
-                                               flex_compile_attention), progress=False)
+                                               flex_compile_attention),
+        format_warmup_steps=format_warmup_steps, progress=False)
     return grpo_compare.summary_frame(got, check_runs(got, reference_backend, thresholds))
 
 

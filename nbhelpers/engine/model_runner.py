@@ -48,6 +48,12 @@ class ModelRunner:
             torch._dynamo.config.cache_size_limit = 64
             torch._dynamo.config.accumulated_cache_size_limit = 512
         flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
+        # torch 2.13's CPU inductor flex template fails to build for decode BlockMasks of 1 or 2
+        # rows ((B, 1, 1, S), B < 4): "'full_kv_num_blocks' was not declared in this scope"
+        # (g++; measured here 2026-11-30 with SmolLM2-135M: B=1 and 2 fail, 4 and 8 build; the
+        # tiny test model builds at any B). So CPU decode with compiled attention pads to at least 4 rows (tested in
+        # tests/engine/test_cpu_compiled_decode.py); CUDA keeps the 1-row bucket.
+        self.min_rows = 4 if compile_attn and not on_cuda else 1
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.decode_attention, self.lora_expand = resolve_kernels(
             opt, on_cuda, getattr(self.model, "decode_kernels", ()))
@@ -205,7 +211,7 @@ class ModelRunner:
         self._tick("host_s", t2)
 
     def _state(self, n: int, use_sort: bool, sampling: Any) -> DecodeState:
-        bucket = next((b for b in BUCKETS if b >= n), None)
+        bucket = next((b for b in BUCKETS if b >= max(n, self.min_rows)), None)
         if bucket is None:
             raise ValueError(f"decode batch {n} > {BUCKETS[-1]}: lower max_num_seqs.")
         key = (bucket, use_sort)

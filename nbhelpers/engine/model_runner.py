@@ -51,8 +51,8 @@ class ModelRunner:
         # torch 2.13's CPU inductor flex template fails to build for decode BlockMasks of 1 or 2
         # rows ((B, 1, 1, S), B < 4): "'full_kv_num_blocks' was not declared in this scope"
         # (g++; measured here 2026-11-30 with SmolLM2-135M: B=1 and 2 fail, 4 and 8 build; the
-        # tiny test model builds at any B). So CPU decode with compiled attention pads to at least 4 rows (tested in
-        # tests/engine/test_cpu_compiled_decode.py); CUDA keeps the 1-row bucket.
+        # tiny test model builds at any B). So CPU decode with compiled attention pads to at least
+        # 4 rows (tests/engine/test_cpu_compiled_decode.py); CUDA keeps the 1-row bucket.
         self.min_rows = 4 if compile_attn and not on_cuda else 1
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.decode_attention, self.lora_expand = resolve_kernels(

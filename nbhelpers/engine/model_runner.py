@@ -54,6 +54,8 @@ class ModelRunner:
         # tiny test model builds at any B). So CPU decode with compiled attention pads to at least
         # 4 rows (tests/engine/test_cpu_compiled_decode.py); CUDA keeps the 1-row bucket.
         self.min_rows = 4 if compile_attn and not on_cuda else 1
+        # packed prefill is padded to prefill_pad multiples wherever a shape costs a compile
+        self.pad_prefill = on_cuda or bool(compile_attn)
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.decode_attention, self.lora_expand = resolve_kernels(
             opt, on_cuda, getattr(self.model, "decode_kernels", ()))
@@ -123,7 +125,7 @@ class ModelRunner:
             rows += [r] * n
             slots += [seq.block_table[p // ps] * ps + p % ps for p in range(n)]
         unit = self.opt.prefill_pad if len(ids) <= 8 * self.opt.prefill_pad else 1024
-        pad = (-len(ids)) % unit if self.device.type == "cuda" else 0  # few compiled shapes
+        pad = (-len(ids)) % unit if self.pad_prefill else 0  # few compiled shapes
         return ids + [0] * pad, pos + [0] * pad, rows + [-1] * pad, slots + [0] * pad
 
     def _prefill_forward(self, ids: list[int], pos: list[int], rows: list[int],

@@ -28,3 +28,17 @@ def test_compiled_cpu_decode_of_one_or_two_rows_runs(n):
                                                 ignore_eos=True, seed=3))
     assert len(out) == n and all(len(o.token_ids) == 4 for o in out)
     assert {rows for rows, _ in llm.runner.states} == {4}
+
+
+def test_compiled_cpu_prefill_is_padded_so_a_new_prompt_length_compiles_nothing():
+    """Unpadded, each new prompt length recompiled flex_attention on the CPU (~3-20 s each;
+    seen in phase 2 as one recompile per GRPO step)."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = tiny_model("llama").eval()
+    llm = LLM(model, page_size=16, num_pages=16, max_model_len=64, compile_attention=True)
+    sp = SamplingParams(temperature=1.0, n=1, max_new_tokens=2, ignore_eos=True, seed=3)
+    llm.generate(random_prompts(1, 12, 12, seed=1), sp)
+    graphs = counters["stats"]["unique_graphs"]
+    llm.generate(random_prompts(1, 21, 21, seed=2), sp)  # another length, same padded shape
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -118,16 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
+            _sigterm_as_interrupt()
             return _run(args)
         if args.command == "fetch":
             return _fetch(args.names)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        from nbhelpers import run
-        from nbhelpers.run_index import write_index
-        write_index(Path(getattr(args, "executed", None) or run.REPO / "executed"))
+    except KeyboardInterrupt:  # run() already stopped its children and wrote their sidecars
         print("interrupted: the partial notebook is kept and marked failed in executed/INDEX.md",
               file=sys.stderr)
         return 130
@@ -135,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     from nbhelpers.run_index import write_index
     print(write_index(run.REPO / "executed"))
     return 0
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (``timeout``, ``kill``) takes the Ctrl-C path: children stopped, run recorded."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

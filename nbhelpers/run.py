@@ -71,6 +71,8 @@ class Job:
     parameters: dict[str, Any]
     gpu: str | None = None
     returncode: int | None = None
+    proc: Any = None
+    """The running papermill child (``subprocess.Popen``) while it runs."""
     sha: str = ""
     """Git sha recorded once at the start of the run; the kernel gets it as NBHELPERS_GIT_SHA."""
 
@@ -146,6 +148,7 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
     a failed plan claims nothing. The git sha is read once, here. One job per notebook."""
     planned = plan_parameters(resolve_notebooks(target, repo), profile, overrides, repo)
     jobs: list[Job] = []
+    _check_writable(executed)
     sha = git_sha(repo)
     for nb, params in planned:
         gpu = gpus[len(jobs) % len(gpus)] if gpus else None
@@ -154,6 +157,21 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
         params["sidecar_path"] = os.path.relpath(side, repo)
         jobs.append(Job(nb, out, side, params, gpu, sha=sha))
     return jobs
+
+
+_STOPPING = threading.Event()
+"""Set by :func:`run` on Ctrl-C / SIGTERM: workers leave the record to :func:`stop_jobs`."""
+
+
+def _check_writable(folder: Path) -> None:
+    """Raises ``UserInputError`` naming the fix when ``folder`` cannot be created or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise UserInputError(f"--executed {folder}: cannot create or write there "
+                             f"({err.strerror or err}); pass a folder you can write to.") from err
 
 
 def _kernel_env(env: dict[str, str]) -> dict[str, str]:
@@ -195,15 +213,16 @@ def execute(job: Job, repo: Path = REPO) -> int:
                            "parameters": job.parameters, "cwd": str(repo),
                            "error_file": str(error_file)})
         log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
-        try:
-            proc = subprocess.run([sys.executable, "-m", "nbhelpers.run", spec], env=env,
-                                  cwd=repo, check=False)
-        except KeyboardInterrupt:  # keep the interrupted run visible (sidecar + INDEX row)
-            job.returncode = 130
-            mark_failed(job, "interrupted (Ctrl-C / SIGINT) while running\npartial notebook: "
-                        f"{repo_path(job.output, repo)}")
-            raise
+        # own session: a terminal's Ctrl-C reaches only the runner, which stops the child
+        # itself (stop_jobs) so the kernel is shut down and the run is recorded
+        proc = subprocess.Popen([sys.executable, "-m", "nbhelpers.run", spec], env=env,
+                                cwd=repo, start_new_session=True)
+        job.proc = proc
+        proc.wait()
         cause = error_file.read_text().strip() if error_file.is_file() else ""
+    job.proc = None
+    if _STOPPING.is_set():  # interrupted: stop_jobs records the run
+        return 130
     job.returncode = proc.returncode
     if proc.returncode != 0:
         cause = cause or f"notebook execution failed (exit {proc.returncode})"
@@ -222,6 +241,31 @@ def mark_failed(job: Job, error: str) -> None:
                             error=error, extra={"notebook": job.notebook.name})
     side["status"] = "failed"
     write_sidecar(side, job.sidecar)
+
+
+def stop_jobs(jobs: list[Job], repo: Path = REPO, grace_s: float = 20.0) -> None:
+    """After Ctrl-C / SIGTERM: SIGINT to each running papermill child (it shuts its kernel down
+    and keeps the partial notebook), SIGKILL after ``grace_s``; every job that had not finished
+    gets a failed sidecar (``interrupted``), so INDEX.md lists it."""
+    import signal
+    import time
+    running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
+    for job in running:
+        job.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for job in running:
+        try:
+            job.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+    for job in jobs:  # a job that finished before the interrupt keeps its own result
+        if job in running or job.returncode is None:
+            started = job in running
+            job.returncode = 130
+            what = (f"interrupted (Ctrl-C / SIGINT / SIGTERM) while running\npartial notebook: "
+                    f"{repo_path(job.output, repo)}" if started
+                    else "interrupted before it started (Ctrl-C / SIGINT / SIGTERM)")
+            mark_failed(job, what)
 
 
 def _worker(queue: Queue, gpu: str | None, repo: Path) -> None:
@@ -246,15 +290,28 @@ def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,
     ``executed/INDEX.md``. Returns the jobs with their return codes (0 = ok)."""
     repo = repo or REPO
     executed = executed or repo / "executed"
+    _STOPPING.clear()
     jobs = plan_jobs(target, profile, overrides or {}, gpus, executed, repo)
     queue: Queue = Queue()
     for job in jobs:
         queue.put(job)
-    workers = [threading.Thread(target=_worker, args=(queue, g, repo)) for g in (gpus or [None])]
+    workers = [threading.Thread(target=_worker, args=(queue, g, repo), daemon=True)
+               for g in (gpus or [None])]
     for w in workers:
         w.start()
-    for w in workers:
-        w.join()
+    try:
+        for w in workers:
+            while w.is_alive():  # join with a timeout: the main thread stays interruptible
+                w.join(0.5)
+    except KeyboardInterrupt:
+        _STOPPING.set()
+        while not queue.empty():  # nothing new starts
+            queue.get_nowait()
+        stop_jobs(jobs, repo)
+        for w in workers:  # let a worker finish writing what its child left
+            w.join(2.0)
+        write_index(executed, repo)
+        raise
     write_index(executed, repo)
     return jobs
 

@@ -303,5 +303,13 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
         from nbhelpers.backends import BACKENDS as ROLLOUT
         from nbhelpers.grpo import BACKENDS as GRPO
         known = GRPO if notebook.parent.name.startswith("phase2") else ROLLOUT  # GRPO trainers
+        if not params["backends"]:
+            raise UserInputError(f"{where('backends')}: backends=[]: name at least one of "
+                                 f"{known}.")
         if bad := [b for b in params["backends"] if b not in known]:
             raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")
+    if isinstance(params.get("reference_backend"), str):
+        from nbhelpers.grpo import BACKENDS as GRPO
+        if params["reference_backend"] not in GRPO:  # a typo would skip every cross check
+            raise UserInputError(f"{where('reference_backend')}: reference_backend="
+                                 f"{params['reference_backend']!r}: use one of {GRPO}.")

@@ -61,7 +61,7 @@ vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_ena
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
 flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs while training
 flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
-cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest); 0 = leave
+cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest; 0: default)
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
 format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged (not vllm/unsloth)
 sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it); empty: none"""
@@ -142,6 +142,8 @@ if sidecar_path:
         print("sidecar:", path)
 display(Markdown(grpo_compare.result_line(runs, gates, device)))
 assert all(len(r["rows"]) == max_steps for r in runs.values() if r["error"] is None)
+assert any(r["error"] is None for r in runs.values()), (
+    f"no backend ran ({', '.join(runs)}): see each error above (a missing engine names its extra)")
 assert_gate(gates)  # raises GateFailed listing every failed check"""
 
 

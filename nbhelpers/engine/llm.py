@@ -17,6 +17,8 @@ Run::
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import numbers
 import time
 from typing import Any
@@ -80,6 +82,13 @@ class LLM:
         if not hasattr(model, "parameters") or not hasattr(model, "config"):
             raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
                             "e.g. nbhelpers.models.load_model(name)[0].")
+        known = {f.name for f in dataclasses.fields(RunnerOptions)}
+        if unknown := sorted(set(options) - known):
+            close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+            hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+            raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
+                            f". Options: max_num_seqs, max_prefill_tokens, share_prefix and the "
+                            f"RunnerOptions fields {sorted(known)}.")
         self.runner = ModelRunner(model, RunnerOptions(**options))
         self.opt = self.runner.opt
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id

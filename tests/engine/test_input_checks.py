@@ -79,3 +79,12 @@ def test_sampling_params_reject_values_the_engine_cannot_take(kwargs, match):
     from nbhelpers.config import SamplingParams
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_unknown_engine_option_names_the_close_match():
+    from _tiny import tiny_model
+
+    from nbhelpers.engine import LLM
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['page_sz'\].*did you mean "
+                                        r"'page_size'"):
+        LLM(tiny_model("llama"), page_sz=16)

@@ -330,6 +330,9 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"n_questions": 150}, "ships 100 questions"),
     ("phase0_reference/00_reference_grpo", {"n_questions": 80}, "would overlap the warm-up"),
     ("phase0_reference/00_reference_grpo", {"sidecar_path": "/tmp/s.json"}, "--executed DIR"),
+    ("phase2_grpo/20_grpo_equivalence", {"reference_backend": "nope"},
+     "reference_backend='nope': use one of"),
+    ("phase2_grpo/20_grpo_equivalence", {"backends": []}, r"backends=\[\]: name at least one"),
 ])
 def test_values_are_checked_before_anything_runs(nb, over, match):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
@@ -361,3 +364,59 @@ def test_gpu_profile_on_a_host_without_gpu_is_a_user_error(repo, monkeypatch, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --profile h200 sizes the runs for a GPU host")
     assert "--profile cpu" in err and not (repo / "executed").exists()
+
+
+SLEEP_SOURCE = """import os, pathlib, time
+pathlib.Path(pid_file).write_text(str(os.getpid()))
+time.sleep(120)"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
+    """Ctrl-C (SIGINT to the runner) or SIGTERM: exit 130, a failed sidecar and an INDEX row,
+    and the notebook's kernel is gone (the papermill child runs in its own session, so the
+    runner stops it and papermill shuts its kernel down)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    pid_file = tmp_path / "kernel.pid"
+    _notebook(tmp_path / "notebooks/phase0_reference/00_sleep.ipynb", SLEEP_SOURCE,
+              "pid_file = ''\nsidecar_path = ''")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/00_sleep.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
+    code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
+            f"from nbhelpers import run; run.REPO = Path({str(tmp_path)!r}); "
+            "sys.exit(main(['run', 'phase0']))")
+    env = {**os.environ, "PYTHONPATH": str(REAL_REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not pid_file.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert pid_file.exists(), proc.stderr.read() if proc.poll() is not None else "no kernel"
+    kernel = int(pid_file.read_text())
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(60) == 130
+    assert "interrupted" in proc.stderr.read()
+    (side,) = (tmp_path / "executed/phase0_reference/00_sleep").glob("*.json")
+    doc = json.loads(side.read_text())
+    assert doc["status"] == "failed" and "interrupted" in doc["error"]
+    assert "failed" in (tmp_path / "executed/INDEX.md").read_text()
+    for _ in range(40):  # the kernel exits shortly after papermill's shutdown request
+        try:
+            os.kill(kernel, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.kill(kernel, signal.SIGKILL)
+        pytest.fail("the notebook's kernel outlived the interrupted run")
+
+
+def test_executed_folder_that_cannot_be_written_is_a_user_error(repo, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(runner.UserInputError, match="cannot create or write there"):
+        runner.run("phase0", repo=repo, executed=blocker / "sub")

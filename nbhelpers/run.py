@@ -317,14 +317,17 @@ def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,
 
 
 def _execute_in_child(spec: dict[str, Any]) -> int:
-    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel. A failure
-    is written to ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count
-    <n>)`` for the parent's sidecar."""
+    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel; the cells'
+    text output is also streamed to this terminal as it comes (``stdout_file``/``stderr_file``),
+    so a long run shows its training logs, not only papermill's cell bar. A failure is written to
+    ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count <n>)`` for the
+    parent's sidecar."""
     import papermill as pm
     error_file = Path(spec["error_file"]) if spec.get("error_file") else None
     try:
         pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
-                            kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True)
+                            kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True,
+                            stdout_file=sys.stdout, stderr_file=sys.stderr)
     except pm.PapermillExecutionError as exc:
         msg = (f"{exc.ename}: {exc.evalue} (cell {exc.cell_index}, execution count "
                f"{exc.exec_count})")

@@ -234,6 +234,41 @@ def build(name: str, python: str = "3.12", out: Path = Path(".bundles"), part_mi
     return manifest
 
 
+def resplit(name: str, part_mib: float, out: Path = Path(".bundles")) -> dict:
+    """Re-chunk a built ``site-xz`` set into parts of at most ``part_mib`` MiB without rebuilding:
+    the parts are joined, checked against the manifest's ``whole_sha256``, split again, and the
+    manifest (parts, device commands) rewritten; the bytes the device restores are unchanged.
+    Why: every device call also carries the working tree, which grows with ``executed/``
+    (6.5 MiB at the end of session 3 pushed a 55 MiB part over the 64 MiB limit).
+
+    Raises:
+        ValueError: the set is not ``site-xz``, or the joined parts do not match the sha256.
+        FileNotFoundError: the set is not built under ``out``.
+    """
+    bset = _get(name)
+    root = out / name
+    old = json.loads((root / "manifest.json").read_text())
+    if old["packing"] != "site-xz":
+        raise ValueError(f"resplit {name}: only site-xz sets have one tarball to re-chunk; "
+                         f"rebuild with: python -m nbhelpers.bundles build {name} --part-mib N")
+    olds = [Path(p["path"]) for p in old["parts"]]
+    tarball = root / olds[0].name.rsplit(".part", 1)[0]
+    join_parts(olds, tarball)
+    if sha256(tarball) != old["whole_sha256"]:
+        tarball.unlink()
+        raise ValueError(f"resplit {name}: the parts do not join to whole_sha256 "
+                         f"{old['whole_sha256']}: rebuild the set.")
+    for part in olds:
+        part.unlink()
+    parts = split_file(tarball, int(part_mib * MIB), root / "parts")
+    tarball.unlink()
+    wheels = sorted((root / "wheels").glob("*.whl"))
+    manifest = make_manifest(bset, wheels, parts, old["whole_sha256"], Path.cwd(), old["python"],
+                             part_mib, old.get("build_s", 0.0))
+    write_manifest(manifest, root / "manifest.json")
+    return manifest
+
+
 def _wheel_parts(wheels: list[Path], root: Path, limit: int) -> list[Path]:
     shutil.rmtree(root / "parts", ignore_errors=True)
     if sum(w.stat().st_size for w in wheels) <= limit:
@@ -297,7 +332,7 @@ def _list(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: ``build | verify | list | commands``; returns the exit status."""
+    """CLI entry: ``build | resplit | verify | list | commands``; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m nbhelpers.bundles", description=__doc__.split(
         "\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -310,16 +345,23 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("set")
     v.add_argument("--installed", help="device-side site dir to import from")
     v.add_argument("--python-exe", default="python3", help="interpreter for the import check")
+    r = sub.add_parser("resplit", help="re-chunk a built site-xz set's parts (no rebuild)")
+    r.add_argument("set")
+    r.add_argument("--part-mib", type=float, required=True)
     c = sub.add_parser("commands", help="carry + command prefix for sets sharing one call")
     c.add_argument("sets", nargs="+")
     lst = sub.add_parser("list", help="sets and built sizes")
     ap.add_argument("--out", type=Path, default=Path(".bundles"), help="bundle root")
-    for p in (b, v, c, lst):  # SUPPRESS: the top-level --out stays unless given here
+    for p in (b, r, v, c, lst):  # SUPPRESS: the top-level --out stays unless given here
         p.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="bundle root")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         m = build(args.set, args.python, args.out, args.part_mib, args.cache)
         print(json.dumps({k: m[k] for k in ("set", "wheels_bytes", "parts", "build_s")}, indent=1))
+        return 0
+    if args.cmd == "resplit":
+        m = resplit(args.set, args.part_mib, args.out)
+        print(json.dumps({k: m[k] for k in ("set", "parts", "whole_sha256")}, indent=1))
         return 0
     if args.cmd == "list":
         _list(args.out)

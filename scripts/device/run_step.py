@@ -62,9 +62,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 220, 1)]),
     # x2 chain A, calls 2-4 (back to back: /tmp survives only while the machine is warm): the
     # vLLM site in three parts, then phase 1 vLLM and phase 2 vLLM side by side.
+    # Since session 3 the site is in four parts of <= 40 MiB (`python -m nbhelpers.bundles
+    # resplit vllm --part-mib 40`: the working tree, carried by every call, grew to 6.5 MiB and
+    # pushed v1 over 64 MiB), so a chain is v1, v2, v2b, then one of v3 / v3p2 / s4v3.
     "v1": ([], ["vllm0", "tok"], []),
     "v2": (["trl"], ["vllm1"], []),
-    "v3": (["notebooks"], ["vllm2", "gsm8k"], [
+    "v2b": ([], ["vllm2"], []),
+    "v3": (["notebooks"], ["vllm3", "gsm8k"], [
         (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260, 0),
         (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220, 0),
         (P2, {"backends": "[vllm]"}, 330, 480, 1)]),
@@ -92,7 +96,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n2": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[hf_cb]"}, 450, 540, 0),
         (N34, {"batch_sizes": "[16, 32]", "rounds": "1", "probe_kernels_s": "0"}, 330, 420, 1)]),
-    "v3p2": (["notebooks"], ["vllm2", "gsm8k"], [
+    "v3p2": (["notebooks"], ["vllm3", "gsm8k"], [
         (P2, {"backends": "[vllm]"}, 330, 480, 0),
         (N34, {"batch_sizes": "[8, 64]", "probe_kernels_s": "0"}, 330, 480, 1)]),
     # session 3: why flex decodes slower inside GRPO than in 33 (adapter dtype A/B), and phase 2
@@ -107,6 +111,16 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                    "--variants fp32_adapters,bf16_adapters --batches 4 --rounds 3"}, 60, 100, 0),
         (P2, {"backends": "[flex]"}, 130, 200, 0),
         (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 260, 1)]),
+    # next session (docs/h200_runbook.md section 7): after v1 + v2, vLLM colocate at the
+    # reference's memory setting beside flex with the trainer compiled; then phase 1 flex with
+    # the LoRA-shrink kernel and the decode-step diagnosis over batch sizes.
+    "s4v3": (["notebooks"], ["vllm3", "gsm8k"], [
+        (P2, {"backends": "[vllm]", "vllm_gpu_memory_utilization": "0.9"}, 200, 400, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 400, 540, 1)]),
+    "s4n": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (P1, {"backends": "[flex]"}, 150, 220, 0),
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_batches "
+                   "--variants fp32_adapters,bf16_adapters --batches 4,8,16,32"}, 200, 300, 1)]),
 }
 
 

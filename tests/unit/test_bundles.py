@@ -173,3 +173,30 @@ def test_list_reads_the_out_folder_wherever_out_is_given(tmp_path: Path, capsys,
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert lines["trl"].endswith("wheels 3.0 MiB, parts 1.0 MiB")
     assert lines["vllm"].endswith("not built")
+
+
+def test_resplit_rechunks_a_site_set_without_changing_its_bytes(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    import hashlib
+    monkeypatch.chdir(tmp_path)
+    root = Path(".bundles/fa4")
+    (root / "wheels").mkdir(parents=True)
+    blob = os.urandom(5000)
+    src = tmp_path / "fa4_site.tar.xz"
+    src.write_bytes(blob)
+    old_parts = bundles.split_file(src, 2600, root / "parts")
+    src.unlink()
+    whole = hashlib.sha256(blob).hexdigest()
+    bundles.write_manifest({"packing": "site-xz", "python": "3.12", "build_s": 1.0,
+                            "whole_sha256": whole,
+                            "parts": [{"path": str(p)} for p in old_parts]},
+                           root / "manifest.json")
+    m = bundles.resplit("fa4", part_mib=1200 / bundles.MIB)
+    new = [Path(p["path"]) for p in m["parts"]]
+    assert len(old_parts) == 2 and len(new) == 5 and all(p.stat().st_size <= 1200 for p in new)
+    assert b"".join(p.read_bytes() for p in new) == blob and m["whole_sha256"] == whole
+    assert len(m["device"]["calls"]) == 5 and whole in m["device"]["calls"][-1]["begin"]
+    assert json.loads((root / "manifest.json").read_text())["parts"] == m["parts"]
+    new[0].write_bytes(b"corrupt")
+    with pytest.raises(ValueError, match="do not join to whole_sha256"):
+        bundles.resplit("fa4", part_mib=2000 / bundles.MIB)

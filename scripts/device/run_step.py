@@ -119,6 +119,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[flex]", "compile_mode": "default"}, 400, 540, 1)]),
     "s4n": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P1, {"backends": "[flex]"}, 150, 220, 0),
+        (P1, {"backends": "[flex]", "engine_options": "{flex: {adapter_dtype: model}}"}, 150,
+         220, 0),
         (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_batches "
                    "--variants fp32_adapters,bf16_adapters --batches 4,8,16,32"}, 200, 300, 1)]),
 }

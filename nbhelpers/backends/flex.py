@@ -26,13 +26,12 @@ from typing import Any
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.engine.runner_options import option_names
 
 _LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens", "adapter_dtype"}
 ADAPTER_DTYPES = ("peft", "model")
-_LLM_OPTIONS = {"page_size", "max_model_len", "sync_every", "use_cuda_graphs", "compile_attention",
-                "fuse_lora_a", "max_num_seqs", "max_prefill_tokens", "share_prefix",
-                "prefill_pad", "compile_decode", "decode_kernel_options", "compile_layers",
-                "decode_attention", "lora_expand"}
+_LLM_OPTIONS = (option_names() - {"num_pages"}  # build_llm sizes the pool from kv_tokens
+                | {"max_num_seqs", "max_prefill_tokens", "share_prefix"})
 
 
 class FlexBackend:

@@ -17,7 +17,6 @@ Run::
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import numbers
 import time
@@ -27,6 +26,7 @@ from nbhelpers.backends.base import Completion
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
+from nbhelpers.engine.runner_options import option_names
 from nbhelpers.engine.scheduler import Scheduler, Sequence
 
 
@@ -82,7 +82,7 @@ class LLM:
         if not hasattr(model, "parameters") or not hasattr(model, "config"):
             raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
                             "e.g. nbhelpers.models.load_model(name)[0].")
-        known = {f.name for f in dataclasses.fields(RunnerOptions)}
+        known = option_names()
         if unknown := sorted(set(options) - known):
             close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
             hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)

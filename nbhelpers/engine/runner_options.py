@@ -77,6 +77,13 @@ class RunnerOptions:
             check_lora_expand(self.lora_expand)
 
 
+def option_names() -> frozenset[str]:
+    """The :class:`RunnerOptions` field names (what ``LLM(**options)`` accepts besides its own
+    ``max_num_seqs``, ``max_prefill_tokens``, ``share_prefix``)."""
+    import dataclasses
+    return frozenset(f.name for f in dataclasses.fields(RunnerOptions))
+
+
 def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
                     decode_kernels: tuple[str, ...] = ("flex", "triton")) -> tuple[str, str]:
     """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA

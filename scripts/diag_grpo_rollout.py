@@ -30,26 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def variant(base, name: str, lora, log) -> tuple:
     """``(policy, undo)``: the model for one variant and a function that restores ``base``."""
-    import torch
-    from peft import get_peft_model
-
-    from nbhelpers.grpo import peft_config
+    from nbhelpers import engine_bench as eb
     if name == "no_lora":
         return base, lambda: None
-    peft = get_peft_model(base, peft_config(lora),
-                          autocast_adapter_dtype=name.startswith("fp32"))
-    with torch.no_grad():  # non-zero B, as after some training
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.01)
+    # non-zero B, as after some training; fp32 = PEFT's default upcast (TRL's GRPO case)
+    peft = eb.attach_lora(base, lora, b_std=0.01,
+                          adapter_dtype="float32" if name.startswith("fp32") else "model")
     dtypes = sorted({str(p.dtype) for n, p in peft.named_parameters() if "lora_" in n})
     log(f"{name}: adapter dtypes {dtypes}")
     if name.endswith("_train"):  # TRL's state during GRPO (grad checkpointing on by default)
         peft.train()
         peft.gradient_checkpointing_enable()
         peft.enable_input_require_grads()
-    else:
-        peft.eval()
 
     def undo():
         peft.unload()

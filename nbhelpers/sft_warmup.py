@@ -24,7 +24,7 @@ from nbhelpers import data
 
 N_SFT_ROWS = 40
 """GSM8K questions kept for the warm-up (the last 40 of the 100 shipped test questions)."""
-N_GSM8K = 100
+N_GSM8K = data.N_GSM8K
 SFT_LEARNING_RATE = 2e-4
 """The reference notebook's ``SFTConfig(learning_rate=2e-4)``."""
 

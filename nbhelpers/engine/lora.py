@@ -231,7 +231,7 @@ class LiveGroup:
     def _expand_in_kernel(self, y: Any, xa: Any, b: list[Any], scaling: float) -> bool:
         """``y += LoRA B`` for all parts in one Triton launch when enabled and supported."""
         le = self._expand
-        if le is None or not (y.is_cuda or le.INTERPRETED):
+        if le is None:
             return False
         ranks = self._ranks()
         if not le.supported(y, xa, b, self.sizes, ranks):

@@ -109,7 +109,7 @@ def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]
 
     Needs 1 to :data:`MAX_PARTS` parts with ``out_i`` a multiple of 16, ``xa`` and every B of one
     dtype (bf16/fp16/fp32), contiguous B of shape ``[out_i, r_i]``, unit column stride in ``y``
-    and ``xa``, all on one device.
+    and ``xa``, all on one CUDA device (or CPU tensors under the interpreter).
     """
     import torch
     floats = (torch.bfloat16, torch.float16, torch.float32)
@@ -119,7 +119,7 @@ def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]
             and y.dtype in floats and xa.dtype in floats
             and all(b.dtype == xa.dtype and b.is_contiguous() and tuple(b.shape) == (o, r)
                     and b.device == y.device for b, o, r in zip(bs, sizes, ranks))
-            and xa.device == y.device)
+            and xa.device == y.device and (y.is_cuda or INTERPRETED))
 
 
 def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],

@@ -1,7 +1,7 @@
 """nbhelpers: the GRPO rollout-engine lab's helper package.
 
 The notebook-facing API only; nothing heavy (torch, transformers, trl) is imported at import time:
-import the submodules (``nbhelpers.models``, ``nbhelpers.grpo``, ``nbhelpers.engine``...) where needed.
+import the submodules (``nbhelpers.models``, ``nbhelpers.grpo.setup``, ``nbhelpers.engine``...) where needed.
 """
 
 from nbhelpers.config import (

@@ -1,7 +1,7 @@
 """CLI: ``python -m nbhelpers run|fetch|index``.
 
 - ``run TARGET [--profile cpu|h200] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
-  (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run);
+  (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run.runner);
   exits 1 when any notebook failed. Every notebook's config and ``-p`` values are checked
   against its ``parameters`` cell before anything runs; in a phase run, a notebook without a
   config for the profile is skipped with a note (``19_compare`` is CPU-only).
@@ -44,7 +44,7 @@ def parse_gpus(spec: str | None) -> list[str] | None:
         UserInputError: a non-numeric id, no GPU on this host (nvidia-smi absent or lists
             none), or an id beyond the GPUs nvidia-smi lists.
     """
-    from nbhelpers.run_params import UserInputError
+    from nbhelpers.run.params import UserInputError
     if spec is None:
         return None
     gpus = [g.strip() for g in spec.split(",") if g.strip()]
@@ -75,8 +75,8 @@ def visible_gpu_count() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nbhelpers import run
-    from nbhelpers.run_params import UserInputError, profiles
+    from nbhelpers.run import runner as run
+    from nbhelpers.run.params import UserInputError, profiles
     known = profiles(run.REPO / "configs")
     if (args.profile != "cpu" and args.profile in known and args.gpus is None
             and visible_gpu_count() == 0):
@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _fetch(names: list[str]) -> int:
     from nbhelpers import models
-    from nbhelpers.run_params import UserInputError
+    from nbhelpers.run.params import UserInputError
     for name in names:  # check all names before downloading anything
         if name == "gsm8k":
             continue
@@ -114,7 +114,7 @@ def _fetch(names: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from nbhelpers.run_params import UserInputError
+    from nbhelpers.run.params import UserInputError
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: the partial notebook is kept and marked failed in executed/INDEX.md",
               file=sys.stderr)
         return 130
-    from nbhelpers import run
-    from nbhelpers.run_index import write_index
+    from nbhelpers.run import runner as run
+    from nbhelpers.run.index import write_index
     print(write_index(run.REPO / "executed"))
     return 0
 

@@ -201,6 +201,31 @@ SAMPLING_PRESETS: dict[str, SamplingParams] = {
 
 
 @dataclass(frozen=True)
+class Completion:
+    """One generated sequence.
+
+    Attributes:
+        prompt_ids: the prompt's token ids, ``[P]``.
+        token_ids: generated token ids, ``[T]`` (EOS included when it ended the sequence).
+        logprobs: log-probability of each sampled token under the engine's (processed) distribution,
+            ``[T]``, or ``None`` when the engine does not report them.
+        finish_reason: ``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS / stop id).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in ("length", "stop"):
+            raise ValueError(f"Completion.finish_reason={self.finish_reason!r}: 'length' or 'stop'.")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"Completion.logprobs has {len(self.logprobs)} entries for "
+                             f"{len(self.token_ids)} tokens: they must match one to one.")
+
+
+@dataclass(frozen=True)
 class Workload:
     """A rollout benchmark workload (DESIGN.md, workload W).
 
@@ -242,7 +267,7 @@ class GRPOSettings:
     """GRPO run settings; defaults are the reference notebook's (module docstring gives the source).
 
     ``per_device_train_batch_size`` counts completions (TRL); it is rounded up to a multiple of
-    ``num_generations`` by :func:`nbhelpers.grpo.build_config` with a logged message.
+    ``num_generations`` by :func:`nbhelpers.grpo.setup.build_config` with a logged message.
     """
 
     max_steps: int = 10

@@ -3,7 +3,7 @@
 Contract: every builder takes a DataFrame, returns a ``matplotlib.figure.Figure`` built without
 pyplot (no global state, never ``plt.show()``); the notebook displays it. Frames are long ("tidy"):
 one row per (backend, step) or (backend, step, reward function). :func:`steps_frame` and
-:func:`rewards_frame` turn :class:`~nbhelpers.grpo_stats.StatisticsCallback` records into them.
+:func:`rewards_frame` turn :class:`~nbhelpers.grpo.callbacks.StatisticsCallback` records into them.
 
 Run: ``python -c "from nbhelpers.plots import BACKEND_COLORS; print(BACKEND_COLORS)"``.
 """

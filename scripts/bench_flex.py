@@ -3,7 +3,7 @@
 Writes one schema-v1 sidecar per measurement (``phase3_flex``, backend ``flex``) plus
 ``bench_flex.log`` under ``--out`` and prints a table last. Each stage is guarded: a failing stage
 writes a sidecar with ``error`` set and the script goes on. Shares every function with notebook
-33 through :mod:`nbhelpers.engine_bench`.
+33 through :mod:`nbhelpers.bench.flex_sweep`.
 
 Run (H200): ``python scripts/bench_flex.py --out $OUT --sweep 8,32,64,128,256``
 Decode-attention variants in one call (one extra W LoRA stage each):
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nbhelpers import engine_bench as eb
+from nbhelpers.bench import flex_sweep as eb
 from nbhelpers.config import WORKLOAD_W, LoraSpec
 from nbhelpers.stats import utc_stamp, write_sidecar
 

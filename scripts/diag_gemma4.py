@@ -35,7 +35,7 @@ def run(dtype: str, configs: dict, steps: int, n_prompts: int, log, model: str =
     import torch
 
     from nbhelpers import data, models
-    from nbhelpers.engine.models import gemma4_report as g4
+    from nbhelpers.bench import gemma4_report as g4
     res = {}
     hf, tok = models.load_model(model, dtype=dtype, device=device)
     g4.randomise_norms_and_scalars(hf)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def variant(base, name: str, lora, log) -> tuple:
     """``(policy, undo)``: the model for one variant and a function that restores ``base``."""
-    from nbhelpers import engine_bench as eb
+    from nbhelpers.bench import flex_sweep as eb
     if name == "no_lora":
         return base, lambda: None
     # non-zero B, as after some training; fp32 = PEFT's default upcast (TRL's GRPO case)
@@ -52,7 +52,7 @@ def variant(base, name: str, lora, log) -> tuple:
 def measure(policy, batch: int, rounds: int, profile: bool, device: str) -> dict:
     import torch
 
-    from nbhelpers import engine_bench as eb
+    from nbhelpers.bench import flex_sweep as eb
     from nbhelpers.backends.flex import build_llm
     from nbhelpers.config import SamplingParams
     n = 4

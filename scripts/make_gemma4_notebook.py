@@ -35,7 +35,7 @@ from IPython.display import Markdown, display
 
 from nbhelpers import data, models
 from nbhelpers.config import Workload
-from nbhelpers.engine.models import gemma4_report as g4
+from nbhelpers.bench import gemma4_report as g4
 from nbhelpers.stats import gpu_name, write_sidecar"""
 
 PARAMETERS = """\
@@ -144,7 +144,7 @@ def build() -> nbformat.NotebookNode:
           "`noise_floor_dtype` (measured below) when that is larger. The throughput runs below use "
           "bf16 and the compiled kernels."), PARITY, FREE),
         (("## Throughput beside hf_generate and hf_cb\nOne subprocess per backend and batch size "
-          "(`nbhelpers.bench.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
+          "(`nbhelpers.bench.rollout.run_backends`), the same prompt ids for all, EOS ignored, GRPO "
           "sampling (T=1, min_p=0.1). A backend that fails keeps its row with the error: "
           "transformers 5.17 continuous batching (`hf_cb`) reads the global `config.head_dim`, "
           "which Gemma-4's per-layer config refuses (transformers issue #47721). On the GPU the "

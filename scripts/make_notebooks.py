@@ -27,7 +27,7 @@ schedule, warm-up ratio 0.1, `num_generations=4`, sampling `min_p=0.1, top_p=1.0
 SmolLM2-135M-Instruct (real weights) answering real GSM8K test questions. As the reference does
 ("pre fine-tune for formatting"), a short SFT warm-up (`format_warmup_steps`, TRL `SFTTrainer`)
 first teaches the LoRA adapter the answer format on 40 other GSM8K questions' worked solutions;
-GRPO then continues that adapter (`nbhelpers/sft_warmup.py`)."""
+GRPO then continues that adapter (`nbhelpers/grpo/sft_warmup.py`)."""
 
 IMPORTS = """%load_ext autoreload
 %autoreload 2
@@ -40,7 +40,8 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import Markdown, display
 
-from nbhelpers import notebook, plots
+from nbhelpers import plots
+from nbhelpers.grpo import phase0_report as report
 from nbhelpers.config import GRPOSettings, LoraSpec
 from nbhelpers.grpo import train
 from nbhelpers.models import describe
@@ -93,7 +94,7 @@ if warm:
 else:
     print("format_warmup_steps=0: GRPO started from the untrained LoRA adapter")"""
 
-COMPLETIONS = """completions = notebook.completions_table(result)
+COMPLETIONS = """completions = report.completions_table(result)
 display(completions.groupby("step").head(2))  # two completions of every step
 completions.drop(columns=["question", "completion", "answer"]).groupby("step").mean()"""
 
@@ -111,16 +112,16 @@ its KV-cache reservation."""
 
 REFERENCE_CODE = """summary = pd.Series(result.summary)
 display(summary.to_frame("post-warm-up"))
-notebook.reference_table(result, device)"""
+report.reference_table(result, device)"""
 
-SIDECAR = """side = notebook.phase0_sidecar(result, settings, model_info, skip_first)
+SIDECAR = """side = report.phase0_sidecar(result, settings, model_info, skip_first)
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert len(result.records) == max_steps, f"{len(result.records)} steps ran, expected {max_steps}"
-assert notebook.losses_finite(result), "a step logged no loss or a non-finite loss"
+assert report.losses_finite(result), "a step logged no loss or a non-finite loss"
 assert all(r["wall_s"] > 0 for r in result.records), "a step has no wall time"
 assert len(completions) > 0 and completions["total"].notna().all(), "no scored completions"
-display(Markdown(notebook.result_line(result, device)))"""
+display(Markdown(report.result_line(result, device)))"""
 
 
 def phase0() -> nbformat.NotebookNode:

@@ -2,7 +2,7 @@
 
 Run: ``python scripts/make_phase1_notebooks.py`` (rewrites both notebooks, outputs stripped).
 ``--check`` only reports the ones out of sync. Layout and writing: ``scripts/nbgen.py``.
-Edit here, not in the .ipynb: logic lives in ``nbhelpers.bench`` (DESIGN.md rule 1).
+Edit here, not in the .ipynb: logic lives in ``nbhelpers.bench.rollout`` (DESIGN.md rule 1).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 import pandas as pd
 from IPython.display import Markdown, display
 
-from nbhelpers import bench
+from nbhelpers.bench import rollout
 from nbhelpers.config import LoraSpec, Workload
 from nbhelpers.stats import gpu_name, utc_stamp, write_sidecar"""
 
@@ -62,8 +62,8 @@ lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank > 0 else None
 lora_modes = [lora] * (lora is not None) + [None] * (without_lora or lora is None)
 out_dir = (Path(sidecar_path).with_name(Path(sidecar_path).stem + "_backends") if sidecar_path
            else Path(tempfile.mkdtemp(prefix="phase1_")))
-prompts = bench.prepare_prompts(model, workload)
-limits = bench.workload_limits(model, workload, prompts, lora or LoraSpec(),
+prompts = rollout.prepare_prompts(model, workload)
+limits = rollout.workload_limits(model, workload, prompts, lora or LoraSpec(),
                                bandwidth_tb_s * 1e12)
 print(gpu_name(), out_dir, "prompt lengths:", sorted(map(len, prompts)))
 print({("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items()})"""
@@ -71,19 +71,19 @@ print({("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items(
 RUN_10 = """run_id = utc_stamp()
 sides = []
 for mode in lora_modes:
-    sides += bench.run_backends(backends, model, mode, workload, out_dir, engine_options,
+    sides += rollout.run_backends(backends, model, mode, workload, out_dir, engine_options,
                                 timeout_s=timeout_s, prompts=prompts, run_id=run_id)"""
 
-TABLE_10 = """table = bench.comparison_table(bench.results_frame(sides), limits)
+TABLE_10 = """table = rollout.comparison_table(rollout.results_frame(sides), limits)
 table.drop(columns=["error", "run_id"]).round(2)"""
 
 ERRORS_10 = """for s in sides:
     if s["error"]:
         print(f"--- {s['backend']} ---\\n{s['error'][-1500:]}")"""
 
-PLOTS_10 = """display(bench.bar_figure(table, ["decode_tok_per_s"], "decode tok/s (median round)",
+PLOTS_10 = """display(rollout.bar_figure(table, ["decode_tok_per_s"], "decode tok/s (median round)",
                          "Decode throughput (prefill included in the wall time)"))
-bench.bar_figure(table, ["peak_mem_allocated_gib", "peak_mem_device_gib"], "GiB",
+rollout.bar_figure(table, ["peak_mem_allocated_gib", "peak_mem_device_gib"], "GiB",
                  "Peak memory: torch allocated vs in use on the device")"""
 
 INTERACTIVE_10 = """from dataclasses import replace
@@ -95,9 +95,9 @@ from nbhelpers.widgets import run_controls
 def rerun(backends, lora_rank, n_prompts):
     \"\"\"One more run with the picked choices; its sidecars go to <out_dir>/interactive.\"\"\"
     mode = LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
-    got = bench.run_backends(backends, model, mode, replace(workload, n_prompts=n_prompts),
+    got = rollout.run_backends(backends, model, mode, replace(workload, n_prompts=n_prompts),
                              out_dir / "interactive", engine_options, timeout_s=timeout_s)
-    return bench.comparison_table(bench.results_frame(got), limits).drop(
+    return rollout.comparison_table(rollout.results_frame(got), limits).drop(
         columns=["error", "run_id"])
 
 
@@ -107,7 +107,7 @@ run_controls(rerun, backends=(BACKENDS, backends), lora_rank=([0, 8, 16, 32, 64]
 SIDECAR_10 = """params = dict(model=model, backends=backends, lora_rank=lora_rank, without_lora=without_lora,
               n_prompts=n_prompts, max_new_tokens=max_new_tokens, sampling=sampling,
               rounds=rounds, bandwidth_tb_s=bandwidth_tb_s, limits_tok_per_s=limits)
-summary = bench.summary_sidecar(sides, table, "10_lora_rollout", params)
+summary = rollout.summary_sidecar(sides, table, "10_lora_rollout", params)
 if sidecar_path:
     print("sidecar:", write_sidecar(summary, sidecar_path))
 assert len(sides) == len(backends) * len(lora_modes), "a backend run left no sidecar"
@@ -115,7 +115,7 @@ for s in sides:
     if s["error"] is None:  # EOS ignored: every round returns every requested token
         assert all(r["new_tokens"] == n_prompts * max_new_tokens for r in s["rounds"]), s["backend"]
 assert not (require_all and summary["error"]), f"failed runs: {summary['error']}"
-display(Markdown(bench.result_line(table)))"""
+display(Markdown(rollout.result_line(table)))"""
 
 TITLE_19 = """# Phase 1: compare every rollout measurement
 
@@ -134,7 +134,7 @@ IMPORTS_19 = """%load_ext autoreload
 import pandas as pd
 from IPython.display import Markdown, display
 
-from nbhelpers import bench
+from nbhelpers.bench import rollout
 from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 PARAMS_19 = """\
@@ -142,19 +142,19 @@ executed_dir: str = "executed/phase1_rollout"  # folder searched for phase 1 sid
 require_any: bool = True  # assert that at least one backend sidecar was found
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
-READ_19 = """sides = bench.backend_sidecars(executed_dir)
-frame = bench.results_frame(sides)
+READ_19 = """sides = rollout.backend_sidecars(executed_dir)
+frame = rollout.results_frame(sides)
 print(len(sides), "phase 1 backend sidecars;", frame["gpu"].nunique() if len(frame) else 0,
       "device(s)")"""
 
 TABLE_19 = """keys = ["gpu", "model"]
 latest = frame.sort_values("run_id").groupby([*keys, "backend"], dropna=False).tail(1)
-table = (pd.concat([bench.comparison_table(g) for _, g in latest.groupby(keys, dropna=False)])
+table = (pd.concat([rollout.comparison_table(g) for _, g in latest.groupby(keys, dropna=False)])
          if len(latest) else latest)
 table.drop(columns=["error"], errors="ignore").round(2)"""
 
 PLOTS_19 = """for (gpu, model), group in table.groupby(["gpu", "model"], dropna=False):
-    display(bench.bar_figure(group, ["decode_tok_per_s"], "decode tok/s",
+    display(rollout.bar_figure(group, ["decode_tok_per_s"], "decode tok/s",
                              f"{gpu}, {model}: decode"))"""
 
 SIDECAR_19 = """summary = make_sidecar(phase="phase1", backend="summary:19_compare", extra={
@@ -178,7 +178,7 @@ def lora_rollout() -> nbformat.NotebookNode:
     """10_lora_rollout: run the backends, table, charts, sidecar."""
     return nbgen.build(TITLE_10, IMPORTS_10, PARAMS_10, [
         (("Derived values: workload, LoRA modes, output folder, prompt ids, and the bandwidth "
-          "limit (`bench.decode_limit_tok_per_s`: weights + KV read once per decode step)."),
+          "limit (`rollout.decode_limit_tok_per_s`: weights + KV read once per decode step)."),
          DERIVED_10),
         (("## Run every backend\nOne subprocess per backend and LoRA mode; a failure is recorded "
           "in that backend's sidecar and the next one runs."), RUN_10),
@@ -188,7 +188,7 @@ def lora_rollout() -> nbformat.NotebookNode:
         ("## Errors\nTraceback tails of failed runs, if any.", ERRORS_10),
         ("## Charts", PLOTS_10),
         (("## Try other choices (JupyterLab)\nPick backends, LoRA rank and batch, then Run: the "
-          "same `bench.run_backends` call as above, into `interactive/` beside this run's "
+          "same `rollout.run_backends` call as above, into `interactive/` beside this run's "
           "sidecars. Under papermill the panel is only shown; the parameters cell drove the run."),
          INTERACTIVE_10)],
         sidecar=("## Sidecar and checks", SIDECAR_10))

@@ -1,7 +1,7 @@
 """Generate the phase 2 notebooks (GRPO per backend) with nbformat, output-stripped.
 
 Run: ``python scripts/make_phase2_notebooks.py`` (``--check``: only report notebooks out of
-sync). Edit here, not in the .ipynb. Logic lives in ``nbhelpers.grpo_backends`` /
+sync). Edit here, not in the .ipynb. Logic lives in ``nbhelpers.grpo.trainer`` /
 ``grpo_compare`` / ``gate`` (DESIGN.md rule 1); layout and writing in ``scripts/nbgen.py``.
 """
 
@@ -20,7 +20,7 @@ the policy's LoRA live): do they train the same, and what does each cost in step
 
 Same dataset, reward functions (the reference notebook's four), LoRA, sampling, seed and
 statistics callback for every backend; each backend runs in its own process. The coherence gate
-(`nbhelpers.gate`) checks finite losses and grad norms, rewards in the model's expected range, KL
+(`nbhelpers.grpo.gate`) checks finite losses and grad norms, rewards in the model's expected range, KL
 in [0, 0.015] over the first steps and close to the reference backend's, and reports the
 per-token gap between the engine's logprobs and the trainer's. A backend that cannot be staged
 here keeps its row with the error. Reference (B200, 10 steps, 4 generations; Unsloth PR #5108):
@@ -33,9 +33,10 @@ EQ_IMPORTS = """%load_ext autoreload
 import pandas as pd
 from IPython.display import Markdown, display
 
-from nbhelpers import grpo_compare, plots
+from nbhelpers import plots
+from nbhelpers.grpo import compare as grpo_compare
 from nbhelpers.config import GRPOSettings, LoraSpec
-from nbhelpers.gate import assert_gate, check_runs, thresholds_for
+from nbhelpers.grpo.gate import assert_gate, check_runs, thresholds_for
 from nbhelpers.models import describe, get_spec
 from nbhelpers.stats import gpu_name"""
 
@@ -184,7 +185,8 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from nbhelpers import grpo_compare, plots
+from nbhelpers import plots
+from nbhelpers.grpo import compare as grpo_compare
 from nbhelpers.stats import read_sidecars"""
 
 CMP_PARAMETERS = """\

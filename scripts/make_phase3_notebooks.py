@@ -1,8 +1,8 @@
 """Generate the phase 3 flex-engine notebooks 30-33 with nbformat (output-stripped).
 
 Run: ``python scripts/make_phase3_notebooks.py`` (``--check``: only report notebooks out of
-sync). Edit here, not in the .ipynb files; the logic lives in ``nbhelpers/engine/report.py`` and
-``nbhelpers/engine_bench.py`` (DESIGN.md rule 1); layout and writing in ``scripts/nbgen.py``.
+sync). Edit here, not in the .ipynb files; the logic lives in ``nbhelpers/bench/engine_report.py`` and
+``nbhelpers/bench/flex_sweep.py`` (DESIGN.md rule 1); layout and writing in ``scripts/nbgen.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from IPython.display import Markdown, display
 from nbhelpers import data, models
 from nbhelpers.config import LoraSpec, SamplingParams
 from nbhelpers.engine import LLM
-from nbhelpers.engine import report as rep
-from nbhelpers import engine_bench as eb
+from nbhelpers.bench import engine_report as rep
+from nbhelpers.bench import flex_sweep as eb
 from nbhelpers.stats import gpu_name, make_sidecar, write_sidecar"""
 
 NB30 = {

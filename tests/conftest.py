@@ -16,7 +16,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# CPU-only hosts run Triton kernels (engine/paged_decode.py) in Triton's interpreter. It must be on
+# CPU-only hosts run Triton kernels (engine/kernels/paged_decode.py) in Triton's interpreter. It must be on
 # before anything imports triton (read when kernels are decorated and when they run), hence here.
 # TRL's Triton log-prob kernel is kept out on CPU hosts by shims/trl_fused_logprob_cpu.py.
 if not _has_cuda():

@@ -115,10 +115,10 @@ def load_hf(model: ModelSpec, lora: LoraSpec | None, *, device: str | None = Non
             seed: int = 0) -> tuple[Any, Any, str | None]:
     """Vanilla HF model (+ PEFT adapter when ``lora``) in eval mode, its tokenizer, adapter path.
 
-    The adapter is ``adapter_path`` or the cached :func:`nbhelpers.lora.canonical_adapter` of
+    The adapter is ``adapter_path`` or the cached :func:`nbhelpers.adapters.canonical_adapter` of
     ``model.name``; it stays unmerged (the naive TRL path). LoRA params keep PEFT's fp32.
     """
-    from nbhelpers import lora as lora_mod
+    from nbhelpers import adapters as lora_mod
     from nbhelpers import models
 
     dev = device or default_device()

@@ -8,35 +8,11 @@ that every backend gets identical requests; completions report the tokens actual
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.config import Completion, LoraSpec, ModelSpec, SamplingParams
 
-
-@dataclass(frozen=True)
-class Completion:
-    """One generated sequence.
-
-    Attributes:
-        prompt_ids: the prompt's token ids, ``[P]``.
-        token_ids: generated token ids, ``[T]`` (EOS included when it ended the sequence).
-        logprobs: log-probability of each sampled token under the engine's (processed) distribution,
-            ``[T]``, or ``None`` when the engine does not report them.
-        finish_reason: ``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS / stop id).
-    """
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-
-    def __post_init__(self) -> None:
-        if self.finish_reason not in ("length", "stop"):
-            raise ValueError(f"Completion.finish_reason={self.finish_reason!r}: 'length' or 'stop'.")
-        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
-            raise ValueError(f"Completion.logprobs has {len(self.logprobs)} entries for "
-                             f"{len(self.token_ids)} tokens: they must match one to one.")
+__all__ = ["BackendNotInstalled", "Completion", "RolloutBackend"]
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 Contract (DESIGN.md "Backend contract"): ``load`` opens the registry model's *weights* folder
 (``nbhelpers.models.model_folder(name, with_weights=True)``: Unsloth cannot use dummy weights),
 wraps it with ``FastLanguageModel.get_peft_model`` when LoRA is asked for and copies the canonical
-PEFT adapter into that wrapper (:func:`nbhelpers.lora.copy_adapter_into`: keys normalised for the
+PEFT adapter into that wrapper (:func:`nbhelpers.adapters.copy_adapter_into`: keys normalised for the
 ``base_model.model.`` prefix and the ``.default.`` infix), then ``FastLanguageModel.for_inference``.
 ``generate`` is one batched, left-padded ``model.generate`` over all prompts.
 
@@ -56,7 +56,7 @@ class UnslothBackend(HFGenerateBackend):
         for key, value in unsloth_env(engine_options.get("decode_cuda_graphs", True)).items():
             os.environ.setdefault(key, value)
         unsloth = _common.require("unsloth", self.name, "unsloth")
-        from nbhelpers import lora as lora_mod
+        from nbhelpers import adapters as lora_mod
         from nbhelpers import models
 
         flm = unsloth.FastLanguageModel

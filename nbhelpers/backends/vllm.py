@@ -89,7 +89,7 @@ class VLLMBackend:
         for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
         vllm = _common.require("vllm", self.name, "vllm")
-        from nbhelpers import lora as lora_mod
+        from nbhelpers import adapters as lora_mod
         from nbhelpers import models
 
         folder = str(models.model_folder(model.name, with_weights=model.kind != "random"))

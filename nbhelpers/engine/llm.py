@@ -1,7 +1,7 @@
 """The flex engine's facade: ``LLM(model).generate(prompts, SamplingParams) -> list[Completion]``.
 
 Contract (vLLM-like): prompts are token-id lists; ``sampling.n`` samples per prompt come back
-prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``); each :class:`~nbhelpers.backends.base.Completion`
+prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``); each :class:`~nbhelpers.config.Completion`
 carries the generated ids, the sampled tokens' logprobs and ``finish_reason`` (``stop`` on EOS /
 ``stop_token_ids``, else ``length``). The engine runs on the HF model's own parameters (PEFT LoRA
 live, see :mod:`nbhelpers.engine.lora`); ``sleep()`` frees the KV pool and the CUDA graphs,
@@ -22,8 +22,7 @@ import numbers
 import time
 from typing import Any
 
-from nbhelpers.backends.base import Completion
-from nbhelpers.config import SamplingParams
+from nbhelpers.config import Completion, SamplingParams
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
 from nbhelpers.engine.runner_options import option_names

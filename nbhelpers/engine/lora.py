@@ -12,7 +12,7 @@ the parts' base weights and LoRA A are re-pointed (``param.data = view``) to row
 buffer each, so one GEMM serves all parts with no copy per call and the optimizer's in-place
 updates land in the fused buffer; LoRA B adds in place into each part's output slice with the
 scaling folded into ``addmm_`` (see the class docstring), or, with ``lora_expand="triton"``, as
-one Triton launch for all parts (:mod:`nbhelpers.engine.lora_expand`).
+one Triton launch for all parts (:mod:`nbhelpers.engine.kernels.lora_expand`).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).
@@ -110,9 +110,9 @@ class LiveGroup:
     eager call (the runner re-captures its CUDA graphs on the storage-signature change first).
     ``lora_expand="triton"`` (:meth:`set_lora_expand`) replaces the per-part ``addmm_`` by one
     kernel over all parts, same dtype order, on CUDA (or under ``TRITON_INTERPRET=1``) when
-    :func:`nbhelpers.engine.lora_expand.supported`; otherwise the ``addmm_`` path runs. In that
+    :func:`nbhelpers.engine.kernels.lora_expand.supported`; otherwise the ``addmm_`` path runs. In that
     mode fp32 adapters on a 16-bit base (TRL's GRPO default) also get A as one Triton launch
-    reading the 16-bit input (:mod:`nbhelpers.engine.lora_shrink`) instead of cast + fp32 GEMM.
+    reading the 16-bit input (:mod:`nbhelpers.engine.kernels.lora_shrink`) instead of cast + fp32 GEMM.
 
     Shapes: ``x [..., in]`` -> list of ``[..., out_i]`` (views of one ``[..., sum(out)]`` output).
     """
@@ -134,8 +134,8 @@ class LiveGroup:
         self.lora_expand = check_lora_expand(mode)
         self._expand = self._shrink = None
         if mode == "triton":  # imported here, not per call (traced decode steps)
-            from nbhelpers.engine import lora_expand as expand_module
-            from nbhelpers.engine import lora_shrink as shrink_module
+            from nbhelpers.engine.kernels import lora_expand as expand_module
+            from nbhelpers.engine.kernels import lora_shrink as shrink_module
             self._expand, self._shrink = expand_module, shrink_module
 
     def _lora_fusable(self) -> bool:
@@ -221,7 +221,7 @@ class LiveGroup:
 
     def _lora_a(self, x2: Any, a: Any) -> Any:
         """``x2.to(A.dtype) @ A^T`` ``[N, sum(r)]``: one Triton launch for fp32 A on a 16-bit
-        input when enabled (:mod:`nbhelpers.engine.lora_shrink`), else cast + ``F.linear``."""
+        input when enabled (:mod:`nbhelpers.engine.kernels.lora_shrink`), else cast + ``F.linear``."""
         import torch.nn.functional as F
         ls = self._shrink
         if ls is not None and ls.supported(x2, a):

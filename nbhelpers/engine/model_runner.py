@@ -65,7 +65,7 @@ class ModelRunner:
             self.model.compile_elementwise()
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
         if self.decode_attention == "triton":
-            from nbhelpers.engine.paged_decode import build_paged_decode
+            from nbhelpers.engine.kernels.paged_decode import build_paged_decode
             self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device
         self.kv: Any = None  # KVCache, or None while asleep

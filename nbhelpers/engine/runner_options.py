@@ -19,15 +19,15 @@ class RunnerOptions:
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
     ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask), ``"triton"``
-    (split-KV kernel of ``engine/paged_decode.py``; prefill stays flex) or ``"auto"`` (triton on
+    (split-KV kernel of ``engine/kernels/paged_decode.py``; prefill stays flex) or ``"auto"`` (triton on
     CUDA when the triton package imports, else flex); ``decode_kernel_options``:
     the decode kernel's options (flex: e.g. DESIGN.md's ``num_warps``; triton:
     ``paged_decode.KERNEL_OPTIONS``);
     ``compile_layers``: torch.compile the decode step's norm/RoPE/SwiGLU pieces and sampler
     (``None`` = on iff CUDA; see ``engine/fused.py``); ``lora_expand``: LoRA B per projection
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
-    ``engine/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
-    16-bit base also get LoRA A as one kernel, ``engine/lora_shrink.py``) or ``"auto"``
+    ``engine/kernels/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
+    16-bit base also get LoRA A as one kernel, ``engine/kernels/lora_shrink.py``) or ``"auto"``
     (triton on CUDA with triton, else addmm).
 
     Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30

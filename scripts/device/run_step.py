@@ -4,7 +4,7 @@ Run on the device: ``python3 scripts/device/run_step.py c1 --sha abc1234 --budge
 Check here (CPU, no GPU, nothing staged): ``python scripts/device/run_step.py all --dry-run``
 prints each step's carry list with byte sizes (``du -sb``), checks every carried path exists,
 the whole call stays under the tool's 64 MiB, and every ``-p`` name/value passes the runner's
-own check (``nbhelpers.run_params.plan_parameters``, h200 profile).
+own check (``nbhelpers.run.params.plan_parameters``, h200 profile).
 
 Staging (stdlib only, before any package is installed): wheel sets go to /tmp/site with pip
 ``--target`` (the bundle manifests' own command), vLLM parts are copied to /tmp and restored
@@ -155,7 +155,7 @@ def dry_run(step: str) -> int:
     """Print carry sizes and check paths, the 64 MiB limit and the -p overrides; 0 if ok."""
     import yaml
 
-    from nbhelpers.run_params import plan_parameters
+    from nbhelpers.run.params import plan_parameters
     bad, total = 0, tree_bytes()
     print(f"[{step}] working tree {total} B")
     for p in carry(step):

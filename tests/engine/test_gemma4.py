@@ -155,7 +155,7 @@ def test_unsupported_variants_are_clear_errors(field, value, match):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU (compiled flex_attention + CUDA-graph decode)")
 def test_gpu_compiled_graphs_match_hf():
-    from nbhelpers.engine.models.gemma4_report import parity_llm, teacher_forced_parity
+    from nbhelpers.bench.gemma4_report import parity_llm, teacher_forced_parity
     model = tiny_gemma4().cuda()
     prompts = random_prompts(4, 20, 150, vocab=VOCAB)  # several pages of 128, past the window
     llm = parity_llm(model, prompts, 24, page_size=128)  # compile + graphs: on by default
@@ -165,7 +165,7 @@ def test_gpu_compiled_graphs_match_hf():
 
 
 def test_report_architecture_table_and_kv_bytes(e2b_like):
-    from nbhelpers.engine.models import gemma4_report as g4
+    from nbhelpers.bench import gemma4_report as g4
     table = g4.architecture_table(e2b_like)
     assert table["reads_kv_of"].tolist() == [0, 1, 0, 1]
     assert table["head_dim"].tolist() == [16, 32, 16, 32]
@@ -178,7 +178,7 @@ def test_report_architecture_table_and_kv_bytes(e2b_like):
 def test_report_tables_and_result_line():
     import pandas as pd
 
-    from nbhelpers.engine.models import gemma4_report as g4
+    from nbhelpers.bench import gemma4_report as g4
     frame = pd.DataFrame([
         {"backend": "flex", "batch": 8, "decode_tok_per_s": 900.0, "error": ""},
         {"backend": "hf_generate", "batch": 8, "decode_tok_per_s": 300.0, "error": ""},
@@ -196,7 +196,7 @@ def test_kernel_probe_case_matches_dense_attention():
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from nbhelpers.engine.models.gemma4_kernels import paged_case
+    from nbhelpers.bench.gemma4_kernels import paged_case
     for is_decode in (True, False):
         c = paged_case(32, is_decode, batch=2, prompt_len=20, page_size=16, device="cpu")
         q, k, v = (c[n].float() for n in ("q", "k", "v"))
@@ -212,8 +212,8 @@ def test_kernel_probe_case_matches_dense_attention():
 
 
 def test_decode_limit_skips_the_per_layer_input_table_and_caps_sliding_reads():
-    from nbhelpers.bench import H200_COPY_BANDWIDTH_BYTES_PER_S
-    from nbhelpers.engine.models.gemma4_report import decode_limit_tok_per_s
+    from nbhelpers.bench.rollout import H200_COPY_BANDWIDTH_BYTES_PER_S
+    from nbhelpers.bench.gemma4_report import decode_limit_tok_per_s
     # tiny-gemma4: 6,483,424 params, of which the per-layer-input table is 49,152 x 4 x 16
     weights = (6_483_424 - 49_152 * 64) * 2
     # prompt 10, 10 new tokens: full layers read ctx 11..20 (mean 15.5), sliding ones min(ctx, 16)

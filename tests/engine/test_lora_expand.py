@@ -16,7 +16,7 @@ from _tiny import hf_greedy, random_prompts
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
-from nbhelpers.engine import lora_expand as le
+from nbhelpers.engine.kernels import lora_expand as le
 from nbhelpers.engine.lora import LiveGroup, check_lora_expand
 from nbhelpers.engine.model_runner import RunnerOptions
 
@@ -154,7 +154,7 @@ _AOT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nbhelpers.engine import lora_expand as le
+from nbhelpers.engine.kernels import lora_expand as le
 fn = le._lora_expand_gemm
 ints = ["n_rows", "stride_xa", "stride_y", "end0", "end1", "roff1", "roff2", "r0", "r1", "r2"]
 for y, b, parts, dot32 in (("bf16", "bf16", 3, False), ("bf16", "fp32", 2, True),

@@ -1,4 +1,4 @@
-"""LoRA A as one Triton kernel for fp32 adapters on a 16-bit base (``engine/lora_shrink.py``).
+"""LoRA A as one Triton kernel for fp32 adapters on a 16-bit base (``engine/kernels/lora_shrink.py``).
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (set by ``tests/conftest.py`` before the
 kernel module is imported); skipped when triton is not importable.
@@ -16,7 +16,7 @@ from _tiny import random_prompts
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
-from nbhelpers.engine import lora_shrink as ls
+from nbhelpers.engine.kernels import lora_shrink as ls
 from nbhelpers.engine.lora import LiveGroup
 
 skip_unless_runnable(ls)
@@ -119,7 +119,7 @@ _AOT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nbhelpers.engine import lora_shrink as ls
+from nbhelpers.engine.kernels import lora_shrink as ls
 fn = ls._lora_shrink_gemm
 ints = ["n_rows", "k", "r_total", "stride_x", "stride_a", "stride_xa", "k_per_split"]
 for x, split in (("bf16", 1), ("bf16", 8), ("fp16", 4)):

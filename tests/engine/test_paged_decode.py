@@ -1,4 +1,4 @@
-"""Triton paged decode attention (``engine/paged_decode.py``) vs a dense PyTorch reference.
+"""Triton paged decode attention (``engine/kernels/paged_decode.py``) vs a dense PyTorch reference.
 
 Runs the kernels in Triton's CPU interpreter on CPU-only hosts (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before anything imports triton), compiled on a GPU host; skipped when
@@ -20,8 +20,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by tests/conftest.p
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from nbhelpers.engine import paged_decode
-from nbhelpers.engine.paged_decode import choose_num_splits, paged_decode_attention
+from nbhelpers.engine.kernels import paged_decode
+from nbhelpers.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 
 if INTERPRET and type(paged_decode._paged_attention_stage1).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbhelpers import engine_bench as eb
+from nbhelpers.bench import flex_sweep as eb
 from nbhelpers.config import LoraSpec, SamplingParams
 from nbhelpers.engine import LLM
 

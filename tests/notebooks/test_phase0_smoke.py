@@ -5,7 +5,7 @@ import json
 import nbformat
 import pytest
 
-from nbhelpers import run as runner
+from nbhelpers.run import runner
 from nbhelpers.stats import validate_sidecar
 
 NOTEBOOK = "notebooks/phase0_reference/00_reference_grpo.ipynb"

@@ -1,4 +1,4 @@
-"""nbhelpers.bench: failure isolation (one backend fails or times out, the others still report),
+"""nbhelpers.bench.rollout: failure isolation (one backend fails or times out, the others still report),
 token counting, sidecars, the bandwidth limit and the comparison table. Tiny model
 ``tiny-qwen3``; each backend runs in its own subprocess (~15 s each on 2 cores). Run:
 ``pytest tests/unit/test_bench.py -q``.
@@ -11,9 +11,10 @@ import math
 import pandas as pd
 import pytest
 
-from nbhelpers import bench, models
+from nbhelpers import models
+from nbhelpers.bench import rollout as bench
 from nbhelpers.backends.base import Completion
-from nbhelpers.bench_worker import count_round, lora_from_block, warmup_sampling
+from nbhelpers.bench.worker import count_round, lora_from_block, warmup_sampling
 from nbhelpers.config import LoraSpec, SamplingParams, Workload
 from nbhelpers.stats import validate_sidecar
 

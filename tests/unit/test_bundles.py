@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from nbhelpers import bundle_verify, bundles
-from nbhelpers.bundle_sets import SETS, BundleSet
+from nbhelpers.bundles import verify as bundle_verify
+from nbhelpers.bundles import build as bundles
+from nbhelpers.bundles.sets import SETS, BundleSet
 
 
 def _name(pin: str) -> str:

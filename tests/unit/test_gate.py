@@ -1,10 +1,10 @@
-"""nbhelpers.gate on synthetic per-step rows (the real-run cases are in test_grpo_flex.py)."""
+"""nbhelpers.grpo.gate on synthetic per-step rows (the real-run cases are in test_grpo_flex.py)."""
 
 import math
 
 import pytest
 
-from nbhelpers.gate import (
+from nbhelpers.grpo.gate import (
     MISMATCH_MEAN,
     RANDOM_WEIGHTS_REWARD,
     GateFailed,
@@ -124,7 +124,7 @@ def _run(reward=-7.5, error=None, wall=2.0, peak=1.0):
 
 
 def test_sidecars_round_trip_gate_and_perf_goal(tmp_path):
-    from nbhelpers import grpo_compare
+    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.config import GRPOSettings
     from nbhelpers.stats import read_sidecars
     runs = {"hf_generate": _run(wall=3.0), "flex": _run(wall=1.0, peak=1.0),
@@ -144,7 +144,7 @@ def test_sidecars_round_trip_gate_and_perf_goal(tmp_path):
 
 
 def test_flex_options_from_notebook_parameters():
-    from nbhelpers.grpo_compare import flex_options
+    from nbhelpers.grpo.compare import flex_options
     assert flex_options() is None
     assert flex_options(True, "on") == {"sleep_between_rollouts": True, "compile_attention": True}
     with pytest.raises(ValueError, match="auto | on | off"):
@@ -155,7 +155,7 @@ def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path
     """Two notebook runs (as on two device calls): vLLM alone, then hf_generate + flex; the
     cross-run gate puts vLLM against the hf_generate run and sees a KL gap the per-run gate
     could not."""
-    from nbhelpers import grpo_compare
+    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.config import GRPOSettings
     from nbhelpers.stats import read_sidecars
     vllm = _run() | {"rows": rows(kl=0.01)}
@@ -183,7 +183,7 @@ def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path
 
 
 def test_gate_latest_never_mixes_devices_or_models(tmp_path):
-    from nbhelpers import grpo_compare
+    from nbhelpers.grpo import compare as grpo_compare
     runs = {"hf_generate@1": _run() | {"gpu": "NVIDIA H200", "model": {"name": "q"}},
             "vllm@2": _run() | {"rows": rows(kl=0.01), "gpu": "NVIDIA H200", "model": {"name": "q"}},
             "hf_generate@3": _run() | {"gpu": "cpu", "model": {"name": "s"}},
@@ -196,7 +196,7 @@ def test_gate_latest_never_mixes_devices_or_models(tmp_path):
 
 
 def test_filter_device_matches_part_of_the_name_and_names_the_devices_seen():
-    from nbhelpers import grpo_compare
+    from nbhelpers.grpo import compare as grpo_compare
     runs = {"flex@a": {"gpu": "NVIDIA H200"}, "flex@b": {"gpu": "cpu"}}
     gates = {"flex@a": "ga", "flex@b": "gb"}
     assert grpo_compare.filter_device(runs, gates, "") == (runs, gates)

@@ -1,4 +1,4 @@
-"""nbhelpers.grpo / grpo_stats on the CPU: config building, batch fix-up, stats on fake logs."""
+"""nbhelpers.grpo.setup / grpo_stats on the CPU: config building, batch fix-up, stats on fake logs."""
 
 import logging
 from types import SimpleNamespace
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from nbhelpers.config import GRPOSettings
-from nbhelpers.grpo import _check_backend, build_config, fixed_batch_size
-from nbhelpers.grpo_stats import CompletionRecorder, StatisticsCallback
+from nbhelpers.grpo.setup import build_config, check_backend, fixed_batch_size
+from nbhelpers.grpo.callbacks import CompletionRecorder, StatisticsCallback
 
 
 @pytest.mark.parametrize("bs,g,ga,world,expected", [
@@ -29,7 +29,7 @@ def test_fixed_batch_size_rejects_zero():
 
 def test_build_config_rounds_batch_with_message(tmp_path, caplog):
     settings = GRPOSettings(per_device_train_batch_size=3, num_generations=4)
-    with caplog.at_level(logging.WARNING, logger="nbhelpers.grpo"):
+    with caplog.at_level(logging.WARNING, logger="nbhelpers.grpo.setup"):
         cfg = build_config(settings, tmp_path)
     assert cfg.per_device_train_batch_size == 4
     assert cfg.generation_batch_size == 4
@@ -64,7 +64,7 @@ def test_build_config_overrides_and_bad_override(tmp_path):
                                         ("nope", "unknown")])
 def test_backend_errors_name_the_fix(name, match):
     with pytest.raises(ValueError, match=match):
-        _check_backend(name)
+        check_backend(name)
 
 
 def _drive(cb, steps):

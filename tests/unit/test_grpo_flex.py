@@ -12,13 +12,14 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from nbhelpers import grpo_flex
+from nbhelpers.grpo import flex_rollout as grpo_flex
 from nbhelpers.backends.base import BackendNotInstalled
-from nbhelpers.compile_report import CompileWatch, check_compile_mode
+from nbhelpers.grpo.compile_report import CompileWatch, check_compile_mode
 from nbhelpers.config import GRPOSettings, LoraSpec
-from nbhelpers.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
-from nbhelpers.grpo_backends import plan_backend, step_rows, train
-from nbhelpers.grpo_flex import group_prompts, logprob_mismatch
+from nbhelpers.grpo.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
+from nbhelpers.grpo import step_rows, train
+from nbhelpers.grpo.plans import plan_backend
+from nbhelpers.grpo.flex_rollout import group_prompts, logprob_mismatch
 
 
 # a step-varying reward so advantages (and the LoRA update) are non-zero on random weights
@@ -52,7 +53,7 @@ ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 def flex_run(request, tmp_path_factory):
     """Two flex GRPO steps; ``cpu`` (fp32, eager) is forced even on GPU hosts, ``cuda`` runs
     bf16 with the engine's CUDA-graph decode (the captured graphs must see the update too)."""
-    from nbhelpers import grpo
+    from nbhelpers.grpo import setup as grpo_setup
     torch.set_num_threads(1)  # tiny GEMMs on 2 shared cores (tests/engine/_tiny.py)
     made = []
 
@@ -68,7 +69,7 @@ def flex_run(request, tmp_path_factory):
     snaps = Snapshots()
     mp = pytest.MonkeyPatch()
     mp.setattr(grpo_flex, "FlexRollout", Recorded)
-    mp.setattr(grpo, "_is_cuda", lambda: request.param == "cuda")
+    mp.setattr(grpo_setup, "is_cuda", lambda: request.param == "cuda")
     try:
         result = train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
                        output_dir=tmp_path_factory.mktemp("grpo_flex"), skip_first=0,
@@ -207,7 +208,7 @@ def test_group_prompts_and_mismatch_helpers():
 
 
 def test_vllm_max_model_length_covers_trls_fixed_batched_tokens():
-    from nbhelpers.grpo_backends import TRL_VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_model_length
+    from nbhelpers.grpo.plans import TRL_VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_model_length
     phase2 = GRPOSettings(per_device_train_batch_size=4, num_generations=4,
                           max_prompt_length=256, max_completion_length=256)
     assert vllm_max_model_length(phase2) == 1024  # 4 seqs x 1024 = 4096, not 4 x 512 = 2048
@@ -227,7 +228,7 @@ def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
     from peft import LoraConfig, get_peft_model
 
     from nbhelpers import models
-    from nbhelpers.compile_report import backbone, compile_trainer_models
+    from nbhelpers.grpo.compile_report import backbone, compile_trainer_models
     lm, _ = models.load_model("tiny-llama", dtype="float32", device="cpu")
     policy = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj"]))
     trainer = SimpleNamespace(model=policy, ref_model=None)
@@ -245,16 +246,17 @@ def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
 def test_format_warmup_is_merged_then_grpo_trains_a_fresh_adapter(tmp_path):
     """Phase 2's format warm-up: SFT steps on a LoRA adapter, merged into the base, then GRPO
     (flex rollouts) on that base with a new adapter; an out-of-process backend is refused."""
-    from nbhelpers import grpo
+    from nbhelpers.grpo import setup as grpo_setup
     torch.set_num_threads(1)
     settings = GRPOSettings(max_steps=1, num_generations=4, per_device_train_batch_size=4,
                             max_completion_length=8, min_p=0.0,
                             lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
     mp = pytest.MonkeyPatch()
-    mp.setattr(grpo, "_is_cuda", lambda: False)
+    mp.setattr(grpo_setup, "is_cuda", lambda: False)
     try:
         result = train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
-                       output_dir=tmp_path, skip_first=0, format_warmup_steps=2)
+                       output_dir=tmp_path, skip_first=0, format_warmup_steps=2,
+                       warmup_adapter="merge")
     finally:
         mp.undo()
     warm = result.config["format_warmup"]

@@ -1,4 +1,4 @@
-"""nbhelpers.lora: canonical adapters are non-zero, load in PEFT, cache, and copy into another
+"""nbhelpers.adapters: canonical adapters are non-zero, load in PEFT, cache, and copy into another
 wrapper through key normalisation. Tiny Qwen3 config built in the test (no assets). Run:
 ``pytest tests/unit/test_lora.py -q``.
 """
@@ -12,7 +12,7 @@ import torch
 from peft import get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from nbhelpers import lora as L
+from nbhelpers import adapters as L
 from nbhelpers.config import LoraSpec
 
 CFG = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""Every scoring branch of the reference notebook's four reward functions (nbhelpers.rewards).
+"""Every scoring branch of the reference notebook's four reward functions (nbhelpers.grpo.rewards).
 
 Expected numbers are the notebook's (Qwen3_(4B)-GRPO.ipynb, cells qgFNXORy-lpO, cUfHzCVx-nGK,
 hmtI_8gg-uIE, GjBFrttr-y1_). Run: ``pytest tests/unit/test_rewards.py -q``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbhelpers.rewards import (
+from nbhelpers.grpo.rewards import (
     REWARD_FUNCS,
     check_answer,
     check_numbers,

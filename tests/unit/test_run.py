@@ -1,4 +1,4 @@
-"""nbhelpers.run on tiny throwaway notebooks: names, parameters, failures, INDEX.md, CLI."""
+"""nbhelpers.run.runner on tiny throwaway notebooks: names, parameters, failures, INDEX.md, CLI."""
 
 import json
 import threading
@@ -7,9 +7,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nbhelpers import run as runner
+from nbhelpers.run import runner
 from nbhelpers.__main__ import main
-from nbhelpers.run_index import index_rows, render_index
+from nbhelpers.run.index import index_rows, render_index
 
 OK_SOURCE = """from nbhelpers.stats import make_sidecar, write_sidecar
 side = make_sidecar(phase="phase0", backend="hf_generate",
@@ -245,7 +245,7 @@ def test_phase_plan_fails_as_a_whole_and_claims_nothing(repo):
 def test_profile_config_missing_skips_a_phase_notebook_but_not_a_target(repo, caplog):
     _notebook(repo / "notebooks/phase0_reference/09_compare.ipynb", OK_SOURCE)
     (repo / "configs/00_ok.h200.yaml").write_text("answer: 8\n")
-    with caplog.at_level("WARNING", logger="nbhelpers.run"):
+    with caplog.at_level("WARNING", logger="nbhelpers.run.runner"):
         planned = runner.plan_parameters(runner.resolve_notebooks("phase0", repo), "h200", {},
                                          repo)
     assert [(nb.name, p) for nb, p in planned] == [("00_ok.ipynb", {"answer": 8})]
@@ -306,7 +306,7 @@ def test_gpus_beyond_the_visible_count_are_refused(monkeypatch):
 
 
 def test_failed_headline_is_the_error_first_line_shortened():
-    from nbhelpers.run_index import headline
+    from nbhelpers.run.index import headline
 
     assert headline({"error": "ValueError: short\npartial notebook: x"}) == "error: ValueError: short"
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'head_dim'\n"
@@ -387,7 +387,7 @@ def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs/00_sleep.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
     code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
-            f"from nbhelpers import run; run.REPO = Path({str(tmp_path)!r}); "
+            f"from nbhelpers.run import runner as run; run.REPO = Path({str(tmp_path)!r}); "
             "sys.exit(main(['run', 'phase0']))")
     env = {**os.environ, "PYTHONPATH": str(REAL_REPO)}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,

@@ -1,8 +1,9 @@
-"""nbhelpers.sft_warmup: the SFT format warm-up before GRPO (tiny-llama, CPU, a few steps)."""
+"""nbhelpers.grpo.sft_warmup: the SFT format warm-up before GRPO (tiny-llama, CPU, a few steps)."""
 
 import pytest
 
-from nbhelpers import data, sft_warmup
+from nbhelpers import data
+from nbhelpers.grpo import sft_warmup
 from nbhelpers.config import GRPOSettings, LoraSpec
 
 
@@ -39,7 +40,7 @@ def test_format_warmup_changes_lora_and_keeps_it_trainable(tmp_path):
     from peft import get_peft_model
 
     from nbhelpers import models
-    from nbhelpers.grpo import peft_config
+    from nbhelpers.grpo.setup import peft_config
     model, tok = models.load_model("tiny-llama", dtype="float32", seed=0)
     data.apply_reference_chat_template(tok)
     with pytest.raises(TypeError, match="PeftModel"):

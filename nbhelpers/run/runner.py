@@ -15,7 +15,7 @@ logged note, while a single-notebook target without one is an error. The git sha
 run: it names the files and reaches the kernel as ``NBHELPERS_GIT_SHA`` (the notebook's sidecar
 records the same one). A failed notebook's sidecar ``error`` is its exception (``ename: evalue``,
 cell index) and the repo-relative path of the partial notebook. Bad input raises
-:class:`~nbhelpers.run_params.UserInputError` (the CLI prints ``error: ...``, exit 2).
+:class:`~nbhelpers.run.params.UserInputError` (the CLI prints ``error: ...``, exit 2).
 :func:`write_index` regenerates ``executed/INDEX.md`` from the sidecars.
 
 Run: ``python -m nbhelpers run phase0 --profile cpu`` (see ``nbhelpers/__main__.py``).
@@ -36,8 +36,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from nbhelpers.run_index import write_index
-from nbhelpers.run_params import (
+from nbhelpers.run.index import write_index
+from nbhelpers.run.params import (
     MissingInputError,
     UserInputError,
     load_parameters,
@@ -215,7 +215,7 @@ def execute(job: Job, repo: Path = REPO) -> int:
         log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
         # own session: a terminal's Ctrl-C reaches only the runner, which stops the child
         # itself (stop_jobs) so the kernel is shut down and the run is recorded
-        proc = subprocess.Popen([sys.executable, "-m", "nbhelpers.run", spec], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "nbhelpers.run.runner", spec], env=env,
                                 cwd=repo, start_new_session=True)
         job.proc = proc
         proc.wait()

@@ -1,10 +1,10 @@
 """Notebook-side helpers for phase 0: completions table, reference comparison, sidecar, result.
 
-Contract: small pure functions over a :class:`~nbhelpers.grpo.GRPOResult` so that the phase 0
+Contract: small pure functions over a :class:`~nbhelpers.grpo.result.GRPOResult` so that the phase 0
 notebook's cells stay a few lines each. The published reference numbers live in
 :data:`REFERENCE_PHASE0` with their source.
 
-Run: ``python -c "from nbhelpers.notebook import REFERENCE_PHASE0; print(REFERENCE_PHASE0)"``.
+Run: ``python -c "from nbhelpers.grpo.phase0_report import REFERENCE_PHASE0; print(REFERENCE_PHASE0)"``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from nbhelpers.config import GRPOSettings
-    from nbhelpers.grpo import GRPOResult
+    from nbhelpers.grpo.result import GRPOResult
 
 REFERENCE_PHASE0: dict[str, Any] = {
     "step_time_s_median": 5.80,

@@ -19,7 +19,7 @@ Differences from the notebook, each to make the functions usable outside it:
 * bare ``except:`` becomes ``except (ValueError, ZeroDivisionError, OverflowError)``, the
   errors ``float(...)`` and the ratio can raise (``ZeroDivisionError`` when the true answer is 0).
 
-Run: ``python -c "from nbhelpers.rewards import REWARD_FUNCS; print([f.__name__ for f in
+Run: ``python -c "from nbhelpers.grpo.rewards import REWARD_FUNCS; print([f.__name__ for f in
 REWARD_FUNCS])"``.
 """
 

@@ -1,15 +1,15 @@
 """Run the same GRPO setup on several backends (one process each) and compare them.
 
-Contract: :func:`run_backends` runs :func:`nbhelpers.grpo_backends.train` once per backend, each in
+Contract: :func:`run_backends` runs :func:`nbhelpers.grpo.train` once per backend, each in
 a fresh spawned process (DESIGN.md rule 6: one backend per process; vLLM and CUDA graphs leave
 memory behind), and returns ``{backend: run}`` where ``run`` is a plain dict: ``rows`` (per-step
-rows, :func:`~nbhelpers.grpo_backends.step_rows`), ``summary``, ``config``, ``wall_s``,
+rows, :func:`~nbhelpers.grpo.result.step_rows`), ``summary``, ``config``, ``wall_s``,
 ``completions`` (a sample), ``error`` (``"<ExceptionType>: message"`` or None). A failed backend
 keeps its row with the error. :func:`backend_sidecar` makes one schema-v1 sidecar per backend
 (phase ``phase2``) with the gate result beside it; :func:`summary_frame` and :func:`steps_long`
 are the notebook's tables. ``29_compare`` reads the sidecars back with :func:`runs_from_sidecars`.
 
-Run: ``python -c "from nbhelpers.grpo_compare import run_backends; from nbhelpers.config import
+Run: ``python -c "from nbhelpers.grpo.compare import run_backends; from nbhelpers.config import
 GRPOSettings; print(run_backends(['flex'], 'tiny-llama', GRPOSettings(max_steps=1,
 max_completion_length=8), n_questions=4)['flex']['summary'])"``.
 """
@@ -26,6 +26,9 @@ from typing import Any
 from nbhelpers.config import GRPOSettings
 
 PHASE = "phase2"
+WARMUP_ADAPTER = "merge"
+"""Phase 2 merges a format warm-up into the base (``train(warmup_adapter=...)``): every backend of
+one comparison then starts from the same base policy with a fresh adapter."""
 RUN_KEYS = ("rows", "summary", "config", "wall_s", "completions", "error")
 
 
@@ -35,8 +38,9 @@ def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
         import torch
         if cpu_threads and not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads)
-        from nbhelpers.grpo_backends import step_rows, train
+        from nbhelpers.grpo import step_rows, train
         kwargs.setdefault("output_dir", tempfile.mkdtemp(prefix=f"grpo_{backend}_"))
+        kwargs.setdefault("warmup_adapter", WARMUP_ADAPTER)
         res = train(model, settings, backend=backend, **kwargs)
         queue.put({"rows": step_rows(res), "summary": res.summary, "config": res.config,
                    "wall_s": res.wall_s, "completions": res.completions[:8], "error": None})
@@ -46,7 +50,7 @@ def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
 
 def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_threads: int = 0,
                  **train_kwargs: Any) -> dict[str, Any]:
-    """One :func:`~nbhelpers.grpo_backends.train` run in a spawned process (see module doc).
+    """One :func:`~nbhelpers.grpo.train` run in a spawned process (see module doc).
 
     ``cpu_threads`` > 0 sets ``torch.set_num_threads`` in the child on CPU hosts (tiny GEMMs on
     few shared cores run faster on one thread). Never raises for a failed run: ``error`` says why.
@@ -95,7 +99,7 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings,
     Raises:
         ValueError: empty or repeated backends, or an unknown backend name.
     """
-    from nbhelpers.grpo_backends import check_backend
+    from nbhelpers.grpo.setup import check_backend
     if not backends or len(set(backends)) != len(backends):
         raise ValueError(f"backends={backends}: give each backend once, at least one.")
     for b in backends:
@@ -172,7 +176,7 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
     """Schema-v1 sidecar of one backend's GRPO run; ``rounds`` = post-warm-up steps."""
     from types import SimpleNamespace
 
-    from nbhelpers.notebook import grpo_rounds
+    from nbhelpers.grpo.phase0_report import grpo_rounds
     from nbhelpers.stats import make_sidecar
     s, steps = run.get("summary") or {}, run.get("rows") or []
     rounds = grpo_rounds(SimpleNamespace(config=run["config"], records=steps),
@@ -221,7 +225,7 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
 
 
 def gate_frame(gates: dict[str, Any]):
-    """Long table ``backend, check, status, detail`` of :func:`nbhelpers.gate.check_runs`."""
+    """Long table ``backend, check, status, detail`` of :func:`nbhelpers.grpo.gate.check_runs`."""
     import pandas as pd
     rows = []
     for name, g in gates.items():
@@ -235,7 +239,7 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
                    sidecar_path: str | Path) -> list[Path]:
     """One sidecar per backend (``<stem>__<backend>.json`` beside ``sidecar_path``) and, at
     ``sidecar_path``, the run's summary (backend ``all``: per-backend table, gate, failures)."""
-    from nbhelpers.gate import GateFailed, assert_gate
+    from nbhelpers.grpo.gate import GateFailed, assert_gate
     from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar
     path, run_id = Path(sidecar_path), utc_stamp()
     written = []
@@ -293,17 +297,17 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
 
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
     """Gate the newest run of each backend against the newest ``reference`` run on the same
-    device and model, across device calls (:func:`nbhelpers.gate.check_runs`); ``runs`` as from
+    device and model, across device calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from
     :func:`runs_from_sidecars`.
 
-    Thresholds (:func:`nbhelpers.gate.thresholds_for`): model kind ``random`` when the runs'
+    Thresholds (:func:`nbhelpers.grpo.gate.thresholds_for`): model kind ``random`` when the runs'
     model block says ``weights: random`` (else ``real``); filtered sampling read from the
     recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``, keyed
     ``"backend (device, model)"`` when the runs span several devices or models.
     """
     from types import SimpleNamespace
 
-    from nbhelpers.gate import check_runs, thresholds_for
+    from nbhelpers.grpo.gate import check_runs, thresholds_for
     groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for key, run in runs.items():
         group = (run.get("gpu") or "cpu", (run.get("model") or {}).get("name") or "?")

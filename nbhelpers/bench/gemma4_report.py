@@ -3,7 +3,7 @@
 Contract: small functions over an HF ``Gemma4ForCausalLM`` and the flex :class:`~nbhelpers.engine.LLM`
 so that the notebook's cells stay a few lines: the per-layer architecture table, KV bytes per token,
 teacher-forced parity against HF, and the throughput sweep (one subprocess per backend and batch
-size through :func:`nbhelpers.bench.run_backends`) with its table and figure. Heavy imports inside.
+size through :func:`nbhelpers.bench.rollout.run_backends`) with its table and figure. Heavy imports inside.
 
 Run: see the notebook; ``pytest tests/engine/test_gemma4.py`` covers the parity helper.
 """
@@ -75,13 +75,13 @@ def decode_limit_tok_per_s(model: str, batch: int, prompt_tokens: float, max_new
     gathered: 2.35 B of E2B's 4.63 B parameters), plus each layer's read of its (store layer's)
     K/V: ``min(ctx, window)`` tokens on sliding layers, ``ctx`` on full ones, averaged over the
     decode (``ctx = prompt + t``, t = 1..max_new_tokens). Step time >= bytes / bandwidth, at the
-    H200's measured copy bandwidth (``nbhelpers.bench.H200_COPY_BANDWIDTH_BYTES_PER_S``, DESIGN.md
+    H200's measured copy bandwidth (``nbhelpers.bench.rollout.H200_COPY_BANDWIDTH_BYTES_PER_S``, DESIGN.md
     "Reference workloads"); the same formula as ``bench.decode_limit_tok_per_s`` otherwise.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nbhelpers.bench import H200_COPY_BANDWIDTH_BYTES_PER_S
+    from nbhelpers.bench.rollout import H200_COPY_BANDWIDTH_BYTES_PER_S
     from nbhelpers.models import build_config
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(build_config(model))
@@ -115,7 +115,8 @@ def kernel_probe(seconds: float) -> Any:
     import pandas as pd
     import torch
 
-    from nbhelpers.engine.models import gemma4, gemma4_kernels
+    from nbhelpers.bench import gemma4_kernels
+    from nbhelpers.engine.models import gemma4
     if seconds <= 0 or not torch.cuda.is_available():
         return pd.DataFrame(columns=["head_dim", "is_decode", "options", "ms", "max_abs_err",
                                      "compile_s", "error", "engine_default"])
@@ -207,7 +208,7 @@ def teacher_forced_parity(model: Any, llm: Any, prompts: list[list[int]],
 def throughput_sweep(backends: list[str], model: str, batch_sizes: list[int], workload: Workload,
                      out_dir: str | Path, engine_options: dict[str, dict] | None = None,
                      lora: LoraSpec | None = None, timeout_s: float = 1200.0) -> list[dict]:
-    """:func:`nbhelpers.bench.run_backends` once per batch size (``n_prompts = batch``).
+    """:func:`nbhelpers.bench.rollout.run_backends` once per batch size (``n_prompts = batch``).
 
     Sidecars land in ``out_dir/b<batch>/`` and are re-stamped ``phase="phase3"`` with
     ``notebook="34_gemma4"`` and ``batch`` (the worker writes phase1). Failed backends keep their
@@ -215,7 +216,7 @@ def throughput_sweep(backends: list[str], model: str, batch_sizes: list[int], wo
     """
     from dataclasses import replace
 
-    from nbhelpers.bench import run_backends
+    from nbhelpers.bench.rollout import run_backends
     from nbhelpers.stats import device_tag, write_sidecar
     sides = []
     for batch in batch_sizes:

@@ -228,7 +228,7 @@ def build_paged_decode(model: Any, options: Any) -> PagedDecode | None:
         return None
     if model.device.type == "cpu" and type(_paged_attention_stage1).__name__ != "InterpretedFunction":
         raise ValueError("decode_attention='triton' on the CPU runs in Triton's interpreter: set "
-                         "TRITON_INTERPRET=1 before importing nbhelpers.engine.paged_decode.")
+                         "TRITON_INTERPRET=1 before importing nbhelpers.engine.kernels.paged_decode.")
     return PagedDecode(model.spec, len(model.layers), model.num_kv_heads, options.page_size,
                        options.max_model_len, model.device, options.decode_kernel_options)
 

@@ -8,7 +8,7 @@ Why: flex's Triton templates keep a ``BLOCK_M x D`` query tile plus ``num_stages
 (64, 64, 2 stages) need 64 + 2 x 128 = 320 KiB, over the H200's 227 KiB per block
 (CUDA C programming guide, compute capability 9.0), so the full-attention layers need their own.
 
-Run (on the GPU host): ``python -c "from nbhelpers.engine.models.gemma4_kernels import main;
+Run (on the GPU host): ``python -c "from nbhelpers.bench.gemma4_kernels import main;
 main()"``; writes ``$OUT/gemma4_kernels.json`` when ``OUT`` is set.
 """
 

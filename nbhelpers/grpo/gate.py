@@ -1,6 +1,6 @@
 """Coherence gate for GRPO runs: do the backends train sanely, and the same?
 
-Contract: :func:`check_run` takes one run's per-step rows (:func:`nbhelpers.grpo_backends.
+Contract: :func:`check_run` takes one run's per-step rows (:func:`nbhelpers.grpo.trainer.
 step_rows`: dicts with ``step``, ``loss``, ``grad_norm``, ``reward``, ``kl``,
 ``sampling/sampling_logp_difference/mean``) and returns a :class:`GateResult` of named checks,
 each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
@@ -42,11 +42,11 @@ from typing import Any
 
 MISMATCH_MEAN = "sampling/sampling_logp_difference/mean"
 REWARD_BOUNDS = (-10.0, 13.0)
-"""Sum of the reference reward functions' bounds (nbhelpers/rewards.py docstrings): format exact
+"""Sum of the reference reward functions' bounds (nbhelpers/grpo/rewards.py docstrings): format exact
 [0, 3], format approximate [-3, 1.5], answer [-4.5, 5], numbers [-2.5, 3.5]."""
 RANDOM_WEIGHTS_REWARD = (-10.0, -4.0)
 """Random-weight models write no format tags: each completion scores -3 - 2 - 2.5 = -7.5
-(rewards.py: approximate -1.0 for each of 3 missing tags, answer -2.0, numbers -2.5). A chance
+(grpo/rewards.py: approximate -1.0 for each of 3 missing tags, answer -2.0, numbers -2.5). A chance
 tag lifts one completion by 1.5, so a step mean above -4 needs most completions to write tags:
 with random weights that means the rewards or the decoding are broken."""
 
@@ -222,7 +222,7 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
     The ``reference`` backend is gated without cross checks; the others against it. When
     ``reference`` is not among ``runs`` (a run of some backends only, e.g. one per device call),
     ``reference_run`` (the same dict shape, e.g. from an earlier run's sidecar via
-    :func:`nbhelpers.grpo_compare.runs_from_sidecars`) is the reference; without it the cross
+    :func:`nbhelpers.grpo.compare.runs_from_sidecars`) is the reference; without it the cross
     checks are skipped with that reason (``29_compare`` gates the latest runs across calls).
     """
     ref = runs.get(reference, reference_run)

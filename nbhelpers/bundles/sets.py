@@ -1,4 +1,4 @@
-"""Pinned offline install sets for the air-gapped H200 image (data only; built by ``bundles.py``).
+"""Pinned offline install sets for the air-gapped H200 image (data only; built by ``bundles/build.py``).
 
 Contract: each :class:`BundleSet` names exact ``name==version`` pins for cp312 manylinux x86_64
 wheels that are *missing* from the image (Python 3.12.3, torch 2.11.0+cu130, transformers 5.17.0),

@@ -12,7 +12,7 @@ key) and the run is capped at ``steps`` optimiser steps. The SFT questions are t
 :data:`N_SFT_ROWS` of the 100 (file order 60..99); GRPO draws the first ``n_questions``, so the
 two sets are disjoint while ``n_questions <= 60`` (:func:`sft_rows` raises otherwise).
 
-Run: ``python -c "from nbhelpers.sft_warmup import sft_rows; print(sft_rows(8)[0])"``.
+Run: ``python -c "from nbhelpers.grpo.sft_warmup import sft_rows; print(sft_rows(8)[0])"``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def format_warmup(model, tokenizer, rows: list[dict[str, Any]], steps: int, *,
 
     if steps < 1 or not rows:
         raise ValueError(f"format_warmup(steps={steps}, {len(rows)} rows): need steps >= 1 and "
-                         "rows (nbhelpers.sft_warmup.sft_rows).")
+                         "rows (nbhelpers.grpo.sft_warmup.sft_rows).")
     if not isinstance(model, PeftModel):
         raise TypeError("format_warmup needs a peft.PeftModel (get_peft_model(model, "
-                        "nbhelpers.grpo.peft_config(lora))) so GRPO continues the same adapter.")
+                        "nbhelpers.grpo.setup.peft_config(lora))) so GRPO continues the same adapter.")
 
     def probe() -> str | None:
         if probe_question is None:

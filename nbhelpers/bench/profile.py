@@ -1,6 +1,6 @@
 """Where a flex decode step goes: kernel classes from a CUDA profile of one eager step
 (:func:`profile_decode_step`) and an aten-op count of one step (:func:`count_decode_ops`, the CPU
-proxy for the kernel count). Used by :mod:`nbhelpers.engine_bench` (re-exported there).
+proxy for the kernel count). Used by :mod:`nbhelpers.bench.flex_sweep` (re-exported there).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Contract: :func:`run_backends` makes the workload's prompt ids once (``nbhelpers.data.
 workload_prompt_ids``) and the canonical LoRA adapter once, then runs ``python -m
-nbhelpers.bench_worker SPEC.json`` per backend (memory is freed between engines). Each run writes a
+nbhelpers.bench.worker SPEC.json`` per backend (memory is freed between engines). Each run writes a
 schema-v1 sidecar (``phase="phase1"``); a crash, timeout or exception is recorded in that backend's
 ``error`` (traceback / log tail) and the next backend still runs. :func:`decode_limit_tok_per_s`
 gives the bandwidth ceiling; :func:`results_frame` / :func:`comparison_table` / :func:`bar_figure`
@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from nbhelpers import bench_worker
+from nbhelpers.bench import worker as bench_worker
 from nbhelpers.config import LoraSpec, Workload
 
 HARNESS_KEYS = ("rounds", "warmup_rounds", "warmup_max_new_tokens", "timeout_s")
@@ -126,7 +126,7 @@ def run_backends(backends: list[str], model: str, lora: LoraSpec | None, workloa
 def _adapter(model: str, lora: LoraSpec | None) -> str | None:
     if lora is None:
         return None
-    from nbhelpers.lora import canonical_adapter
+    from nbhelpers.adapters import canonical_adapter
 
     return str(canonical_adapter(model, lora))
 
@@ -134,7 +134,7 @@ def _adapter(model: str, lora: LoraSpec | None) -> str | None:
 def _lora_block(lora: LoraSpec | None) -> dict[str, Any] | None:
     if lora is None:
         return None
-    from nbhelpers.lora import effective_b_std
+    from nbhelpers.adapters import effective_b_std
 
     return {**asdict(lora), "targets": list(lora.targets), "b_std": effective_b_std(lora)}
 

@@ -28,7 +28,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from nbhelpers.bundle_sets import SETS, BundleSet
+from nbhelpers.bundles.sets import SETS, BundleSet
 
 MIB = 2**20
 DEFAULT_CACHE = Path(os.environ.get("NBH_WHEEL_CACHE", "/tmp/nbh_wheels"))
@@ -316,7 +316,7 @@ def write_manifest(manifest: dict, path: Path) -> Path:
 
 
 def _get(name: str) -> BundleSet:
-    from nbhelpers.bundle_verify import require_sets
+    from nbhelpers.bundles.verify import require_sets
     require_sets([name])
     return SETS[name]
 
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         _list(args.out)
         return 0
-    from nbhelpers import bundle_verify
+    from nbhelpers.bundles import verify as bundle_verify
     if args.cmd == "commands":
         print(bundle_verify.combined_commands(args.sets, args.out))
         return 0

@@ -1,13 +1,13 @@
-"""One benchmark run of one backend, in its own process (spawned by :mod:`nbhelpers.bench`).
+"""One benchmark run of one backend, in its own process (spawned by :mod:`nbhelpers.bench.rollout`).
 
-Contract: ``python -m nbhelpers.bench_worker SPEC.json`` reads the spec the harness wrote (backend
+Contract: ``python -m nbhelpers.bench.worker SPEC.json`` reads the spec the harness wrote (backend
 name, engine options, model, LoRA, workload, prompt-id file, rounds, sidecar path), loads the
 backend, runs warm-up rounds then timed rounds on the same prompt ids, counts tokens from the
 returned Completions and writes one schema-v1 sidecar. Any exception is recorded in the sidecar's
 ``error`` (traceback tail) and the process exits 1; a crash or timeout that kills the process is
 recorded by the parent instead. Memory is freed with the process.
 
-Parent side (used by :func:`nbhelpers.bench.run_backends`): :func:`spawn` runs one worker in its
+Parent side (used by :func:`nbhelpers.bench.rollout.run_backends`): :func:`spawn` runs one worker in its
 own session with a wall limit (a timeout kills the whole process group), :func:`collect` returns
 the worker's sidecar or writes a failure sidecar with the exit code / timeout and the log tail.
 """
@@ -167,7 +167,7 @@ def spawn(spec: dict[str, Any], spec_path: Path, log_path: Path) -> tuple[int | 
     """Run one worker process; returns (exit code or None on timeout, log tail). The worker runs in
     its own session so a timeout kills its whole process group (vLLM's engine core included)."""
     spec_path.write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "nbhelpers.bench_worker", str(spec_path)]
+    cmd = [sys.executable, "-m", "nbhelpers.bench.worker", str(spec_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "w") as log:
@@ -212,7 +212,7 @@ def collect(spec: dict[str, Any], rc: int | None, log_tail: str) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m nbhelpers.bench_worker SPEC.json", file=sys.stderr)
+        print("usage: python -m nbhelpers.bench.worker SPEC.json", file=sys.stderr)
         return 2
     side = run(json.loads(Path(argv[0]).read_text()))
     return 0 if side["error"] is None else 1

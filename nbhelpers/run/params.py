@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("nbhelpers.run")
+log = logging.getLogger("nbhelpers.run.runner")
 
 RUNNER_PARAMETERS = ("sidecar_path",)
 """Set by the runner itself: the notebook may or may not declare them."""
@@ -266,7 +266,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     """Value checks the type check cannot make, so a typo fails in a second, not after a run:
     count parameters against :data:`_MIN` (``skip_first >= max_steps`` is allowed: the summary
     then notes that no post-warm-up step is left), ``model`` a registry name
-    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.DATASETS``, ``backends`` known,
+    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known,
     ``n_questions`` <= 100 for GSM8K (<= 60 with a format warm-up: the warm-up uses 60..99).
 
     Raises:
@@ -286,11 +286,11 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
         except ValueError as exc:
             raise UserInputError(f"{where('model')}: {exc}") from exc
     if isinstance(params.get("dataset"), str):
-        from nbhelpers.grpo import DATASETS
+        from nbhelpers.grpo.setup import DATASETS
         if params["dataset"] not in DATASETS:
             raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
                                  f"of {DATASETS}.")
-    from nbhelpers.sft_warmup import N_GSM8K, N_SFT_ROWS
+    from nbhelpers.grpo.sft_warmup import N_GSM8K, N_SFT_ROWS
     n_q, grpo_max = params.get("n_questions"), N_GSM8K - N_SFT_ROWS
     if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > N_GSM8K:
         raise UserInputError(f"{where('n_questions')}: n_questions={n_q}: the offline GSM8K "
@@ -302,7 +302,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
                              f"GSM8K questions); use <= {grpo_max} or -p format_warmup_steps 0.")
     if isinstance(params.get("backends"), list):
         from nbhelpers.backends import BACKENDS as ROLLOUT
-        from nbhelpers.grpo import BACKENDS as GRPO
+        from nbhelpers.grpo.setup import BACKENDS as GRPO
         known = GRPO if notebook.parent.name.startswith("phase2") else ROLLOUT  # GRPO trainers
         if not params["backends"]:
             raise UserInputError(f"{where('backends')}: backends=[]: name at least one of "
@@ -310,7 +310,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
         if bad := [b for b in params["backends"] if b not in known]:
             raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")
     if isinstance(params.get("reference_backend"), str):
-        from nbhelpers.grpo import BACKENDS as GRPO
+        from nbhelpers.grpo.setup import BACKENDS as GRPO
         if params["reference_backend"] not in GRPO:  # a typo would skip every cross check
             raise UserInputError(f"{where('reference_backend')}: reference_backend="
                                  f"{params['reference_backend']!r}: use one of {GRPO}.")

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from nbhelpers.config import LoraSpec, SamplingParams
-from nbhelpers.engine_profile import (  # noqa: F401 (re-exported: the notebooks' names)
+from nbhelpers.bench.profile import (  # noqa: F401 (re-exported: the notebooks' names)
     KERNEL_CLASSES,
     count_decode_ops,
     kernel_class,

@@ -1,4 +1,4 @@
-"""Checks for the offline bundles built by ``nbhelpers.bundles``: metadata closure and imports.
+"""Checks for the offline bundles built by ``nbhelpers.bundles.build``: metadata closure and imports.
 
 Contract: :func:`closure` reads every wheel's (or installed dist-info's) ``Requires-Dist``,
 evaluates markers for CPython 3.12 on linux x86_64 with no extras, and sorts each requirement into
@@ -20,7 +20,7 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-from nbhelpers.bundle_sets import IMAGE_PACKAGES, IMAGE_VERSIONS, SETS, BundleSet
+from nbhelpers.bundles.sets import IMAGE_PACKAGES, IMAGE_VERSIONS, SETS, BundleSet
 
 MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",

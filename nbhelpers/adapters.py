@@ -12,7 +12,7 @@ Contract:
   and live PeftModel keys (``.default.`` infix) onto one form, used to copy an adapter into another
   wrapper (Unsloth's).
 
-Run: ``python -c "from nbhelpers.lora import canonical_adapter; print(canonical_adapter('tiny-qwen3',
+Run: ``python -c "from nbhelpers.adapters import canonical_adapter; print(canonical_adapter('tiny-qwen3',
 __import__('nbhelpers').LoraSpec(rank=8, alpha=16)))"``.
 """
 
@@ -161,7 +161,7 @@ def load_adapter_state(adapter_dir: str | os.PathLike) -> dict[str, Any]:
 
     path = Path(adapter_dir) / "adapter_model.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"{path} missing: make the adapter with nbhelpers.lora."
+        raise FileNotFoundError(f"{path} missing: make the adapter with nbhelpers.adapters."
                                 "canonical_adapter(model_name, lora) first.")
     return {normalise_lora_key(k): v for k, v in load_file(str(path)).items()}
 

@@ -1,4 +1,4 @@
-"""Per-step GRPO statistics and a completion sampler for :mod:`nbhelpers.grpo`.
+"""Per-step GRPO statistics and a completion sampler for :mod:`nbhelpers.grpo.setup`.
 
 Contract: :class:`StatisticsCallback` is a ``transformers.TrainerCallback`` that records one dict
 per optimiser step (wall time, peak memory, loss, each reward function's mean, KL, grad norm,

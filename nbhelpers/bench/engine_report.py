@@ -74,7 +74,7 @@ def parity_table(named_models: dict[str, Any], prompts_of: dict[str, list[list[i
     import pandas as pd
 
     from nbhelpers.engine import LLM
-    from nbhelpers.engine_bench import parity
+    from nbhelpers.bench.flex_sweep import parity
     rows = {}
     for name, model in named_models.items():
         llm = LLM(model, **llm_options)

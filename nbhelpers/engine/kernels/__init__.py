@@ -1,0 +1,7 @@
+"""The flex engine's Triton kernels, one file each, each citing the public kernel it follows.
+
+``paged_decode`` (split-KV GQA paged decode attention), ``lora_shrink`` (LoRA A, one launch per
+projection group), ``lora_expand`` (LoRA B, one launch per group). Each module imports triton at
+import time, so import them only where a kernel runs; each exposes ``supported(...)`` telling
+whether it can run on the given tensors (CUDA, or Triton's interpreter on the CPU).
+"""

@@ -1,0 +1,177 @@
+"""Per-backend wiring of one GRPO run: what each rollout backend changes in TRL's setup.
+
+Contract: :func:`plan_backend` returns a :class:`BackendPlan` (``GRPOConfig`` overrides, trainer
+class and kwargs, notes) and checks the backend's engine is importable before anything loads;
+:func:`load_policy` loads the policy as the backend needs it; :func:`instrument_generation` times
+every backend's rollout into TRL's ``generate_s`` metric.
+
+* ``hf_generate``: TRL's ``model.generate`` path (nothing set).
+* ``hf_cb``: TRL's transformers continuous batching (``use_transformers_continuous_batching``).
+* ``vllm``: TRL's vLLM colocate (``use_vllm=True, vllm_mode="colocate"``; ``vllm_sleep_mode``,
+  ``vllm_gpu_memory_utilization``). TRL builds ``LLM(model=model.name_or_path)``, so the policy is
+  loaded from :func:`nbhelpers.models.model_folder` (weights written once for random kinds).
+* ``unsloth``: Unsloth ``FastLanguageModel(fast_inference=False)`` + its patched TRL trainer.
+* ``flex``: our engine on the policy's own tensors through TRL's ``rollout_func``
+  (:mod:`nbhelpers.grpo.flex_rollout`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo.result import GENERATE_KEY
+from nbhelpers.grpo.setup import check_backend, fixed_batch_size, peft_config
+
+log = logging.getLogger(__name__)
+
+VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
+WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex")
+"""Backends whose policy is an in-process HF model that :func:`train`'s format warm-up can merge
+into (vLLM loads weights from a folder, Unsloth loads its own model)."""
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+"""Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200
+(DESIGN.md "The H200 machine"; FlashInfer's sampler is not in the bundle)."""
+@dataclass
+class BackendPlan:
+    """What one backend changes: ``GRPOConfig`` fields, trainer class and kwargs, notes."""
+
+    backend: str
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    trainer_cls: Any = None
+    rollout: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+TRL_VLLM_MAX_NUM_BATCHED_TOKENS = 4096
+"""``max_num_batched_tokens`` TRL 1.15.0's colocate ``LLM(...)`` hard-codes
+(``trl/generation/vllm_generation.py``)."""
+
+
+def vllm_max_model_length(settings: GRPOSettings) -> int:
+    """``vllm_max_model_length`` for TRL colocate: prompt + completion, raised so that
+    ``max_num_seqs * max_model_len >= 4096`` (TRL's fixed ``max_num_batched_tokens``).
+
+    TRL sets ``max_num_seqs = per_device_train_batch_size * tensor_parallel * steps_per_generation``
+    (4 in phase 2), so 4 x 512 = 2048 < 4096 and vLLM 0.26.0 warns "max_num_batched_tokens (4096)
+    exceeds max_num_seqs * max_model_len (2048). This may lead to unexpected behavior." Its kernel
+    warm-up then runs a dummy batch of 4096 tokens split over the 4 requests
+    (``gpu_model_runner._dummy_run``), 1024 tokens each, past a 512-token block table: the first
+    phase 2 vLLM run on the H200 died with "CUDA error: an illegal memory access" right after
+    engine start; with this length it ran (2026-11-30, ``executed/phase2_grpo/
+    20_grpo_equivalence/*27cfed8__vllm.json``). A longer max_model_len only sizes vLLM's buffers:
+    GRPO's prompt/completion limits still apply.
+    """
+    steps_per_generation = max(1, settings.gradient_accumulation_steps)
+    max_num_seqs = max(1, settings.per_device_train_batch_size * steps_per_generation)
+    need = -(-TRL_VLLM_MAX_NUM_BATCHED_TOKENS // max_num_seqs)
+    return max(settings.max_prompt_length + settings.max_completion_length, need)
+
+
+def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool = False,
+                 vllm_gpu_memory_utilization: float = 0.3,
+                 flex_options: dict[str, Any] | None = None) -> BackendPlan:
+    """The :class:`BackendPlan` of ``backend`` (engine imports checked here, before loading).
+
+    Raises:
+        ValueError: unknown backend.
+        BackendNotInstalled: ``vllm`` / ``unsloth`` not importable (message names the extra).
+    """
+    from nbhelpers.backends import _common
+    check_backend(backend)
+    plan = BackendPlan(backend)
+    if backend != "vllm" and (vllm_sleep_mode or vllm_gpu_memory_utilization != 0.3):
+        plan.notes.append(f"{', '.join(VLLM_ONLY)} apply to backend='vllm' only: ignored for "
+                          f"{backend!r}.")
+    if flex_options and backend != "flex":
+        plan.notes.append(f"flex_options apply to backend='flex' only: ignored for {backend!r}.")
+    if backend == "vllm":
+        for key, value in VLLM_ENV.items():
+            os.environ.setdefault(key, value)
+        _common.require("vllm", "vllm", "vllm")
+        plan.config_overrides = {
+            "use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": vllm_sleep_mode,
+            "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization,
+            "vllm_max_model_length": vllm_max_model_length(settings)}
+    elif backend == "hf_cb":
+        plan.config_overrides = {"use_transformers_continuous_batching": True}
+    elif backend == "unsloth":
+        _common.require("unsloth", "unsloth", "unsloth")
+    elif backend == "flex":
+        plan.rollout, plan.trainer_cls = _flex_rollout(settings, flex_options or {})
+        plan.trainer_kwargs = {"rollout_func": plan.rollout}
+        plan.notes.append("flex: TRL rollout_func on the policy's own tensors (no weight sync); "
+                          "TRL's importance-sampling correction is vLLM-only, so it is off here.")
+    return plan
+
+
+def _flex_rollout(settings: GRPOSettings, options: dict[str, Any]) -> tuple[Any, Any]:
+    from nbhelpers.grpo.flex_rollout import FlexGRPOTrainer, FlexRollout
+    max_len = options.pop("max_model_len", None) or (settings.max_prompt_length
+                                                     + settings.max_completion_length + 1)
+    batch = fixed_batch_size(settings.per_device_train_batch_size, settings.num_generations,
+                             settings.gradient_accumulation_steps)
+    kv = options.pop("kv_tokens", None) or batch * settings.gradient_accumulation_steps * max_len
+    return FlexRollout(max_model_len=max_len, kv_tokens=kv, **options), FlexGRPOTrainer
+
+
+def load_policy(backend: str, model_name: str, settings: GRPOSettings,
+                on_gpu: bool) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, peft_config or None)`` as ``backend`` needs them.
+
+    ``unsloth`` returns its own PEFT model (``peft_config`` None); ``vllm`` points the model's
+    ``name_or_path`` at an HF folder with weights (TRL's colocate ``LLM`` loads it).
+    """
+    from nbhelpers import models
+    if backend == "unsloth":
+        return _load_unsloth(model_name, settings, on_gpu)
+    model, tok = models.load_model(model_name, dtype="bfloat16" if on_gpu else "float32",
+                                   device="cuda" if on_gpu else "cpu", seed=settings.seed)
+    if backend == "vllm":
+        folder = str(models.model_folder(model_name, with_weights=True,
+                                         device="cuda" if on_gpu else "cpu"))
+        model.name_or_path = folder
+        model.config._name_or_path = folder
+    return model, tok, peft_config(settings.lora)
+
+
+def _load_unsloth(model_name: str, settings: GRPOSettings, on_gpu: bool) -> tuple[Any, Any, None]:
+    from nbhelpers import models
+    from nbhelpers.backends.unsloth import peft_kwargs, unsloth_env
+    for key, value in unsloth_env().items():
+        os.environ.setdefault(key, value)
+    from unsloth import FastLanguageModel  # before trl's trainer is used: Unsloth patches it
+    model, tok = FastLanguageModel.from_pretrained(
+        model_name=str(models.model_folder(model_name, with_weights=True)),
+        max_seq_length=settings.max_prompt_length + settings.max_completion_length,
+        dtype=None if on_gpu else "float32", load_in_4bit=False, fast_inference=False)
+    kwargs = peft_kwargs(settings.lora) | {
+        "use_gradient_checkpointing": settings.gradient_checkpointing,
+        "random_state": settings.seed}
+    return FastLanguageModel.get_peft_model(model, **kwargs), tok, None
+
+
+def instrument_generation(trainer: Any) -> None:
+    """Time ``trainer._generate`` (every backend's rollout) into TRL's ``generate_s`` metric."""
+    from nbhelpers.stats import _cuda_sync
+    inner = trainer._generate
+
+    @functools.wraps(inner)
+    def timed(prompts):
+        _cuda_sync()
+        t0 = time.perf_counter()
+        out = inner(prompts)
+        _cuda_sync()
+        mode = "train" if trainer.model.training else "eval"
+        trainer._metrics[mode][GENERATE_KEY].append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate = timed
+
+

@@ -1,0 +1,190 @@
+"""The one GRPO trainer: TRL ``GRPOTrainer`` + PEFT LoRA over every rollout backend.
+
+Contract: :func:`train` runs the reference notebook's GRPO setup (dataset and chat template,
+:mod:`nbhelpers.grpo.setup`; the four reference reward functions, :mod:`nbhelpers.grpo.rewards`;
+LoRA; :class:`~nbhelpers.grpo.callbacks.StatisticsCallback`; seeds; sampling) and changes only how
+completions are generated, as :func:`nbhelpers.grpo.plans.plan_backend` says per backend. It
+returns a :class:`~nbhelpers.grpo.result.GRPOResult`. Phase 0 and phase 2 both call it; they differ
+only in ``warmup_adapter`` (below).
+
+``compile_mode`` compiles the policy (and reference) backbone after the trainer is built and the
+compile report lands in ``GRPOResult.config["compile_report"]``. Every backend's ``_generate`` is
+timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised). A backend whose engine is not
+installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
+
+Run: ``python -c "from nbhelpers.grpo import train; from nbhelpers.config import GRPOSettings;
+print(train('tiny-llama', GRPOSettings(max_steps=2, max_completion_length=8), backend='flex',
+output_dir='/tmp/g').summary)"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo.plans import BackendPlan, WARMUP_BACKENDS, instrument_generation, load_policy
+from nbhelpers.grpo.plans import plan_backend
+from nbhelpers.grpo.result import _CONFIG_KEYS, GRPOResult
+from nbhelpers.grpo.setup import build_config, build_dataset, peft_config
+
+log = logging.getLogger(__name__)
+
+WARMUP_ADAPTERS = ("continue", "merge")
+"""What :func:`train` does with the format warm-up's LoRA adapter (``warmup_adapter``)."""
+
+
+def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
+          dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
+          progress: bool = True, skip_first: int = 3, compile_mode: str = "none",
+          vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
+          flex_options: dict[str, Any] | None = None,
+          reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
+          callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
+          warmup_adapter: Literal["continue", "merge"] = "continue",
+          **config_overrides: Any) -> GRPOResult:
+    """Run ``settings.max_steps`` GRPO steps of ``model_name`` with rollouts from ``backend``.
+
+    ``n_questions`` questions of ``dataset`` that fit ``settings.max_prompt_length``; ``progress``
+    shows the trainer's progress bar; ``skip_first`` warm-up steps are left out of
+    ``GRPOResult.summary``'s medians. ``compile_mode``: :data:`nbhelpers.grpo.compile_report.
+    COMPILE_MODES`. The vLLM options and ``flex_options``
+    (:class:`~nbhelpers.grpo.flex_rollout.FlexRollout` fields) apply to their backend only (a note
+    in ``GRPOResult.config["notes"]`` otherwise). ``reward_funcs`` default to the reference's four;
+    ``callbacks`` are extra trainer callbacks; ``config_overrides`` extra ``GRPOConfig`` fields.
+
+    ``format_warmup_steps`` > 0 (backends of :data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`) first
+    runs that many SFT steps of a LoRA adapter on GSM8K worked solutions in the reference format
+    (:mod:`nbhelpers.grpo.sft_warmup`, the reference notebook's "pre fine-tune for formatting").
+    ``warmup_adapter`` then decides what GRPO starts from:
+
+    * ``"continue"`` (the default, the reference notebook's recipe and phase 0's): GRPO keeps
+      training the warmed adapter, and TRL's reference policy is that adapter's copy. This is the
+      reference because it is what the ported notebook does.
+    * ``"merge"`` (phase 2's): the warmed adapter is merged into the base weights
+      (``merge_and_unload``) and GRPO trains a fresh adapter, so every backend of one comparison
+      (vLLM and Unsloth load plain weights, not an adapter in training) starts from the same base
+      policy and a model that scores: rewards vary within a group and the KL checks compare
+      trained policies.
+
+    Raises:
+        ValueError: unknown backend (or a rollout-only one) / dataset / compile mode /
+            ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
+            ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap).
+        BackendNotInstalled: the backend's engine is missing (message names the extra).
+        nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
+            (``python -m nbhelpers fetch NAME``).
+    """
+    from nbhelpers.grpo.compile_report import (CompileWatch, check_compile_mode,
+                                               compile_trainer_models)
+    compile_mode = check_compile_mode(compile_mode)
+    _check_warmup(format_warmup_steps, warmup_adapter, backend)
+    plan = plan_backend(backend, settings, vllm_sleep_mode=vllm_sleep_mode,
+                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
+                        flex_options=dict(flex_options or {}))
+    model, tok, peft, train_ds, ds_stats = _load_inputs(plan, model_name, settings, dataset,
+                                                         n_questions)
+    warm: dict[str, Any] = {}
+    if format_warmup_steps:
+        model, peft, warm = _format_warmup(model, tok, settings, format_warmup_steps, n_questions,
+                                           train_ds[0]["prompt"][-1]["content"],
+                                           Path(output_dir) / "format_warmup", warmup_adapter)
+    trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings, output_dir,
+                                    progress, reward_funcs, callbacks, config_overrides)
+    watch = CompileWatch(compile_mode)
+    t0 = time.perf_counter()
+    with watch:
+        compiled = compile_trainer_models(trainer, compile_mode)
+        trainer.train()
+    wall_s = time.perf_counter() - t0
+    extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
+             "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
+             "format_warmup": warm or None, "warmup_adapter": warmup_adapter if warm else None}
+    return _result(model_name, plan, trainer, parts, settings, ds_stats, wall_s, skip_first,
+                   extra, warm)
+
+
+def _check_warmup(steps: int, adapter: str, backend: str) -> None:
+    if steps < 0:
+        raise ValueError(f"format_warmup_steps={steps}: must be >= 0.")
+    if adapter not in WARMUP_ADAPTERS:
+        raise ValueError(f"warmup_adapter={adapter!r}: use one of {WARMUP_ADAPTERS}.")
+    if steps and backend not in WARMUP_BACKENDS:
+        raise ValueError(f"format_warmup_steps={steps} with backend={backend!r}: the warm-up runs "
+                         f"in-process on backends {WARMUP_BACKENDS}; for {backend!r} pass "
+                         "format_warmup_steps=0 (or a warmed model folder as model).")
+
+
+def _load_inputs(plan: BackendPlan, model_name: str, settings: GRPOSettings, dataset: str,
+                 n_questions: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run."""
+    from nbhelpers import data
+    from nbhelpers.grpo import setup
+    model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda())
+    data.apply_reference_chat_template(tok)
+    train_ds, ds_stats = build_dataset(dataset, tok, n_questions, settings.max_prompt_length,
+                                       settings.seed)
+    return model, tok, peft, train_ds, ds_stats
+
+
+def _format_warmup(model: Any, tok: Any, settings: GRPOSettings, steps: int, n_questions: int,
+                   probe_question: str, output_dir: Path,
+                   adapter: str) -> tuple[Any, Any, dict[str, Any]]:
+    """The format warm-up of :func:`train` (docstring there): ``(model, peft_config for GRPO or
+    None to continue the model's adapter, report)``; the report is
+    :func:`nbhelpers.grpo.sft_warmup.format_warmup`'s (``steps``, ``wall_s``, ``losses``,
+    ``before``/``after`` probe completions)."""
+    from peft import get_peft_model
+
+    from nbhelpers.grpo import sft_warmup
+    rows = sft_warmup.sft_rows(n_questions)
+    peft_model = get_peft_model(model, peft_config(settings.lora))
+    report = sft_warmup.format_warmup(peft_model, tok, rows, steps, output_dir=str(output_dir),
+                                      seed=settings.seed, probe_question=probe_question,
+                                      max_new_tokens=settings.max_completion_length)
+    log.info("format warm-up: %d SFT steps in %.1f s (%s)", steps, report["wall_s"], adapter)
+    if adapter == "continue":
+        return peft_model, None, dict(report)  # GRPOTrainer keeps training it (and copies a ref)
+    merged = peft_model.merge_and_unload()
+    merged.train()
+    return merged, peft_config(settings.lora), dict(report)
+
+
+def _build_trainer(plan: BackendPlan, model: Any, tok: Any, peft: Any, train_ds: Any,
+                   settings: GRPOSettings, output_dir: Any, progress: bool,
+                   reward_funcs: Any, callbacks: Sequence[Any],
+                   config_overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    from nbhelpers.grpo import rewards
+    from nbhelpers.grpo.callbacks import CompletionRecorder, StatisticsCallback
+    from nbhelpers.shims import trl_fused_logprob_cpu
+    if trl_fused_logprob_cpu.install():
+        log.info("TRL's Triton log-prob kernel is unavailable: using the pure-torch shim")
+    if plan.trainer_cls is None:
+        from trl import GRPOTrainer
+        plan.trainer_cls = GRPOTrainer
+    args = build_config(settings, Path(output_dir), disable_tqdm=not progress,
+                        **(plan.config_overrides | config_overrides))
+    stats, recorder = StatisticsCallback(), CompletionRecorder()
+    funcs = list(reward_funcs) if reward_funcs is not None else rewards.REWARD_FUNCS
+    trainer = plan.trainer_cls(model=model, reward_funcs=recorder.wrap(funcs), args=args,
+                               train_dataset=train_ds, processing_class=tok, peft_config=peft,
+                               callbacks=[stats, recorder, *callbacks], **plan.trainer_kwargs)
+    instrument_generation(trainer)
+    return trainer, {"args": args, "stats": stats, "recorder": recorder}
+
+
+def _result(model_name: str, plan: BackendPlan, trainer: Any, parts: dict[str, Any],
+            settings: GRPOSettings, ds_stats: dict[str, Any], wall_s: float, skip_first: int,
+            extra: dict[str, Any], warm: dict[str, Any]) -> GRPOResult:
+    args, stats = parts["args"], parts["stats"]
+    config = {k: getattr(args, k) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)}
+    return GRPOResult(
+        model_name=model_name, backend=plan.backend, records=stats.records,
+        summary=stats.summary(skip_first), completions=parts["recorder"].rows,
+        log_history=list(trainer.state.log_history), reward_names=list(trainer.reward_func_names),
+        dataset_stats=dict(ds_stats), config=config | extra, wall_s=wall_s, format_warmup=warm)

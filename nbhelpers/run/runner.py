@@ -52,7 +52,7 @@ __all__ = ["Job", "UserInputError", "load_parameters", "parse_overrides", "plan_
 
 log = logging.getLogger(__name__)
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 """Where ``nbhelpers`` lives; on the child's ``PYTHONPATH`` so an uninstalled checkout works."""
 REPO = PACKAGE_ROOT
 PHASE_DIRS = {"phase0": "phase0_reference", "phase1": "phase1_rollout",

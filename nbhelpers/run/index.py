@@ -52,7 +52,8 @@ def status(side: dict[str, Any]) -> str:
 
 
 def index_rows(executed: Path) -> list[dict[str, str]]:
-    """One row dict per sidecar, sorted by notebook folder, then newest first."""
+    """One row dict per sidecar, sorted by notebook folder, then newest first. ``_target``: the
+    run's notebook (or the sidecar itself when it has none), relative to ``executed``."""
     rows = []
     for side in read_sidecars(executed):
         path = Path(side["_path"])
@@ -63,7 +64,8 @@ def index_rows(executed: Path) -> list[dict[str, str]]:
                      "run": f"[{path.stem}]({os.path.relpath(target, executed)})",
                      "date": _fmt(env.get("utc")), "device": _fmt(env.get("gpu")),
                      "sha": _fmt(env.get("git_sha")), "headline": headline(side),
-                     "status": status(side), "_key": path.stem})
+                     "status": status(side), "_key": path.stem,
+                     "_target": os.path.relpath(target, executed)})
     rows.sort(key=lambda r: r["_key"], reverse=True)
     rows.sort(key=lambda r: r["notebook"])
     return rows

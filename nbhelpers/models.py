@@ -19,7 +19,6 @@ speed). Config sources: ``nbhelpers/model_configs.py``. Run:
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any, Literal
 from nbhelpers import assets, model_configs
 from nbhelpers.assets import ModelAssetsMissing, cache_dir, fix_command
 from nbhelpers.config import ModelSpec
+from nbhelpers.model_hub import hub_error, hub_folder, hub_kwargs
 
 __all__ = [
     "REGISTRY",
@@ -131,7 +131,7 @@ def build_config(name_or_spec: str | ModelSpec) -> Any:
         return REGISTRY[spec.name].config_builder()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_weights_path(spec), **_hub_kwargs(spec))
+    return AutoConfig.from_pretrained(_weights_path(spec), **hub_kwargs(spec, list_models()))
 
 
 def _weights_path(spec: ModelSpec) -> str:
@@ -159,61 +159,21 @@ def load_tokenizer(name_or_spec: str | ModelSpec) -> Any:
 
     Raises:
         ModelAssetsMissing: tokenizer files not fetched (message names the fix command), or a
-            hub id that is neither cached nor reachable (:func:`_hub_kwargs`).
+            hub id that is neither cached nor reachable (:func:`nbhelpers.model_hub.hub_kwargs`).
         RuntimeError: a hub id could not be loaded (no hub access here).
     """
     from transformers import AutoTokenizer
 
     spec = _spec(name_or_spec)
-    hub_kwargs = _hub_kwargs(spec)  # raises ModelAssetsMissing offline (outside the try)
+    from_hub = hub_kwargs(spec, list_models())  # raises ModelAssetsMissing offline (not in try)
     try:
-        tok = AutoTokenizer.from_pretrained(_tokenizer_path(spec), **hub_kwargs)
+        tok = AutoTokenizer.from_pretrained(_tokenizer_path(spec), **from_hub)
     except (OSError, ValueError) as err:  # missing files / no tokenizer file in the folder
-        raise RuntimeError(_hub_error(spec, err)) from err
+        raise RuntimeError(hub_error(spec, err, list_models())) from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
-
-
-@functools.lru_cache(maxsize=1)
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """True when a TCP connection to huggingface.co:443 opens within ``timeout_s`` seconds."""
-    import socket
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
-def _hub_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """``from_pretrained`` kwargs for a hub id: ``local_files_only`` when the hub is unreachable
-    but the files are cached (no retries against the network); ``{}`` online, offline
-    (``HF_HUB_OFFLINE``) or for a local folder.
-
-    Raises:
-        ModelAssetsMissing: a hub id that is not cached while huggingface.co is unreachable
-            (answers in seconds, not after transformers' ~30 s of retries).
-    """
-    if spec.kind != "hub" or Path(spec.name).expanduser().is_dir():
-        return {}
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or hub_reachable():
-        return {}
-    from huggingface_hub import try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(spec.name, "config.json"), str):
-        return {"local_files_only": True}
-    raise ModelAssetsMissing(f"{spec.name!r} is not in the local Hugging Face cache and "
-                             "huggingface.co is unreachable from here: download it where there "
-                             f"is access (`huggingface-cli download {spec.name}`) and copy the "
-                             "cache, pass a local folder, or use a registry model "
-                             f"({list_models()}).")
-
-
-def _hub_error(spec: ModelSpec, err: Exception) -> str:
-    return (f"Could not load {spec.name!r} with from_pretrained ({type(err).__name__}: {err}). "
-            f"This machine may have no Hugging Face hub access: use a registry model "
-            f"({list_models()}) or a local folder with config.json + tokenizer files.")
 
 
 def _torch_dtype(dtype: str) -> Any:
@@ -254,10 +214,11 @@ def load_model(name_or_spec: str | ModelSpec, *, dtype: str | None = None, devic
             model = AutoModelForCausalLM.from_config(build_config(spec), **kwargs)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(_weights_path(spec), device_map=device,
-                                                         **kwargs, **_hub_kwargs(spec))
+            model = AutoModelForCausalLM.from_pretrained(
+                _weights_path(spec), device_map=device, **kwargs,
+                **hub_kwargs(spec, list_models()))
         except (OSError, ValueError) as err:
-            raise RuntimeError(_hub_error(spec, err)) from err
+            raise RuntimeError(hub_error(spec, err, list_models())) from err
     return model.eval(), tok
 
 
@@ -300,7 +261,7 @@ def model_folder(name_or_spec: str | ModelSpec, *, with_weights: bool,
     if spec.kind == "real":
         return assets.smollm2_folder()
     if spec.kind == "hub":
-        return _hub_folder(spec, with_weights)
+        return hub_folder(spec, with_weights, list_models())
     folder = cache_dir() / "folders" / (spec.name + ("-weights" if with_weights else ""))
     if (folder / ".complete").is_file():
         return folder
@@ -313,18 +274,6 @@ def model_folder(name_or_spec: str | ModelSpec, *, with_weights: bool,
     tok.save_pretrained(folder)
     (folder / ".complete").write_text("written by nbhelpers.models.model_folder\n")
     return folder
-
-
-def _hub_folder(spec: ModelSpec, with_weights: bool) -> Path:
-    if Path(spec.name).expanduser().is_dir():
-        return Path(spec.name).expanduser()
-    from huggingface_hub import snapshot_download
-
-    patterns = None if with_weights else ["*.json", "*.jinja", "*.model", "*.txt"]
-    try:
-        return Path(snapshot_download(spec.name, allow_patterns=patterns))
-    except Exception as err:  # hub errors come in many types; all mean "no folder"
-        raise RuntimeError(_hub_error(spec, err)) from err
 
 
 def fetch_assets(name: str) -> str:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from nbhelpers import assets, models
+from nbhelpers import assets, model_hub, models
 from nbhelpers.assets import ModelAssetsMissing
 from nbhelpers.config import ModelSpec
 
@@ -173,7 +173,7 @@ def test_uncached_hub_id_without_network_fails_fast_naming_the_fix(monkeypatch):
 
     import huggingface_hub
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(model_hub, "hub_reachable", lambda timeout_s=3.0: False)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: None)
     t0 = time.perf_counter()
     with pytest.raises(models.ModelAssetsMissing, match="huggingface-cli download nope/nope"):
@@ -184,9 +184,9 @@ def test_uncached_hub_id_without_network_fails_fast_naming_the_fix(monkeypatch):
 def test_cached_hub_id_without_network_loads_local_files_only(monkeypatch):
     import huggingface_hub
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(model_hub, "hub_reachable", lambda timeout_s=3.0: False)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, f: "/c/config.json")
     spec = models.get_spec("org/model")
-    assert models._hub_kwargs(spec) == {"local_files_only": True}
+    assert model_hub.hub_kwargs(spec, models.list_models()) == {"local_files_only": True}
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline mode: transformers reads the cache itself
-    assert models._hub_kwargs(spec) == {}
+    assert model_hub.hub_kwargs(spec, models.list_models()) == {}

@@ -1,7 +1,7 @@
-"""``python -m nbhelpers.bundles build|verify|resplit ...`` (see :mod:`nbhelpers.bundles.build`)."""
+"""``python -m nbhelpers.bundles build|verify|resplit ...`` (see :mod:`nbhelpers.bundles.cli`)."""
 
 import sys
 
-from nbhelpers.bundles.build import main
+from nbhelpers.bundles.cli import main
 
 sys.exit(main())

@@ -16,9 +16,7 @@ Recipe source: ``shared/research/gpu_stack.md`` and ``.library/device/README.md`
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import hashlib
 import json
 import os
 import shutil
@@ -28,9 +26,9 @@ import time
 import zipfile
 from pathlib import Path
 
+from nbhelpers.bundles.parts import MIB, join_parts, pack_bins, sha256, split_file
 from nbhelpers.bundles.sets import SETS, BundleSet
 
-MIB = 2**20
 DEFAULT_CACHE = Path(os.environ.get("NBH_WHEEL_CACHE", "/tmp/nbh_wheels"))
 _MANYLINUX = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35, 38, 39)]
 PLATFORMS = _MANYLINUX + ["manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]
@@ -100,55 +98,6 @@ def repack_wheel(src: Path, dst_dir: Path, drop: tuple[str, ...]) -> Path:
     return dst
 
 
-def split_file(path: Path, part_bytes: int, out_dir: Path) -> list[Path]:
-    """Split ``path`` into ``out_dir/<name>.partNN`` files of at most ``part_bytes`` bytes each."""
-    if part_bytes <= 0:
-        raise ValueError(f"part size must be > 0 bytes, got {part_bytes}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts: list[Path] = []
-    with path.open("rb") as src:
-        while chunk := src.read(part_bytes):
-            part = out_dir / f"{path.name}.part{len(parts):02d}"
-            part.write_bytes(chunk)
-            parts.append(part)
-    return parts
-
-
-def join_parts(parts: list[Path], dst: Path) -> Path:
-    """Concatenate ``parts`` in order into ``dst`` (the device side does the same with ``cat``)."""
-    with dst.open("wb") as out:
-        for part in parts:
-            with part.open("rb") as src:
-                shutil.copyfileobj(src, out, 16 * MIB)
-    return dst
-
-
-def pack_bins(sizes: dict[str, int], limit: int) -> list[list[str]]:
-    """First-fit-decreasing groups of names whose sizes (bytes) sum to <= ``limit``.
-
-    Raises ValueError naming an item larger than ``limit`` (ship that set as ``site-xz``)."""
-    big = [n for n, s in sizes.items() if s > limit]
-    if big:
-        raise ValueError(f"{big} exceed the part size {limit} B: use packing='site-xz'")
-    bins: list[tuple[int, list[str]]] = []
-    for name in sorted(sizes, key=lambda n: -sizes[n]):
-        slot = next((i for i, (used, _) in enumerate(bins) if used + sizes[name] <= limit), None)
-        if slot is None:
-            bins.append((0, []))
-            slot = len(bins) - 1
-        bins[slot] = (bins[slot][0] + sizes[name], bins[slot][1] + [name])
-    return [names for _, names in bins]
-
-
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(8 * MIB):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _trimmed(bset: BundleSet, wheels: list[Path], dst: Path) -> list[Path]:
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
@@ -211,10 +160,17 @@ def device_commands(bset: BundleSet, parts: list[str], whole_sha: str | None) ->
     return {"calls": calls, "after": f"{export};"}
 
 
+def get_set(name: str) -> BundleSet:
+    """``SETS[name]``; exits naming the choices for an unknown set (``require_sets``)."""
+    from nbhelpers.bundles.verify import require_sets
+    require_sets([name])
+    return SETS[name]
+
+
 def build(name: str, python: str = "3.12", out: Path = Path(".bundles"), part_mib: float = 55,
           cache: Path = DEFAULT_CACHE) -> dict:
     """Build set ``name`` under ``out/name`` and return its manifest (also written as JSON)."""
-    bset = _get(name)
+    bset = get_set(name)
     t0 = time.perf_counter()
     root = out / name
     wheels = _trimmed(bset, fetch_wheels(bset.pins, cache, python), root / "wheels")
@@ -245,7 +201,7 @@ def resplit(name: str, part_mib: float, out: Path = Path(".bundles")) -> dict:
         ValueError: the set is not ``site-xz``, or the joined parts do not match the sha256.
         FileNotFoundError: the set is not built under ``out``.
     """
-    bset = _get(name)
+    bset = get_set(name)
     root = out / name
     old = json.loads((root / "manifest.json").read_text())
     if old["packing"] != "site-xz":
@@ -313,65 +269,3 @@ def write_manifest(manifest: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     return path
-
-
-def _get(name: str) -> BundleSet:
-    from nbhelpers.bundles.verify import require_sets
-    require_sets([name])
-    return SETS[name]
-
-
-def _list(out: Path) -> None:
-    for name, bset in SETS.items():
-        mf = out / name / "manifest.json"
-        info = json.loads(mf.read_text()) if mf.exists() else None
-        size = (f"wheels {info['wheels_bytes'] / MIB:.1f} MiB, parts " +
-                ", ".join(f"{p['bytes'] / MIB:.1f}" for p in info["parts"]) + " MiB"
-                if info else "not built")
-        print(f"{name:10s} {bset.packing:8s} {len(bset.pins):3d} pins  site {bset.site:15s} {size}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: ``build | resplit | verify | list | commands``; returns the exit status."""
-    ap = argparse.ArgumentParser(prog="python -m nbhelpers.bundles", description=__doc__.split(
-        "\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="download, trim, pack one set")
-    b.add_argument("set")
-    b.add_argument("--python", default="3.12")
-    b.add_argument("--part-mib", type=float, default=55.0)
-    b.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    v = sub.add_parser("verify", help="Requires-Dist closure, and imports with --installed")
-    v.add_argument("set")
-    v.add_argument("--installed", help="device-side site dir to import from")
-    v.add_argument("--python-exe", default="python3", help="interpreter for the import check")
-    r = sub.add_parser("resplit", help="re-chunk a built site-xz set's parts (no rebuild)")
-    r.add_argument("set")
-    r.add_argument("--part-mib", type=float, required=True)
-    c = sub.add_parser("commands", help="carry + command prefix for sets sharing one call")
-    c.add_argument("sets", nargs="+")
-    lst = sub.add_parser("list", help="sets and built sizes")
-    ap.add_argument("--out", type=Path, default=Path(".bundles"), help="bundle root")
-    for p in (b, r, v, c, lst):  # SUPPRESS: the top-level --out stays unless given here
-        p.add_argument("--out", type=Path, default=argparse.SUPPRESS, help="bundle root")
-    args = ap.parse_args(argv)
-    if args.cmd == "build":
-        m = build(args.set, args.python, args.out, args.part_mib, args.cache)
-        print(json.dumps({k: m[k] for k in ("set", "wheels_bytes", "parts", "build_s")}, indent=1))
-        return 0
-    if args.cmd == "resplit":
-        m = resplit(args.set, args.part_mib, args.out)
-        print(json.dumps({k: m[k] for k in ("set", "parts", "whole_sha256")}, indent=1))
-        return 0
-    if args.cmd == "list":
-        _list(args.out)
-        return 0
-    from nbhelpers.bundles import verify as bundle_verify
-    if args.cmd == "commands":
-        print(bundle_verify.combined_commands(args.sets, args.out))
-        return 0
-    return bundle_verify.verify(_get(args.set), args.out, args.installed, args.python_exe)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from nbhelpers.bundles import verify as bundle_verify
 from nbhelpers.bundles import build as bundles
+from nbhelpers.bundles import cli as bundles_cli
+from nbhelpers.bundles import parts as bundle_parts
+from nbhelpers.bundles import verify as bundle_verify
 from nbhelpers.bundles.sets import SETS, BundleSet
 
 
@@ -52,23 +54,23 @@ def test_split_join_round_trip(tmp_path: Path) -> None:
     src = tmp_path / "blob.bin"
     data = os.urandom(300_007)
     src.write_bytes(data)
-    parts = bundles.split_file(src, 65_536, tmp_path / "parts")
+    parts = bundle_parts.split_file(src, 65_536, tmp_path / "parts")
     assert len(parts) == 5
     assert all(p.stat().st_size <= 65_536 for p in parts)
     assert [p.name for p in parts] == sorted(p.name for p in parts)  # `cat part*` order
-    assert bundles.join_parts(parts, tmp_path / "joined").read_bytes() == data
+    assert bundle_parts.join_parts(parts, tmp_path / "joined").read_bytes() == data
     with pytest.raises(ValueError, match="> 0"):
-        bundles.split_file(src, 0, tmp_path / "p0")
+        bundle_parts.split_file(src, 0, tmp_path / "p0")
 
 
 def test_pack_bins_respects_the_limit() -> None:
     sizes = {f"w{i}": s for i, s in enumerate([50, 30, 30, 20, 20, 10, 5])}
-    bins = bundles.pack_bins(sizes, 60)
+    bins = bundle_parts.pack_bins(sizes, 60)
     assert sorted(n for b in bins for n in b) == sorted(sizes)
     assert all(sum(sizes[n] for n in b) <= 60 for b in bins)
     assert len(bins) == 3  # 165 bytes need at least 3 bins of 60
     with pytest.raises(ValueError, match="site-xz"):
-        bundles.pack_bins({"huge": 61}, 60)
+        bundle_parts.pack_bins({"huge": 61}, 60)
 
 
 def _tiny_wheel(path: Path, name: str, requires: list[str], members: dict[str, bytes]) -> Path:
@@ -142,14 +144,14 @@ def test_closure_sorts_requirements() -> None:
 
 def test_unknown_set_names_the_choices() -> None:
     with pytest.raises(SystemExit, match="choose one of"):
-        bundles.main(["verify", "nope"])
+        bundles_cli.main(["verify", "nope"])
 
 
 @pytest.mark.parametrize("argv", [["verify", "nope"], ["commands", "trl", "nope"],
                                   ["build", "nope"]])
 def test_every_subcommand_names_the_choices_for_an_unknown_set(argv: list[str]) -> None:
     with pytest.raises(SystemExit, match=r"unknown set 'nope': choose one of \['fa4', "):
-        bundles.main(argv)
+        bundles_cli.main(argv)
 
 
 @pytest.mark.parametrize("argv", [["verify", "trl"], ["commands", "trl"]])
@@ -158,7 +160,7 @@ def test_unbuilt_set_says_build_it_first_wherever_out_is_given(tmp_path: Path, a
                                                                before: bool) -> None:
     out = ["--out", str(tmp_path)]
     with pytest.raises(SystemExit) as info:
-        bundles.main(out + argv if before else argv + out)
+        bundles_cli.main(out + argv if before else argv + out)
     assert str(info.value) == (f"set 'trl' is not built under {tmp_path}/: build it first: "
                                f"python -m nbhelpers.bundles build trl --out {tmp_path}")
 
@@ -170,7 +172,7 @@ def test_list_reads_the_out_folder_wherever_out_is_given(tmp_path: Path, capsys,
     (tmp_path / "trl/manifest.json").write_text(json.dumps(
         {"wheels_bytes": 3 * 2**20, "parts": [{"bytes": 2**20}]}))
     out = ["--out", str(tmp_path)]
-    assert bundles.main(out + ["list"] if before else ["list"] + out) == 0
+    assert bundles_cli.main(out + ["list"] if before else ["list"] + out) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert lines["trl"].endswith("wheels 3.0 MiB, parts 1.0 MiB")
     assert lines["vllm"].endswith("not built")
@@ -185,14 +187,14 @@ def test_resplit_rechunks_a_site_set_without_changing_its_bytes(tmp_path: Path,
     blob = os.urandom(5000)
     src = tmp_path / "fa4_site.tar.xz"
     src.write_bytes(blob)
-    old_parts = bundles.split_file(src, 2600, root / "parts")
+    old_parts = bundle_parts.split_file(src, 2600, root / "parts")
     src.unlink()
     whole = hashlib.sha256(blob).hexdigest()
     bundles.write_manifest({"packing": "site-xz", "python": "3.12", "build_s": 1.0,
                             "whole_sha256": whole,
                             "parts": [{"path": str(p)} for p in old_parts]},
                            root / "manifest.json")
-    m = bundles.resplit("fa4", part_mib=1200 / bundles.MIB)
+    m = bundles.resplit("fa4", part_mib=1200 / bundle_parts.MIB)
     new = [Path(p["path"]) for p in m["parts"]]
     assert len(old_parts) == 2 and len(new) == 5 and all(p.stat().st_size <= 1200 for p in new)
     assert b"".join(p.read_bytes() for p in new) == blob and m["whole_sha256"] == whole
@@ -200,4 +202,4 @@ def test_resplit_rechunks_a_site_set_without_changing_its_bytes(tmp_path: Path,
     assert json.loads((root / "manifest.json").read_text())["parts"] == m["parts"]
     new[0].write_bytes(b"corrupt")
     with pytest.raises(ValueError, match="do not join to whole_sha256"):
-        bundles.resplit("fa4", part_mib=2000 / bundles.MIB)
+        bundles.resplit("fa4", part_mib=2000 / bundle_parts.MIB)

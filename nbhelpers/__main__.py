@@ -7,6 +7,9 @@
   config for the profile is skipped with a note (``19_compare`` is CPU-only).
 - ``fetch NAME ...``: download model / dataset assets into the cache (nbhelpers.models).
 - ``index``: regenerate ``executed/INDEX.md`` from the sidecars.
+- ``report [--executed executed] [--out executed_html]``: ``executed/`` as a static HTML site
+  (one page per notebook, plots embedded, ``index.html`` with INDEX.md's rows;
+  nbhelpers.run.report).
 
 Bad user input (phase, profile, notebook, asset name, ``-p``, ``--gpus``) prints one line
 ``error: ...`` to stderr and exits 2.
@@ -34,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download assets (models, gsm8k) into the cache")
     fetch.add_argument("names", nargs="+")
     sub.add_parser("index", help="regenerate executed/INDEX.md")
+    report = sub.add_parser("report", help="export executed/ as a static HTML site")
+    report.add_argument("--executed", default=None, help="archive folder (default: executed/)")
+    report.add_argument("--out", default=None, help="site folder (default: executed_html/)")
     return parser
 
 
@@ -111,6 +117,22 @@ def _fetch(names: list[str]) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    import time
+
+    from nbhelpers.run import runner as run
+    from nbhelpers.run.params import UserInputError
+    from nbhelpers.run.report import write_site
+    start = time.perf_counter()
+    try:
+        pages = write_site(Path(args.executed or run.REPO / "executed"),
+                           Path(args.out or run.REPO / "executed_html"))
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserInputError(str(exc)) from exc
+    print(f"{pages[0]}: {len(pages)} pages in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -122,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "fetch":
             return _fetch(args.names)
+        if args.command == "report":
+            return _report(args)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ The CLI of ``python -m nbhelpers.bundles``: build | resplit | verify | list | co
 :mod:`nbhelpers.bundles.build` for what each set becomes, :mod:`nbhelpers.bundles.verify` for the
 checks).
 
-Run: ``python -m nbhelpers.bundles list``; ``python -m nbhelpers.bundles build vllm --part-mib 40``.
+Run: ``python -m nbhelpers.bundles list``;
+``python -m nbhelpers.bundles build vllm --part-mib 40``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,161 @@
+"""Phase 2's sidecars: write one per backend (+ the run's summary), read them back, and gate the
+newest run of each backend across device calls (``29_compare``).
+
+Contract: :func:`backend_sidecar` / :func:`write_sidecars` write schema-v1 sidecars of phase
+``phase2`` (``<stem>__<backend>.json`` beside the summary at ``sidecar_path``);
+:func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"``;
+:func:`filter_device` keeps one device's runs; :func:`gate_latest` gates the newest run of each
+backend (:func:`latest_per_backend`) against the reference on the same device and model.
+Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo.compare_tables import gate_word, headline, summary_frame
+
+PHASE = "phase2"
+
+
+def filter_device(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``(runs, gates)`` of the runs whose device name contains ``device`` (case-insensitive:
+    ``"h200"`` matches ``"NVIDIA H200"``; ``""`` keeps all).
+
+    Raises:
+        ValueError: no run matches; the message lists the devices the sidecars hold.
+    """
+    if not device:
+        return runs, gates
+    keep = {k: r for k, r in runs.items() if device.lower() in str(r.get("gpu", "")).lower()}
+    if not keep:
+        seen = sorted({str(r.get("gpu")) for r in runs.values()})
+        raise ValueError(f"device={device!r} matches no phase-2 run; the sidecars hold runs on "
+                         f"{seen}: pass one of those (a part of the name is enough) or ''.")
+    return keep, {k: g for k, g in gates.items() if k in keep}
+
+
+def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
+                    model_info: dict[str, Any], gate: Any = None,
+                    run_id: str | None = None) -> dict[str, Any]:
+    """Schema-v1 sidecar of one backend's GRPO run; ``rounds`` = post-warm-up steps."""
+    from types import SimpleNamespace
+
+    from nbhelpers.grpo.phase0_report import grpo_rounds
+    from nbhelpers.stats import make_sidecar
+    s, steps = run.get("summary") or {}, run.get("rows") or []
+    rounds = grpo_rounds(SimpleNamespace(config=run["config"], records=steps),
+                         s.get("skip_first", 0)) if steps else []
+    workload = {"n_prompts": settings.per_device_train_batch_size // settings.num_generations,
+                "prompt_tokens_mean": None, "max_new_tokens": settings.max_completion_length,
+                "ignore_eos": False, "sampling": settings.sampling_params().to_dict()}
+    gate_d = gate if gate is None or isinstance(gate, dict) else gate.as_dict()
+    return make_sidecar(
+        phase=PHASE, backend=name, model=model_info, lora=asdict(settings.lora),
+        workload=workload, rounds=rounds, error=run.get("error"), run_id=run_id,
+        peak_mem={"allocated": s.get("peak_mem_allocated_gib"),
+                  "device": s.get("peak_mem_device_gib")},
+        extra={"grpo_summary": s, "grpo_steps": steps, "grpo_config": _jsonable(run.get("config")),
+               "traceback_tail": (run.get("traceback") or "")[-4000:] or None,
+               "grpo_wall_s": run.get("wall_s"), "grpo_completions_sample": run.get("completions"),
+               "gate": gate_d, "headline": {"step_time_s_median": s.get("step_time_s_median"),
+                                            "peak_mem_gib": s.get("peak_mem_device_gib"),
+                                            "gate": gate_word({name: gate_d}, name)
+                                            if gate_d else None}})
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
+
+
+def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """``(runs, gates)`` keyed ``"<backend>@<run_id>"`` from phase-2 per-backend sidecars."""
+    runs, gates = {}, {}
+    for side in sidecars:
+        if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
+            continue  # notebook summaries and the runner's failure sidecars are not backend runs
+        run_id = str(side["run_id"]).removesuffix(f"_{side['backend']}")
+        key = f"{side['backend']}@{run_id}"
+        runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
+                     "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
+                     "config": side.get("grpo_config"), "model": side.get("model"),
+                     "gpu": (side.get("env") or {}).get("gpu") or "cpu"}
+        if side.get("gate"):
+            gates[key] = side["gate"]
+    return runs, gates
+
+
+def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
+                   settings: GRPOSettings, model_info: dict[str, Any],
+                   sidecar_path: str | Path) -> list[Path]:
+    """One sidecar per backend (``<stem>__<backend>.json`` beside ``sidecar_path``) and, at
+    ``sidecar_path``, the run's summary (backend ``all``: per-backend table, gate, failures)."""
+    from nbhelpers.grpo.gate import GateFailed, assert_gate
+    from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar
+    path, run_id = Path(sidecar_path), utc_stamp()
+    written = []
+    for name, run in runs.items():
+        side = backend_sidecar(name, run, settings, model_info, gates.get(name),
+                               run_id=f"{run_id}_{name}")
+        written.append(write_sidecar(side, path.with_name(f"{path.stem}__{name}.json")))
+    try:
+        assert_gate(gates)
+        failure = None
+    except GateFailed as err:
+        failure = str(err)
+    table = summary_frame(runs, gates).reset_index().to_dict(orient="records")
+    main = make_sidecar(phase=PHASE, backend="all", model=model_info, lora=asdict(settings.lora),
+                        run_id=run_id, error=failure,
+                        extra={"backends": table, "headline": headline(runs, gates),
+                               "sidecars": [p.name for p in written]})
+    return [write_sidecar(main, path), *written]
+
+
+def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
+    """Gate the newest run of each backend against the newest ``reference`` run on the same
+    device and model, across device calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from
+    :func:`runs_from_sidecars`.
+
+    Thresholds (:func:`nbhelpers.grpo.gate.thresholds_for`): model kind ``random`` when the runs'
+    model block says ``weights: random`` (else ``real``); filtered sampling read from the
+    recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``, keyed
+    ``"backend (device, model)"`` when the runs span several devices or models.
+    """
+    from types import SimpleNamespace
+
+    from nbhelpers.grpo.gate import check_runs, thresholds_for
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for key, run in runs.items():
+        group = (run.get("gpu") or "cpu", (run.get("model") or {}).get("name") or "?")
+        groups.setdefault(group, {})[key] = run
+    out = {}
+    for (gpu, model), members in sorted(groups.items()):
+        latest = latest_per_backend(members)
+        ref = latest.get(reference) or next(iter(latest.values()), {})
+        kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
+        cfg = ref.get("config") or {}
+        top_k = cfg.get("top_k") or 0
+        sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0,
+                                   top_p=cfg.get("top_p", 1.0) or 1.0, top_k=max(0, top_k))
+        gates = check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
+        for name, gate in gates.items():
+            out[name if len(groups) == 1 else f"{name} ({gpu}, {model})"] = gate
+    return out
+
+
+def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{backend: run}`` keeping the newest ``backend@<UTC run id>`` of each backend."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for key, run in runs.items():
+        backend, _, run_id = key.partition("@")
+        if backend not in out or run_id > out[backend][0]:
+            out[backend] = (run_id, run)
+    return {b: run for b, (_, run) in out.items()}

@@ -1,0 +1,106 @@
+"""Phase 2's comparison tables over GRPO runs (``{backend: run}`` as from
+:func:`nbhelpers.grpo.compare.run_backends` or
+:func:`nbhelpers.grpo.compare_sidecars.runs_from_sidecars`).
+
+Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
+reward, KL, gate word, error), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
+row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
+memory ratios), :func:`result_line` (the notebook's "Result:" sentence). pandas is imported inside.
+Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None = None):
+    """One row per backend: wall, median step / generation time, peak memory, gate, error."""
+    import pandas as pd
+
+    from nbhelpers.stats import median
+    rows = []
+    for name, run in runs.items():
+        s, steps = run.get("summary") or {}, run.get("rows") or []
+        skip = s.get("skip_first", 0)
+        rows.append({
+            "backend": name, "wall_s": run.get("wall_s"),
+            "step_time_s_median": s.get("step_time_s_median"),
+            "generate_s_median": median([r.get("generate_s") for r in steps[skip:]]),
+            "peak_mem_device_gib": s.get("peak_mem_device_gib"),
+            "reward_median": s.get("reward_median"), "kl_median": s.get("kl_median"),
+            "logprob_mismatch_max": _max([r.get("sampling/sampling_logp_difference/mean")
+                                          for r in steps]),
+            "gate": gate_word(gates, name), "error": run.get("error")})
+    return pd.DataFrame(rows).set_index("backend")
+
+
+def _max(vals: list[Any]) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
+    """``pass`` | ``FAIL`` | ``not staged`` (every check skipped) for ``gates[name]``; ``None``
+    when the backend was not gated."""
+    if not gates or name not in gates:
+        return None
+    g = gates[name]
+    g = g if isinstance(g, dict) else g.as_dict()
+    if g.get("error"):
+        return "not staged" if all(c["status"] == "skip" for c in g["checks"]) else "FAIL"
+    return "pass" if g["passed"] else "FAIL"
+
+
+def steps_long(runs: dict[str, dict[str, Any]]):
+    """Tidy per-step frame (``backend``, ``step``, metrics) over every run that produced rows."""
+    import pandas as pd
+    frames = [pd.DataFrame(run["rows"]).assign(backend=name) for name, run in runs.items()
+              if run.get("rows")]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["backend", "step"])
+
+
+def gate_frame(gates: dict[str, Any]):
+    """Long table ``backend, check, status, detail`` of :func:`nbhelpers.grpo.gate.check_runs`."""
+    import pandas as pd
+    rows = []
+    for name, g in gates.items():
+        g = g if isinstance(g, dict) else g.as_dict()
+        rows += [{"backend": name, **c} for c in g["checks"]]
+    return pd.DataFrame(rows, columns=["backend", "name", "status", "detail"])
+
+
+def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, Any]:
+    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``."""
+    out: dict[str, Any] = {}
+    for name, row in summary_frame(runs, gates).iterrows():
+        out |= {f"{name}_step_s": row["step_time_s_median"],
+                f"{name}_peak_gib": row["peak_mem_device_gib"], f"{name}_gate": row["gate"]}
+    return out
+
+
+def perf_goal(summary) -> dict[str, Any]:
+    """Issue 6's goal from a :func:`summary_frame`: flex median step <= vLLM's, at <= 1/5 of
+    vLLM's peak memory. Values ``None`` when either backend has no numbers."""
+    if not {"flex", "vllm"} <= set(summary.index):
+        return {"step_ratio": None, "memory_ratio": None, "met": None}
+    f, v = summary.loc["flex"], summary.loc["vllm"]
+    try:
+        step = f["step_time_s_median"] / v["step_time_s_median"]
+        mem = f["peak_mem_device_gib"] / v["peak_mem_device_gib"]
+    except TypeError:
+        return {"step_ratio": None, "memory_ratio": None, "met": None}
+    return {"step_ratio": step, "memory_ratio": mem, "met": bool(step <= 1.0 and mem <= 0.2)}
+
+
+def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str) -> str:
+    """The notebook's "Result:" sentence, computed from the runs."""
+    parts = []
+    for name, row in summary_frame(runs, gates).iterrows():
+        if row["error"]:
+            parts.append(f"{name}: {row['gate']} ({str(row['error'])[:80]})")
+        else:
+            parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
+                         f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
+    return f"**Result** ({device}): " + "; ".join(parts) + "."

@@ -210,18 +210,25 @@ class Completion:
         logprobs: log-probability of each sampled token under the engine's (processed) distribution,
             ``[T]``, or ``None`` when the engine does not report them.
         finish_reason: ``"length"`` (hit ``max_new_tokens``) or ``"stop"`` (EOS / stop id).
+        full_logprobs: the same tokens' log-probability under the *full* softmax at the sampling
+            temperature, ``[T]`` (``full_logprobs - logprobs = log(kept mass)`` of the min_p /
+            top-k / top-p filters), or ``None`` (engines other than flex).
     """
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    full_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("length", "stop"):
             raise ValueError(f"Completion.finish_reason={self.finish_reason!r}: 'length' or 'stop'.")
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"Completion.logprobs has {len(self.logprobs)} entries for "
+                             f"{len(self.token_ids)} tokens: they must match one to one.")
+        if self.full_logprobs is not None and len(self.full_logprobs) != len(self.token_ids):
+            raise ValueError(f"Completion.full_logprobs has {len(self.full_logprobs)} entries for "
                              f"{len(self.token_ids)} tokens: they must match one to one.")
 
 

@@ -108,13 +108,9 @@ def exact_filtered_probs(logits: Any, sp: SamplingParams) -> Any:
     """The exact processed distribution ``[V]`` of one logits row under ``sp``, computed in
     float32 like the sampler (so that top-k / top-p boundaries between near-tied logits fall
     where the sampler puts them), returned as float64 renormalised."""
-    import torch
-
     from nbhelpers.engine.sampler import filtered_probs
-    def one(v: Any, **k: Any) -> Any:
-        return torch.tensor([v], **k)
-    probs = filtered_probs(logits.float().unsqueeze(0), one(float(sp.temperature)),
-                           one(float(sp.min_p)), one(sp.top_k), one(float(sp.top_p)))[0]
+    from nbhelpers.engine.sampling_tensors import sampling_tensors
+    probs = filtered_probs(logits.float().unsqueeze(0), *sampling_tensors(sp, 1))[0]
     probs = probs.double().numpy()
     return probs / probs.sum()
 
@@ -127,15 +123,13 @@ def sampler_draws(logits: Any, sp: SamplingParams, n_draws: int, seed: int = 0,
     import torch
 
     from nbhelpers.engine.sampler import sample
+    from nbhelpers.engine.sampling_tensors import sampling_tensors, uses_sort
     counts = np.zeros(logits.shape[-1], dtype=np.int64)
     for start in range(0, n_draws, chunk):
         n = min(chunk, n_draws - start)
-        def full(v: Any, n: int = n, **k: Any) -> Any:
-            return torch.full((n,), v, **k)
-        toks, _ = sample(logits.float().expand(n, -1), full(float(sp.temperature)),
-                         full(float(sp.min_p)), full(int(sp.top_k), dtype=torch.long),
-                         full(float(sp.top_p)), torch.arange(start, start + n) + seed * n_draws,
-                         torch.zeros(n, dtype=torch.long), use_sort=sp.top_k > 0 or sp.top_p < 1)
+        toks, _ = sample(logits.float().expand(n, -1), *sampling_tensors(sp, n),
+                         torch.arange(start, start + n) + seed * n_draws,
+                         torch.zeros(n, dtype=torch.long), use_sort=uses_sort(sp))
         counts += np.bincount(toks.numpy(), minlength=logits.shape[-1])
     return counts
 

@@ -21,6 +21,45 @@ from dataclasses import dataclass
 from typing import Any
 
 NULL_PAGE = 0
+FLEX_Q_BLOCK = 128
+"""Query rows per prefill BlockMask block (``attention.prefill_block_mask``'s ``q_block``)."""
+FLEX_DEFAULT_BLOCK_N = 128
+"""Largest ``BLOCK_N`` of torch inductor's default flex forward tiles on CUDA (torch
+``_inductor/template_heuristics/triton.py``, ``h100_default_flex_config``: 128 for bf16/fp16 at
+head_dim 64), the tile compiled prefill gets when ``prefill_kernel_options`` names no BLOCK_N."""
+
+
+def check_page_size(page_size: int, device_type: str, compiled_attention: bool,
+                    prefill_kernel_options: dict | None) -> None:
+    """Raise when the CUDA kernels cannot serve ``page_size`` (checked at ``LLM`` construction).
+
+    Why: the paged BlockMasks use one page as the KV block (``BLOCK_SIZE=(q, page_size)``), and
+    torch's compiled CUDA flex_attention requires the KV block to be a multiple of the kernel's
+    ``BLOCK_N`` and the Q block a multiple of ``BLOCK_M`` (torch ``_inductor/kernel/flex/
+    flex_attention.py``: "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"). The
+    tile is ``prefill_kernel_options`` (default BLOCK_N 64), else :data:`FLEX_DEFAULT_BLOCK_N`.
+    Decode (flex clips its BLOCK_N to the page; the Triton kernel takes any page) adds nothing.
+    On the CPU and with eager flex_attention every ``page_size >= 1`` works (tests use 4, 8, 16).
+
+    Args: ``device_type``: ``"cuda"`` or ``"cpu"``; ``compiled_attention``: the runner's
+    resolved ``compile_attention``; ``prefill_kernel_options``: ``RunnerOptions``' field.
+    Raises:
+        ValueError: naming the valid page sizes (multiples of BLOCK_N) or the bad BLOCK_M.
+    """
+    if device_type != "cuda" or not compiled_attention:
+        return
+    opts = prefill_kernel_options or {}
+    block_m, block_n = opts.get("BLOCK_M"), opts.get("BLOCK_N", FLEX_DEFAULT_BLOCK_N)
+    if block_m and FLEX_Q_BLOCK % block_m:
+        raise ValueError(f"prefill_kernel_options BLOCK_M={block_m} must divide the prefill "
+                         f"query block {FLEX_Q_BLOCK}: use 16, 32, 64 or 128.")
+    if page_size % block_n:
+        raise ValueError(
+            f"page_size={page_size} cannot be served by the compiled CUDA flex_attention "
+            f"prefill: a page is one KV block and must be a multiple of its tile BLOCK_N="
+            f"{block_n}. Valid page sizes: {block_n}, {2 * block_n}, {4 * block_n}, ... (any "
+            f"multiple of {block_n}); or set prefill_kernel_options BLOCK_N to a power of 2 >= "
+            "16 dividing page_size, or compile_attention=False (slow).")
 
 
 class OutOfPages(RuntimeError):

@@ -18,7 +18,6 @@ from typing import Any
 from nbhelpers.engine.fused import Elementwise, norm_params, rope
 from nbhelpers.engine.kv_cache import KVCache
 from nbhelpers.engine.lora import LiveGroup, storage_signature
-from nbhelpers.engine.models import ArchSpec, get_arch_spec
 
 
 @dataclass
@@ -37,54 +36,78 @@ class AttnBatch:
     paged_decode: Any = None
 
 
+def flex_attention_fn(compiled: bool, dynamo_limits: bool = False) -> Any:
+    """``flex_attention``, ``torch.compile``d (``dynamic=False``) when ``compiled``.
+    ``dynamo_limits``: raise dynamo's recompile limits (one compile per batch bucket and
+    prefill length: 64 per function, 512 in all) because something in the runner compiles."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    if dynamo_limits:
+        torch._dynamo.config.cache_size_limit = 64
+        torch._dynamo.config.accumulated_cache_size_limit = 512
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
 def base_causal_lm(model: Any) -> Any:
     """The ``*ForCausalLM`` under a PEFT wrapper (``PeftModel.get_base_model()``) or itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def build_engine_model(model: Any, fuse_lora_a: bool = True, flex_fn: Any = None) -> Any:
-    """:class:`EngineModel`, or the architecture's own subclass (``ArchSpec.engine_model``)."""
-    spec = get_arch_spec(base_causal_lm(model).config)
-    return (spec.engine_model or EngineModel)(model, fuse_lora_a=fuse_lora_a, flex_fn=flex_fn)
-
-
 class EngineModel:
     """Forward over an HF causal LM's parameters; see the module docstring.
 
+    Built by :func:`nbhelpers.engine.models.build_engine_model` with the architecture's
+    ``ArchSpec``. What the runner uses, for every architecture: ``spec``, ``config``, ``layers``,
+    ``decode_kernels``, ``fx_eager``/``fx_decode`` (eager / compiled elementwise pieces and
+    sampler), ``live_groups()``, ``compile_elementwise()``, ``allocate_kv``, ``signature``,
+    ``forward``, ``logits``, ``device``/``dtype``. A subclass (Gemma-4) changes the block through
+    the overridable ``_qkv_group``, ``_init_attention``, ``live_groups``, ``allocate_kv`` and
+    ``forward``, never by skipping this constructor.
+
     Raises:
-        ValueError: unsupported architecture (from the registry) or more than one LoRA adapter.
+        ValueError: more than one LoRA adapter (from :class:`LiveGroup`).
     """
 
-    decode_kernels = ("flex", "triton")  # RunnerOptions.decode_attention values it serves
+    decode_kernels: tuple[str, ...] = ("flex", "triton")
+    """``RunnerOptions.decode_attention`` values the model serves."""
 
-    def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
+    def __init__(self, model: Any, spec: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
         self.hf = base_causal_lm(model)
         self.config = self.hf.config
-        self.spec: ArchSpec = get_arch_spec(self.config)
-        inner = self.hf.model
+        self.spec = spec  # nbhelpers.engine.models.ArchSpec
+        self.inner = inner = self.hf.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
         self.lm_head = self.hf.lm_head
         self.layers = list(inner.layers)
-        self.qkv = [LiveGroup([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj],
-                              fuse_lora_a) for ly in self.layers]
+        self.num_heads = self.config.num_attention_heads
+        self.qkv = [self._qkv_group(ly.self_attn, fuse_lora_a) for ly in self.layers]
         self.o = [LiveGroup([ly.self_attn.o_proj]) for ly in self.layers]
         self.gate_up = [LiveGroup([ly.mlp.gate_proj, ly.mlp.up_proj], fuse_lora_a)
                         for ly in self.layers]
         self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
+        self.flex = flex_fn or flex_attention_fn(compiled=False)
+        self.fx_eager = self.fx_decode = Elementwise(compiled=False)
+        self._init_attention()
+
+    def _qkv_group(self, attn: Any, fuse_lora_a: bool) -> LiveGroup:
+        """The q/k/v projections of one attention module as one group."""
+        return LiveGroup([attn.q_proj, attn.k_proj, attn.v_proj], fuse_lora_a)
+
+    def _init_attention(self) -> None:
+        """Llama-block geometry: one head_dim, KV-head count and softmax scale for all layers."""
         cfg = self.config
-        self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.spec.attn_scale or getattr(self.layers[0].self_attn, "scaling",
                                                      self.head_dim ** -0.5)
-        if flex_fn is None:
-            from torch.nn.attention.flex_attention import flex_attention as flex_fn
-        self.flex = flex_fn
         self._silu = getattr(cfg, "hidden_act", None) == "silu"
-        self.fx_eager = self.fx_decode = Elementwise(compiled=False)
+
+    def live_groups(self) -> list[LiveGroup]:
+        """Every projection group (the runner refreshes them and sets their LoRA-B kernel)."""
+        return self.qkv + self.o + self.gate_up + self.down
 
     def compile_elementwise(self) -> None:
-        """Decode uses torch.compiled norm/RoPE/SwiGLU pieces (see :mod:`.fused`)."""
+        """Decode uses torch.compiled norm/RoPE/SwiGLU pieces and sampler (see :mod:`.fused`)."""
         self.fx_decode = Elementwise(compiled=True)
 
     @property
@@ -102,7 +125,7 @@ class EngineModel:
 
     def signature(self) -> tuple[int, ...]:
         """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
-        return storage_signature(self.qkv + self.o + self.gate_up + self.down)
+        return storage_signature(self.live_groups())
 
     def forward(self, input_ids: Any, positions: Any, slot_mapping: Any, attn: AttnBatch,
                 kv: Any) -> Any:
@@ -153,7 +176,7 @@ class EngineModel:
         kn = norm_params(layer.self_attn.k_norm) if self.spec.has_qk_norm else None
         if self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1]):
             q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
-            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
         else:
             q, k = fx.qk_norm_rope(q, k, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
                                    cos, sin)
@@ -171,5 +194,3 @@ class EngineModel:
         out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
         return self.o[i](out.reshape(1, t, -1))[0]
 
-
-_rope = rope  # HF apply_rotary_pos_emb; kept under this name for the Gemma-4 model

@@ -2,7 +2,9 @@
 
 Contract (vLLM-like): prompts are token-id lists; ``sampling.n`` samples per prompt come back
 prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``); each :class:`~nbhelpers.config.Completion`
-carries the generated ids, the sampled tokens' logprobs and ``finish_reason`` (``stop`` on EOS /
+carries the generated ids, the sampled tokens' logprobs (``logprobs``: under the filtered
+distribution sampled from; ``full_logprobs``: under the full softmax at the same temperature, see
+:mod:`nbhelpers.engine.sampler`) and ``finish_reason`` (``stop`` on EOS /
 ``stop_token_ids``, else ``length``). The engine runs on the HF model's own parameters (PEFT LoRA
 live, see :mod:`nbhelpers.engine.lora`); ``sleep()`` frees the KV pool and the CUDA graphs,
 ``wake_up()`` restores them. Seeds: ``sampling.seed`` + sample index (``seed=None``: drawn from
@@ -113,8 +115,9 @@ class LLM:
             self._step(sched, sampling)
         self.last_stats = {"wall_s": time.perf_counter() - t0,
                            "num_preemptions": sched.num_preemptions, **self.runner.timings}
-        return [Completion(list(s.prompt_ids), list(s.out_ids), list(s.out_logprobs),
-                           s.finish_reason or "length") for s in seqs]
+        return [Completion(list(s.prompt_ids), list(s.out_ids), [lp[0] for lp in s.out_logprobs],
+                           s.finish_reason or "length",
+                           full_logprobs=[lp[1] for lp in s.out_logprobs]) for s in seqs]
 
     def sleep(self) -> None:
         """Free the KV pool and the CUDA graphs (weights stay: they are the trainer's)."""

@@ -17,19 +17,22 @@ readback) and ``host_s`` (Python bookkeeping), in seconds, CUDA-synchronised onl
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
-from nbhelpers.engine.kv_cache import phys_to_logical, slot_mapping
-from nbhelpers.engine.layers import AttnBatch, build_engine_model
+from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
+from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
+from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
+from nbhelpers.engine.models import build_engine_model
 from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public names)
     DECODE_ATTENTION,
     DecodeState,
     RunnerOptions,
     resolve_kernels,
+    resolve_lora_fused,
 )
 from nbhelpers.engine.sampler import sample
+from nbhelpers.engine.sampling_tensors import sampling_tensors, uses_sort
 from nbhelpers.engine.scheduler import Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -43,11 +46,9 @@ class ModelRunner:
         self.use_graphs = on_cuda if opt.use_cuda_graphs is None else opt.use_cuda_graphs
         compile_attn = on_cuda if opt.compile_attention is None else opt.compile_attention
         compile_layers = on_cuda if opt.compile_layers is None else opt.compile_layers
-        from torch.nn.attention.flex_attention import flex_attention
-        if compile_attn or compile_layers:  # one compile per (batch bucket, prefill length)
-            torch._dynamo.config.cache_size_limit = 64
-            torch._dynamo.config.accumulated_cache_size_limit = 512
-        flex = torch.compile(flex_attention, dynamic=False) if compile_attn else flex_attention
+        check_page_size(opt.page_size, "cuda" if on_cuda else "cpu", bool(compile_attn),
+                        opt.prefill_kernel_options)
+        flex = flex_attention_fn(compile_attn, dynamo_limits=compile_attn or compile_layers)
         # torch 2.13's CPU inductor flex template fails to build for decode BlockMasks of 1 or 2
         # rows ((B, 1, 1, S), B < 4): "'full_kv_num_blocks' was not declared in this scope"
         # (g++; measured here 2026-11-30 with SmolLM2-135M: B=1 and 2 fail, 4 and 8 build; the
@@ -58,10 +59,12 @@ class ModelRunner:
         self.pad_prefill = on_cuda or bool(compile_attn)
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
         self.decode_attention, self.lora_expand = resolve_kernels(
-            opt, on_cuda, getattr(self.model, "decode_kernels", ()))
-        for group in self._groups():
+            opt, on_cuda, self.model.decode_kernels)
+        lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
+        for group in self.model.live_groups():
             group.set_lora_expand(self.lora_expand)
-        if compile_layers and hasattr(self.model, "compile_elementwise"):
+            group.set_lora_fused(lora_fused)
+        if compile_layers:
             self.model.compile_elementwise()
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
         if self.decode_attention == "triton":
@@ -91,13 +94,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:
         """Re-fuse projection groups whose storage was replaced (see ``LiveGroup.refresh``)."""
-        for group in self._groups():
+        for group in self.model.live_groups():
             group.refresh()
-
-    def _groups(self) -> list[Any]:
-        """The model's LiveGroups of q/k/v, o, gate/up and down projections."""
-        return [g for name in ("qkv", "o", "gate_up", "down")
-                for g in getattr(self.model, name, [])]
 
     def prefill(self, groups: list[list[Sequence]], sampling: Any) -> None:
         """Prefill each group's leader, fork followers, sample every member's next token."""
@@ -174,15 +172,12 @@ class ModelRunner:
 
     def _sample(self, logits: Any, seqs: list[Sequence], sampling: Any) -> tuple[Any, Any]:
         import torch
-        dev, n = self.device, len(seqs)
-        full = lambda v, **k: torch.full((n,), v, device=dev, **k)
+        dev = self.device
         with torch.inference_mode():
-            return sample(logits, full(float(sampling.temperature)), full(float(sampling.min_p)),
-                          full(int(sampling.top_k), dtype=torch.long),
-                          full(float(sampling.top_p)),
+            return sample(logits, *sampling_tensors(sampling, len(seqs), dev),
                           torch.tensor([s.seed for s in seqs], device=dev),
                           torch.tensor([len(s.out_ids) for s in seqs], device=dev),
-                          use_sort=_uses_sort(sampling))
+                          use_sort=uses_sort(sampling), full_logprobs=True)
 
     def _tick(self, key: str, t0: float) -> None:
         if self.profile and self.device.type == "cuda":
@@ -195,7 +190,7 @@ class ModelRunner:
         """Run ``steps`` decode steps for ``seqs`` (pages already reserved) and append tokens."""
         t0 = time.perf_counter()
         self.refresh_weights()
-        st = self._state(len(seqs), _uses_sort(sampling), sampling)
+        st = self._state(len(seqs), uses_sort(sampling))
         self._load_state(st, seqs, sampling)
         self._tick("host_s", t0)
         t1 = time.perf_counter()
@@ -212,7 +207,7 @@ class ModelRunner:
         self.timings["decode_steps"] += steps
         self._tick("host_s", t2)
 
-    def _state(self, n: int, use_sort: bool, sampling: Any) -> DecodeState:
+    def _state(self, n: int, use_sort: bool) -> DecodeState:
         bucket = next((b for b in BUCKETS if b >= max(n, self.min_rows)), None)
         if bucket is None:
             raise ValueError(f"decode batch {n} > {BUCKETS[-1]}: lower max_num_seqs.")
@@ -222,7 +217,7 @@ class ModelRunner:
                                            self.device)
         st = self.states[key]
         st.use_sort = use_sort
-        if self.use_graphs and (st.graph is None or st.signature != self.model.signature()):
+        if self.use_graphs and st.signature != self.model.signature():  # new, or weights moved
             self._capture(st, use_sort)
         return st
 
@@ -243,10 +238,9 @@ class ModelRunner:
         for name, vals in host.items():
             getattr(st, name).copy_(torch.tensor(vals), non_blocking=True)
         st.block_table.copy_(bt, non_blocking=True)
-        st.temperature.fill_(float(sampling.temperature))
-        st.min_p.fill_(float(sampling.min_p))
-        st.top_p.fill_(float(sampling.top_p))
-        st.top_k.fill_(int(sampling.top_k))
+        bufs = (st.temperature, st.min_p, st.top_k, st.top_p)
+        for buf, value in zip(bufs, sampling_tensors(sampling, rows, self.device)):
+            buf.copy_(value)
         st.col.zero_()
 
     def _step(self, st: DecodeState) -> None:
@@ -286,42 +280,22 @@ class ModelRunner:
                 p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
                 kernel_options=self.opt.decode_kernel_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)
-        fx = getattr(m, "fx_decode", None)
-        return (fx.sample if fx is not None else sample)(
-            m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx, use_sort=use_sort)
+        return m.fx_decode.sample(
+            m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx, use_sort=use_sort,
+            full_logprobs=True)  # lp [B, 2]: (filtered, full softmax), sampler docstring
 
     def _capture(self, st: DecodeState, use_sort: bool) -> None:
-        import torch
-        try:
-            st.is_pad.fill_(True)
-            st.block_table.zero_()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(3):  # warm-up: compile flex, cuBLAS handles
-                    self._step_body(st, use_sort)
-                    st.col.zero_()
-                    st.pos.zero_()
-            torch.cuda.current_stream().wait_stream(stream)
-            if self.graph_pool is None:
-                self.graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool), torch.inference_mode():
-                self._step_body(st, use_sort)
-            st.graph, st.signature = graph, self.model.signature()
+        """Capture this bucket's step (:mod:`.decode_graphs`); ``st.graph`` stays ``None``
+        (eager steps, same tokens) when capture fails, until the weights' storage changes."""
+        st.is_pad.fill_(True)
+        st.block_table.zero_()
+
+        def reset() -> None:
+            st.col.zero_()
+            st.pos.zero_()
+        st.graph = capture_or_eager(lambda: capture_graph(
+            lambda: self._step_body(st, use_sort), reset, self.graph_pool), self.model, st.rows)
+        st.signature = self.model.signature()
+        if st.graph is not None:
+            self.graph_pool = self.graph_pool or st.graph.pool()  # one pool for every bucket
             self.timings["graph_captures"] += 1
-        except Exception as err:  # noqa: BLE001 -- capture is an optimisation; eager = same tokens
-            fx = getattr(self.model, "fx_decode", None)
-            if fx is not None and fx.compiled:  # retry once without the compiled pieces
-                warnings.warn(f"flex engine: decode step with compiled norm/RoPE/SwiGLU failed "
-                              f"({type(err).__name__}: {err}); using the eager pieces.",
-                              stacklevel=2)
-                self.model.fx_decode = self.model.fx_eager
-                return self._capture(st, use_sort)
-            warnings.warn(f"flex engine: CUDA graph capture failed for batch bucket {st.rows} "
-                          f"({type(err).__name__}: {err}); decoding eagerly.", stacklevel=2)
-            st.graph = None
-
-
-def _uses_sort(sampling: Any) -> bool:
-    return (0 < sampling.top_k) or sampling.top_p < 1.0

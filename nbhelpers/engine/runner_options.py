@@ -115,7 +115,7 @@ class DecodeState:
         self.top_p = torch.ones(rows, **z)
         self.top_k = torch.zeros(rows, dtype=torch.long, **z)
         self.out_tok = torch.zeros(rows, window, dtype=torch.long, **z)
-        self.out_lp = torch.zeros(rows, window, **z)
+        self.out_lp = torch.zeros(rows, window, 2, **z)  # (filtered, full) logprob, sampler.sample
         self.col = torch.zeros(1, dtype=torch.long, **z)
         self.graph: Any = None
         self.use_sort = True

@@ -7,6 +7,14 @@ probability is below ``min_p * max prob``), then top-k, then top-p over the reno
 (vllm/v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p``). ``temperature == 0`` rows are
 greedy (argmax of the raw logits). The returned logprob is the log-probability of the sampled token
 under the processed distribution (greedy rows: the raw ``log_softmax``, as vLLM's raw logprobs).
+``sample(..., full_logprobs=True)`` returns ``logprobs [B, 2]`` instead: column 0 as above, column 1
+the sampled token's log-probability under the *full* softmax at the same temperature
+(``log_softmax(logits / T)``, what TRL's trainer computes). Their difference is the log of the
+probability mass the filters kept, ``lp_filtered - lp_full = -log(kept mass) >= 0``: every filter
+keeps a set S and renormalises by ``sum_{v in S} p_v``. That one float per token is what the trainer
+needs to put the engine's logprob on its own (full) support (TRL PR #7269 does the same with the
+trainer's mass over vLLM's returned support ids); no ``[B, V]`` mask leaves the step. Same shapes
+every call, no host sync (the decode CUDA graph captures it).
 
 Randomness without RNG state: the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, draws a token
 with probability ``p`` (the Gumbel-max trick in another form). ``E = -log(u)`` with ``u`` from a
@@ -78,9 +86,22 @@ def _top_k_top_p(x: Any, top_k: Any, top_p: Any) -> Any:
     return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
 
 
+def full_logprob(logits: Any, temperature: Any, tokens: Any) -> Any:
+    """``log_softmax(logits / T)[b, tokens[b]]`` ``[B]`` fp32 (``T <= 0`` rows: ``T = 1``).
+
+    Args: ``logits [B, V]``, ``temperature [B]``, ``tokens [B]`` int64.
+    """
+    import torch
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits.float() / t.unsqueeze(1)
+    return x.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
+
+
 def sample(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any, seeds: Any,
-           gen_idx: Any, use_sort: bool = True) -> tuple[Any, Any]:
-    """Sample one token per row. Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
+           gen_idx: Any, use_sort: bool = True, full_logprobs: bool = False) -> tuple[Any, Any]:
+    """Sample one token per row. Returns ``(tokens [B] int64, logprobs [B] fp32)``, or with
+    ``full_logprobs=True`` ``(tokens, [B, 2])``: (filtered, full-softmax) logprob (module
+    docstring)."""
     import torch
     logits = logits.float()
     probs = filtered_probs(logits, temperature, min_p, top_k, top_p, use_sort)
@@ -91,4 +112,8 @@ def sample(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any, se
     tokens = torch.where(is_greedy, greedy, sampled)
     lp_sampled = torch.log(probs.gather(1, sampled.unsqueeze(1))).squeeze(1)
     lp_greedy = torch.log_softmax(logits, -1).gather(1, greedy.unsqueeze(1)).squeeze(1)
-    return tokens, torch.where(is_greedy, lp_greedy, lp_sampled)
+    lp = torch.where(is_greedy, lp_greedy, lp_sampled)
+    if not full_logprobs:
+        return tokens, lp
+    full = torch.where(is_greedy, lp_greedy, full_logprob(logits, temperature, sampled))
+    return tokens, torch.stack([lp, full], dim=1)

@@ -31,7 +31,7 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
     out_ids: list[int] = field(default_factory=list)
-    out_logprobs: list[float] = field(default_factory=list)
+    out_logprobs: list[list[float]] = field(default_factory=list)  # (filtered, full) per token
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None

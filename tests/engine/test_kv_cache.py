@@ -57,3 +57,38 @@ def test_kv_copy_page():
     kv.k[0][0, 0, 2:4] = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     kv.copy_page(1, 2)
     assert kv.k[0][0, 0, 4:6].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_page_size_check_names_the_valid_cuda_sizes():
+    """Pure check of what the CUDA flex kernels serve (no GPU needed: the device is an argument)."""
+    from nbhelpers.engine.kv_cache import check_page_size
+    from nbhelpers.engine.runner_options import RunnerOptions
+    tiles = RunnerOptions().prefill_kernel_options  # BLOCK_N 64
+    for ok in (64, 128, 256):
+        check_page_size(ok, "cuda", True, tiles)
+    with pytest.raises(ValueError, match=r"page_size=8 .*Valid page sizes: 64, 128, 256"):
+        check_page_size(8, "cuda", True, tiles)
+    with pytest.raises(ValueError, match="multiple of 128"):  # torch's default tile
+        check_page_size(64, "cuda", True, None)
+    check_page_size(16, "cuda", True, {"BLOCK_M": 64, "BLOCK_N": 16})
+    with pytest.raises(ValueError, match="BLOCK_M=48"):
+        check_page_size(128, "cuda", True, {"BLOCK_M": 48, "BLOCK_N": 64})
+    for small in (1, 4, 8, 16):  # CPU and eager flex: every page size that works today
+        check_page_size(small, "cpu", True, tiles)
+        check_page_size(small, "cpu", False, tiles)
+        check_page_size(small, "cuda", False, tiles)
+
+
+def test_llm_rejects_a_page_size_the_cuda_kernels_cannot_serve(monkeypatch):
+    """The runner calls the check at construction, before it touches the weights."""
+    from _tiny import tiny_model
+
+    from nbhelpers.engine import LLM, model_runner
+    seen = []
+    real = model_runner.check_page_size
+    monkeypatch.setattr(model_runner, "check_page_size",
+                        lambda ps, dev, comp, opts: (seen.append((ps, dev, comp)),
+                                                     real(ps, "cuda", True, opts)))
+    with pytest.raises(ValueError, match="Valid page sizes: 64, 128"):
+        LLM(tiny_model("qwen3"), page_size=8, num_pages=8, max_model_len=32)
+    assert seen == [(8, "cpu", False)]

@@ -1,10 +1,11 @@
 """Architecture registry keyed by the HF architecture name (``config.architectures[0]``).
 
 Contract: each architecture file exposes ``arch_spec(hf_config) -> ArchSpec``; model differences are
-fields of :class:`ArchSpec` (QK RMSNorm, embedding scale, logit soft-cap, per-layer mask factories),
-never ``if model_type`` inside the engine. Imports are lazy: ``get_arch_spec`` imports only the file
-of the architecture asked for. Gemma-4 (later issue) plugs in with ``layer_masks`` (sliding vs full),
-``attn_score_mod`` (soft-cap), ``kv_shared_from`` and per-layer head dims as new fields here.
+fields of :class:`ArchSpec` (QK RMSNorm, embedding scale, logit soft-cap, per-layer mask factories)
+or, for a block that is not the Llama block (Gemma-4), a subclass of
+:class:`nbhelpers.engine.layers.EngineModel` overriding its hooks, never ``if model_type`` inside
+the engine. :func:`build_engine_model` builds the engine model of any registered architecture.
+Imports are lazy: ``get_arch_spec`` imports only the file of the architecture asked for.
 
 Run: ``python -c "from nbhelpers.engine.models import list_architectures; print(list_architectures())"``.
 """
@@ -46,8 +47,9 @@ class ArchSpec:
     layer_masks: tuple[Callable | None, ...] = field(default=())
     attn_score_mod: Callable | None = None
     engine_model: Callable | None = None
-    """Class built instead of ``layers.EngineModel`` (same constructor ``(model, fuse_lora_a,
-    flex_fn)``) for blocks that are not the Llama block (Gemma-4); ``None`` = EngineModel."""
+    """Subclass of ``layers.EngineModel`` built instead of it (same constructor ``(model, spec,
+    fuse_lora_a, flex_fn)``) for blocks that are not the Llama block (Gemma-4); ``None`` =
+    EngineModel."""
 
     def mask_for_layer(self, i: int) -> Callable | None:
         return self.layer_masks[i] if i < len(self.layer_masks) else None
@@ -70,3 +72,16 @@ def get_arch_spec(hf_config: Any) -> ArchSpec:
                          f"{list_architectures()}. Set config.architectures or add a file under "
                          "nbhelpers/engine/models/ and register it in _REGISTRY.")
     return importlib.import_module(_REGISTRY[archs[0]]).arch_spec(hf_config)
+
+
+def build_engine_model(model: Any, fuse_lora_a: bool = True, flex_fn: Any = None) -> Any:
+    """The engine model of ``model`` (an HF ``*ForCausalLM``, PEFT-wrapped or not):
+    ``layers.EngineModel``, or the architecture's subclass (``ArchSpec.engine_model``).
+
+    Raises:
+        ValueError: the architecture is not registered (see :func:`get_arch_spec`).
+    """
+    from nbhelpers.engine.layers import EngineModel, base_causal_lm
+    spec = get_arch_spec(base_causal_lm(model).config)
+    return (spec.engine_model or EngineModel)(model, spec, fuse_lora_a=fuse_lora_a,
+                                              flex_fn=flex_fn)

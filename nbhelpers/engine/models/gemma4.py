@@ -1,8 +1,8 @@
 """Gemma-4 text backbone (``Gemma4ForCausalLM``, e.g. google/gemma-4-E2B) in the flex engine.
 
 What: the :class:`~nbhelpers.engine.models.ArchSpec` for Gemma-4 (sliding-window mask factory per
-``layer_types``, final logit soft-cap, the engine-model class) and the flex_attention kernel options
-per head_dim. The forward itself is :mod:`nbhelpers.engine.models.gemma4_model`.
+``layer_types``, final logit soft-cap, the engine-model class). The forward and the flex_attention
+kernel options per head_dim are :mod:`nbhelpers.engine.models.gemma4_model`.
 
 Differences from the Llama/Qwen3 block, checked line by line against transformers 5.17.0
 ``models/gemma4/modeling_gemma4.py`` (M) and ``configuration_gemma4.py`` (C); where the issue's list
@@ -67,25 +67,9 @@ from typing import Any
 
 from nbhelpers.engine.attention import sliding_window
 from nbhelpers.engine.models import ArchSpec
+from nbhelpers.engine.models.gemma4_model import Gemma4EngineModel, kernel_options
 
-# flex_attention kernel options per (head_dim, is_decode) on CUDA; absent = the runner's options
-# (prefill tiles 64 x 64, 2 stages: 32 + 2 x 64 = 160 KiB of shared memory at head_dim 256) or
-# torch's decode defaults (BLOCK_N 64, 1 stage: 16 + 128 KiB at 512). Prefill at head_dim 512 needs
-# smaller tiles: Q 32 x 512 (32 KiB) + 2 stages x (K + V) 32 x 512 (128 KiB) = 160 KiB < 227 KiB
-# (H200 shared memory per block); see gemma4_kernels.py for the measured alternatives.
-_KERNEL_OPTIONS: dict[tuple[int, bool], dict[str, Any]] = {
-    (512, False): {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
-}
-
-
-def kernel_options(head_dim: int, is_decode: bool) -> dict[str, Any] | None:
-    """flex_attention ``kernel_options`` for a head_dim on the GPU, or ``None`` (defaults).
-
-    Args: ``head_dim`` of the layer (256 sliding / 512 full on E2B); ``is_decode``: one query
-    per row (flex decoding kernel) vs packed prefill.
-    """
-    return _KERNEL_OPTIONS.get((head_dim, is_decode))
-
+__all__ = ["arch_spec", "kernel_options"]  # kernel_options: re-exported for bench/gemma4_report
 
 def arch_spec(hf_config: Any) -> ArchSpec:
     """ArchSpec of a ``Gemma4TextConfig``: sliding mask on sliding layers, final soft-cap.
@@ -93,7 +77,6 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     Raises:
         ValueError: ``layer_types`` missing or naming a type other than sliding/full attention.
     """
-    from nbhelpers.engine.models.gemma4_model import Gemma4EngineModel
     types = list(getattr(hf_config, "layer_types", None) or [])
     bad = sorted(set(types) - {"sliding_attention", "full_attention"})
     if not types or bad:

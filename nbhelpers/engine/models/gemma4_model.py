@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbhelpers.engine.fused import rope as _rope
 from nbhelpers.engine.kv_cache import KVCache
-from nbhelpers.engine.layers import EngineModel, _rope, base_causal_lm
-from nbhelpers.engine.lora import LiveGroup, storage_signature
-from nbhelpers.engine.models import get_arch_spec
+from nbhelpers.engine.layers import EngineModel, base_causal_lm
+from nbhelpers.engine.lora import LiveGroup
 
 
 @dataclass
@@ -84,40 +84,34 @@ class Gemma4EngineModel(EngineModel):
 
     decode_kernels = ("flex",)  # per-layer head dims and KV sharing: flex only (no Triton decode)
 
-    def __init__(self, model: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
-        self.hf = base_causal_lm(model)
-        self.config = cfg = self.hf.config
-        _check_supported(cfg)
-        self.spec = get_arch_spec(cfg)
-        inner = self.hf.model
-        self.inner, self.embed, self.norm = inner, inner.embed_tokens, inner.norm
-        self.rotary, self.lm_head = inner.rotary_emb, self.hf.lm_head
-        self.layers = list(inner.layers)
-        self.layer_types = [ly.self_attn.layer_type for ly in self.layers]
-        self.store_of = _store_layers(self.layers)
-        self.num_heads = cfg.num_attention_heads
-        self.head_dims = [ly.self_attn.head_dim for ly in self.layers]
-        self.qkv = [_qkv_group(ly.self_attn, fuse_lora_a) for ly in self.layers]
-        self.o = [LiveGroup([ly.self_attn.o_proj]) for ly in self.layers]
-        self.gate_up = [LiveGroup([ly.mlp.gate_proj, ly.mlp.up_proj], fuse_lora_a)
-                        for ly in self.layers]
-        self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
-        self.ple_dim = cfg.hidden_size_per_layer_input or 0
-        self.ple = ([LiveGroup([ly.per_layer_input_gate]) for ly in self.layers],
-                    [LiveGroup([ly.per_layer_projection]) for ly in self.layers],
-                    LiveGroup([inner.per_layer_model_projection])) if self.ple_dim else None
-        self.scales = [ly.self_attn.scaling for ly in self.layers]  # 1.0 (line 1177)
-        if flex_fn is None:
-            from torch.nn.attention.flex_attention import flex_attention as flex_fn
-        self.flex = flex_fn
+    def __init__(self, model: Any, spec: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
+        _check_supported(base_causal_lm(model).config)
+        super().__init__(model, spec, fuse_lora_a=fuse_lora_a, flex_fn=flex_fn)
 
     # ------------------------------------------------------------------ engine interface
-    def signature(self) -> tuple[int, ...]:
-        """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
-        groups = self.qkv + self.o + self.gate_up + self.down
-        if self.ple is not None:
-            groups = groups + self.ple[0] + self.ple[1] + [self.ple[2]]
-        return storage_signature(groups)
+    def _qkv_group(self, attn: Any, fuse_lora_a: bool) -> LiveGroup:
+        """q/k/v of a storing layer (q/k when ``attention_k_eq_v``), q only for a KV-shared one."""
+        mods = [attn.q_proj] + ([] if attn.is_kv_shared_layer else [attn.k_proj])
+        if not attn.is_kv_shared_layer and attn.v_proj is not None:
+            mods.append(attn.v_proj)
+        return LiveGroup(mods, fuse_lora_a)
+
+    def _init_attention(self) -> None:
+        """Per-layer types, head dims, scales (1.0, line 1177), KV store layers and PLE groups."""
+        layers, inner = self.layers, self.inner
+        self.layer_types = [ly.self_attn.layer_type for ly in layers]
+        self.store_of = _store_layers(layers)
+        self.head_dims = [ly.self_attn.head_dim for ly in layers]
+        self.scales = [ly.self_attn.scaling for ly in layers]
+        self.ple_dim = self.config.hidden_size_per_layer_input or 0
+        self.ple = ([LiveGroup([ly.per_layer_input_gate]) for ly in layers],
+                    [LiveGroup([ly.per_layer_projection]) for ly in layers],
+                    LiveGroup([inner.per_layer_model_projection])) if self.ple_dim else None
+
+    def live_groups(self) -> list[LiveGroup]:
+        """The block's projection groups plus the per-layer-input gates and projections."""
+        extra = [] if self.ple is None else self.ple[0] + self.ple[1] + [self.ple[2]]
+        return super().live_groups() + extra
 
     def allocate_kv(self, num_pages: int, page_size: int) -> SharedKVCache:
         """Pages for the storing layers only; shared layers alias them (see module docstring)."""
@@ -194,22 +188,32 @@ class Gemma4EngineModel(EngineModel):
         kv.v[i][0].index_copy_(1, slot_mapping, v[0])
 
 
+# flex_attention kernel options per (head_dim, is_decode) on CUDA; absent = the runner's options
+# (prefill tiles 64 x 64, 2 stages: 32 + 2 x 64 = 160 KiB of shared memory at head_dim 256) or
+# torch's decode defaults (BLOCK_N 64, 1 stage: 16 + 128 KiB at 512). Prefill at head_dim 512 needs
+# smaller tiles: Q 32 x 512 (32 KiB) + 2 stages x (K + V) 32 x 512 (128 KiB) = 160 KiB < 227 KiB
+# (H200 shared memory per block); see bench/gemma4_kernels.py for the measured alternatives.
+_KERNEL_OPTIONS: dict[tuple[int, bool], dict[str, Any]] = {
+    (512, False): {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
+}
+
+
+def kernel_options(head_dim: int, is_decode: bool) -> dict[str, Any] | None:
+    """flex_attention ``kernel_options`` for a head_dim on the GPU, or ``None`` (defaults).
+
+    Args: ``head_dim`` of the layer (256 sliding / 512 full on E2B); ``is_decode``: one query
+    per row (flex decoding kernel) vs packed prefill.
+    """
+    return _KERNEL_OPTIONS.get((head_dim, is_decode))
+
+
 def _layer_kernel_options(attn: Any, q: Any, head_dim: int) -> dict[str, Any] | None:
-    """This head_dim's flex ``kernel_options`` on CUDA (:func:`..gemma4.kernel_options`), else the
+    """This head_dim's flex ``kernel_options`` on CUDA (:func:`kernel_options`), else the
     runner's (``attn.kernel_options``: its prefill tiles, sized for head_dim 128)."""
     if q.device.type != "cuda":
-        return getattr(attn, "kernel_options", None)
-    from nbhelpers.engine.models.gemma4 import kernel_options
+        return attn.kernel_options
     own = kernel_options(head_dim, is_decode=attn.is_decode)
-    return dict(own) if own is not None else getattr(attn, "kernel_options", None)
-
-
-def _qkv_group(sa: Any, fuse_lora_a: bool) -> LiveGroup:
-    """q/k/v of a storing layer (q/k when ``attention_k_eq_v``), q only for a KV-shared one."""
-    mods = [sa.q_proj] + ([] if sa.is_kv_shared_layer else [sa.k_proj])
-    if not sa.is_kv_shared_layer and sa.v_proj is not None:
-        mods.append(sa.v_proj)
-    return LiveGroup(mods, fuse_lora_a)
+    return dict(own) if own is not None else attn.kernel_options
 
 
 def _store_layers(layers: list[Any]) -> list[int]:

@@ -12,6 +12,26 @@ compile report lands in ``GRPOResult.config["compile_report"]``. Every backend's
 timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised). A backend whose engine is not
 installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
 
+Format warm-up. ``format_warmup_steps`` > 0 (backends of
+:data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`) first runs that many SFT steps of a LoRA adapter on
+GSM8K worked solutions in the reference format (:mod:`nbhelpers.grpo.sft_warmup`, the reference
+notebook's "pre fine-tune for formatting"). ``warmup_adapter`` then decides what GRPO starts from:
+
+* ``"continue"`` (the default, the reference notebook's recipe and phase 0's): GRPO keeps
+  training the warmed adapter, and TRL's reference policy is that adapter's copy. This is the
+  reference because it is what the ported notebook does.
+* ``"merge"`` (phase 2's): the warmed adapter is merged into the base weights
+  (``merge_and_unload``) and GRPO trains a fresh adapter, so every backend of one comparison
+  (vLLM and Unsloth load plain weights, not an adapter in training) starts from the same base
+  policy and a model that scores: rewards vary within a group and the KL checks compare
+  trained policies.
+
+More than one process. ``num_processes`` > 1, or ``vllm_mode="server"``, hands the run to
+:func:`nbhelpers.grpo.distributed.launch`: ``accelerate launch`` starts one rank per GPU (CPU
+ranks with gloo on a host without CUDA), each rank runs :func:`_train_local` with its own engine
+on its own prompt shard, and rank 0's result comes back as the same :class:`GRPOResult`
+(``config["world_size"]``, ``config["per_rank"]``).
+
 Run: ``python -c "from nbhelpers.grpo import train; from nbhelpers.config import GRPOSettings;
 print(train('tiny-llama', GRPOSettings(max_steps=2, max_completion_length=8), backend='flex',
 output_dir='/tmp/g').summary)"``.
@@ -46,7 +66,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
           callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
-          warmup_adapter: Literal["continue", "merge"] = "continue",
+          warmup_adapter: Literal["continue", "merge"] = "continue", num_processes: int = 1,
+          vllm_mode: Literal["colocate", "server"] = "colocate",
+          vllm_server_host: str = "127.0.0.1", vllm_server_port: int = 8000,
           **config_overrides: Any) -> GRPOResult:
     """Run ``settings.max_steps`` GRPO steps of ``model_name`` with rollouts from ``backend``.
 
@@ -57,20 +79,10 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     (:class:`~nbhelpers.grpo.flex_rollout.FlexRollout` fields) apply to their backend only (a note
     in ``GRPOResult.config["notes"]`` otherwise). ``reward_funcs`` default to the reference's four;
     ``callbacks`` are extra trainer callbacks; ``config_overrides`` extra ``GRPOConfig`` fields.
-
-    ``format_warmup_steps`` > 0 (backends of :data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`) first
-    runs that many SFT steps of a LoRA adapter on GSM8K worked solutions in the reference format
-    (:mod:`nbhelpers.grpo.sft_warmup`, the reference notebook's "pre fine-tune for formatting").
-    ``warmup_adapter`` then decides what GRPO starts from:
-
-    * ``"continue"`` (the default, the reference notebook's recipe and phase 0's): GRPO keeps
-      training the warmed adapter, and TRL's reference policy is that adapter's copy. This is the
-      reference because it is what the ported notebook does.
-    * ``"merge"`` (phase 2's): the warmed adapter is merged into the base weights
-      (``merge_and_unload``) and GRPO trains a fresh adapter, so every backend of one comparison
-      (vLLM and Unsloth load plain weights, not an adapter in training) starts from the same base
-      policy and a model that scores: rewards vary within a group and the KL checks compare
-      trained policies.
+    ``format_warmup_steps`` / ``warmup_adapter``: the format warm-up (module docstring).
+    ``num_processes`` ranks (data parallel, one per GPU) and ``vllm_mode`` (``"server"``: TRL's
+    ``trl vllm-serve`` on one more GPU at ``vllm_server_host:vllm_server_port``): module docstring
+    and :func:`nbhelpers.grpo.distributed.launch`, which names its own errors.
 
     Raises:
         ValueError: unknown backend (or a rollout-only one) / dataset / compile mode /
@@ -80,33 +92,63 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
     """
-    from nbhelpers.grpo.compile_report import (CompileWatch, check_compile_mode,
-                                               compile_trainer_models)
-    compile_mode = check_compile_mode(compile_mode)
-    _check_warmup(format_warmup_steps, warmup_adapter, backend)
-    plan = plan_backend(backend, settings, vllm_sleep_mode=vllm_sleep_mode,
-                        vllm_gpu_memory_utilization=vllm_gpu_memory_utilization,
-                        flex_options=dict(flex_options or {}))
-    model, tok, peft, train_ds, ds_stats = _load_inputs(plan, model_name, settings, dataset,
-                                                         n_questions)
-    warm: dict[str, Any] = {}
-    if format_warmup_steps:
-        model, peft, warm = _format_warmup(model, tok, settings, format_warmup_steps, n_questions,
-                                           train_ds[0]["prompt"][-1]["content"],
-                                           Path(output_dir) / "format_warmup", warmup_adapter)
-    trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings, output_dir,
-                                    progress, reward_funcs, callbacks, config_overrides)
+    opts = {k: v for k, v in locals().items()
+            if k not in ("model_name", "settings", "config_overrides")}
+    if num_processes != 1 or vllm_mode != "colocate":
+        from nbhelpers.grpo import distributed
+        return distributed.launch(model_name, settings, opts, config_overrides)
+    return _train_local(model_name, settings, opts, config_overrides)
+
+
+def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
+                 config_overrides: dict[str, Any], hooks: Any = None) -> GRPOResult:
+    """:func:`train` in this process (``opts``: its keyword arguments). ``hooks`` (per-rank
+    probes, :mod:`nbhelpers.grpo.distributed`) gets ``.plan(plan)`` before the trainer is built
+    and ``.trainer(trainer)`` after."""
+    from nbhelpers.grpo.compile_report import CompileWatch, check_compile_mode
+    compile_mode = check_compile_mode(opts["compile_mode"])
+    _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"])
+    plan = plan_backend(opts["backend"], settings, vllm_sleep_mode=opts["vllm_sleep_mode"],
+                        vllm_gpu_memory_utilization=opts["vllm_gpu_memory_utilization"],
+                        flex_options=dict(opts["flex_options"] or {}))
+    if hooks is not None:
+        hooks.plan(plan)
+    model, tok, peft, train_ds, ds_stats = _load_inputs(plan, model_name, settings,
+                                                         opts["dataset"], opts["n_questions"])
+    model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
+    trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
+                                    opts["output_dir"], opts["progress"], opts["reward_funcs"],
+                                    opts["callbacks"], config_overrides)
+    if hooks is not None:
+        hooks.trainer(trainer)
     watch = CompileWatch(compile_mode)
+    wall_s, compiled = _fit(trainer, watch, compile_mode)
+    extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
+             "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
+             "format_warmup": warm or None,
+             "warmup_adapter": opts["warmup_adapter"] if warm else None}
+    return _result(model_name, plan, trainer, parts, settings, ds_stats, wall_s,
+                   opts["skip_first"], extra, warm)
+
+
+def _maybe_warmup(model: Any, tok: Any, peft: Any, settings: GRPOSettings, opts: dict[str, Any],
+                  train_ds: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, peft_config, warm-up report or {})``: :func:`_format_warmup` when asked."""
+    if not opts["format_warmup_steps"]:
+        return model, peft, {}
+    return _format_warmup(model, tok, settings, opts["format_warmup_steps"], opts["n_questions"],
+                          train_ds[0]["prompt"][-1]["content"],
+                          Path(opts["output_dir"]) / "format_warmup", opts["warmup_adapter"])
+
+
+def _fit(trainer: Any, watch: Any, compile_mode: str) -> tuple[float, Any]:
+    """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``."""
+    from nbhelpers.grpo.compile_report import compile_trainer_models
     t0 = time.perf_counter()
     with watch:
         compiled = compile_trainer_models(trainer, compile_mode)
         trainer.train()
-    wall_s = time.perf_counter() - t0
-    extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
-             "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
-             "format_warmup": warm or None, "warmup_adapter": warmup_adapter if warm else None}
-    return _result(model_name, plan, trainer, parts, settings, ds_stats, wall_s, skip_first,
-                   extra, warm)
+    return time.perf_counter() - t0, compiled
 
 
 def _check_warmup(steps: int, adapter: str, backend: str) -> None:

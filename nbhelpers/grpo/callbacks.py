@@ -36,6 +36,11 @@ TRL_LOG_KEYS: dict[str, str] = {
     "completions/mean_length": "completion_length_mean_tokens",
     "completions/clipped_ratio": "completion_clipped_ratio",
     "num_tokens": "num_tokens_total",  # cumulative prompt + completion tokens seen
+    # importance sampling (nbhelpers.grpo.flex_rollout.IS_KEYS; TRL's own for the applied ratio)
+    "sampling/importance_sampling_ratio/mean": "is_ratio_applied_mean",
+    "sampling/token_is_ratio/mean": "is_token_ratio_mean",
+    "sampling/token_is_ratio/outside_0.9_1.1": "is_token_outside_0.9_1.1",
+    "sampling/same_support_logp_difference/mean": "same_support_logp_diff_mean",
 }
 REWARD_PREFIX, REWARD_SUFFIX = "rewards/", "/mean"
 RewardFunc = Callable[..., list[float]]

@@ -2,7 +2,9 @@
 
 Contract: :class:`FlexRollout` is a TRL 1.15.0 ``rollout_func`` (``GRPOTrainer(rollout_func=...)``,
 trl/trainer/grpo_trainer.py ``_generate``: called with the per-process prompt slice and the
-trainer; returns ``{"prompt_ids", "completion_ids", "logprobs"}``, one row per prompt entry). It
+trainer; returns ``{"prompt_ids", "completion_ids", "logprobs", "full_logprobs"}``, one row per
+prompt entry; TRL 1.15 keeps ``logprobs`` as ``sampling_per_token_logps`` and hands every other key
+to the reward functions as a keyword and merges it into the ``inputs`` rows). It
 builds one :class:`nbhelpers.engine.LLM` on the *trainer's own* policy (the PEFT model the optimizer
 updates, unwrapped from accelerate) on its first call and keeps it: the engine reads
 ``base_layer.weight`` and ``lora_A/lora_B`` on every call (:mod:`nbhelpers.engine.lora`), so the
@@ -12,14 +14,31 @@ same ids as the other backends). TRL's ``RepeatSampler`` puts the ``num_generati
 prompt next to each other; the rollout sends each distinct prompt once with ``n=num_generations``
 so the engine prefills the group prefix once, and falls back to ``n=1`` per row otherwise.
 
-:class:`FlexGRPOTrainer` is a thin ``GRPOTrainer`` subclass that adds one metric and changes
-nothing else: TRL keeps the engine's logprobs as ``sampling_per_token_logps`` in the batch but
-only compares them with the trainer's when ``use_vllm`` is set. The subclass reads the trainer's
-per-token logprobs that the loss computes anyway (no extra forward) and logs
-``sampling/sampling_logp_difference/mean`` and ``/max`` (nats; TRL's own key names, so the gate
-reads vLLM and flex alike). Both are *processed* logprobs (after temperature and ``min_p``), as
-TRL's vLLM path requests (``logprobs_mode="processed_logprobs"``); the trainer's are temperature
-only, so ``min_p`` renormalisation is part of the measured gap for every engine.
+Importance sampling over the same support (issue 13 part 2). The engine samples from the filtered
+distribution ``q_S`` (min_p / top-k / top-p keep a set S and renormalise); ``logprobs`` are
+``log q_S`` (vLLM's ``processed_logprobs``), the trainer's are the full softmax ``log pi``, so TRL's
+ratio ``exp(log pi - log q_S)`` carries the kept mass ``m = sum_{v in S} p_v`` (mean 0.896 at
+top_p 0.8 in TRL issue #6789), which is not a policy change. TRL PR #7269 fixes it by putting the
+two on one support: the trainer's mass over vLLM's returned kept ids, ``m_pi``, gives
+``exp(log pi - log m_pi - log q_S)``. The flex engine returns, per token, its full-softmax logprob
+``log q = log q_S + log m_q`` (``full_logprobs``; :mod:`nbhelpers.engine.sampler`), and
+:class:`FlexGRPOTrainer` uses ``exp(log pi - log q)``: the trainer's logprob renormalised by the
+engine's kept mass over the same S, against the engine's filtered logprob. It equals PR #7269's
+ratio times ``m_pi / m_q`` (the two models' mass on the same S): exactly 1 in exact arithmetic when
+engine and trainer share weights, and a per-position constant of the size of the engine/trainer
+logit noise otherwise. Why not the support itself: S is up to V ids per token (TRL's fused LM head
+returns no logits to renormalise over it either); the kept mass is one float, computed inside the
+decode CUDA graph.
+
+:class:`FlexGRPOTrainer` is the ``GRPOTrainer`` subclass that (1) when
+``args.vllm_importance_sampling_correction`` is on (TRL's default) builds that ratio with TRL's own
+modes and clips (:func:`is_ratio`, TRL's ``token_*`` / ``sequence_*`` rules), puts it in the batch
+as ``importance_sampling_ratio`` with the trainer's logprobs as ``old_per_token_logps`` and the
+engine's full logprobs as ``sampling_per_token_logps``, and applies it in the loss as TRL does for
+vLLM; (2) logs ``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL's key names) from the
+loss's own logprobs (no extra forward); (3) logs :data:`IS_KEYS` per step, for flex and for vLLM
+(``plans``: vLLM runs through it too, its path is TRL's own; its "same support" gap is ``None``:
+vLLM 0.26 returns no kept mass).
 
 Run: ``pytest tests/unit/test_grpo_flex.py``.
 """
@@ -35,6 +54,15 @@ from nbhelpers.config import SamplingParams
 
 MISMATCH_KEY = "sampling/sampling_logp_difference"
 """TRL's metric prefix (``/mean``, ``/max``) for |engine logprob - trainer logprob|, nats/token."""
+FULL_KEY = "full_logprobs"
+"""The rollout's extra key: engine logprobs under the full softmax at the sampling temperature."""
+IS_KEYS = {"ratio_mean": "sampling/token_is_ratio/mean",
+           "outside": "sampling/token_is_ratio/outside_0.9_1.1",
+           "same_support": "sampling/same_support_logp_difference/mean"}
+"""Per-step IS report: token ratio ``exp(trainer - engine)`` mean, fraction of tokens outside
+[0.9, 1.1], mean |engine - trainer| logprob on one support (nats/token)."""
+IS_APPLIED_MEAN = "sampling/importance_sampling_ratio/mean"
+"""TRL's key: mean of the ratio as the loss applies it (after its mode and clip)."""
 
 
 def sampling_from_args(args: Any, n: int) -> SamplingParams:
@@ -110,7 +138,8 @@ class FlexRollout:
             llm.sleep()
         result = {"prompt_ids": [list(o.prompt_ids) for o in outs],
                   "completion_ids": [list(o.token_ids) for o in outs],
-                  "logprobs": [list(o.logprobs) for o in outs]}
+                  "logprobs": [list(o.logprobs) for o in outs],
+                  FULL_KEY: [list(o.full_logprobs) for o in outs]}
         if self.keep_history:
             self.history.append({"global_step": trainer.state.global_step, **result})
         return result
@@ -130,24 +159,131 @@ def logprob_mismatch(trainer_logps: Any, sampling_logps: Any, mask: Any) -> tupl
     return float(delta.mean()), float(delta.max())
 
 
+def pad_rows(rows: list[list[float]], width: int, device: Any = None) -> Any:
+    """``[B, width]`` fp32 tensor of ``rows`` right-padded with 0 (TRL's completion padding)."""
+    import torch
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+    return out.to(device)
+
+
+def is_ratio(trainer_logps: Any, sampling_logps: Any, mask: Any, mode: str = "sequence_mask",
+             clip_min: float | None = None, clip_max: float | None = 3.0) -> Any:
+    """TRL 1.15.0's importance-sampling ratio (``_generate_and_score_completions``, the
+    ``vllm_importance_sampling_*`` block), for any engine.
+
+    ``exp((trainer - sampling) * mask)`` per token (``token_*``, ``[B, T]``) or summed per
+    sequence (``sequence_*``, ``[B, 1]``); ``*_truncate`` clamps to ``[clip_min, clip_max]``,
+    ``*_mask`` zeroes values outside it. NaN sampling logprobs give ratio 1.
+    Raises ``ValueError`` for another ``mode``.
+    """
+    import math
+
+    import torch
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    if mode not in modes:
+        raise ValueError(f"importance sampling mode {mode!r}: use one of {modes}.")
+    diff = torch.nan_to_num((trainer_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def token_is_stats(trainer_logps: Any, sampling_logps: Any, mask: Any,
+                   same_support: bool = True) -> dict[str, float | None]:
+    """:data:`IS_KEYS` values over ``mask`` (``[B, T]`` each): mean of the per-token ratio
+    ``exp(trainer - sampling)``, fraction outside [0.9, 1.1], mean ``|trainer - sampling|``
+    (``None`` unless ``same_support``: the two logprobs are on one support). NaN tokens are left
+    out; an empty mask gives ``None`` everywhere."""
+    import torch
+    delta = (trainer_logps.detach().float() - sampling_logps.float())
+    delta = delta[mask.bool() & ~torch.isnan(delta)]
+    if delta.numel() == 0:
+        return dict.fromkeys(IS_KEYS.values())
+    ratio = delta.exp()
+    outside = ((ratio < 0.9) | (ratio > 1.1)).float().mean()
+    return {IS_KEYS["ratio_mean"]: float(ratio.mean()), IS_KEYS["outside"]: float(outside),
+            IS_KEYS["same_support"]: float(delta.abs().mean()) if same_support else None}
+
+
 class FlexGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` + the engine-vs-trainer logprob metric (module docstring). Training, loss
-    and generation are TRL's own; generation goes through ``rollout_func``."""
+    """``GRPOTrainer`` + importance sampling on one support for flex + the IS report (module
+    docstring). Training and loss are TRL's own; flex generation goes through ``rollout_func``."""
 
     _sampling_batch: tuple[Any, Any] | None = None
 
+    @property
+    def flex_is(self) -> bool:
+        """TRL's IS correction applied to a ``rollout_func`` engine (not vLLM: TRL does that)."""
+        return bool(self.args.vllm_importance_sampling_correction) and not self.use_vllm \
+            and self.rollout_func is not None
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        mask = out["completion_mask"]
+        mode = "train" if self.model.training else "eval"
+        if self.flex_is:
+            self._flex_importance_sampling(out, inputs)
+            ratio = out["importance_sampling_ratio"]  # TRL's metric of the ratio as applied
+            flat = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask.bool()]
+            self._metrics[mode][IS_APPLIED_MEAN].append(float(flat.mean()) if flat.numel() else 0.0)
+        if "old_per_token_logps" in out and "sampling_per_token_logps" in out:
+            stats = token_is_stats(out["old_per_token_logps"], out["sampling_per_token_logps"],
+                                   mask, same_support=self.flex_is)
+            for key, value in stats.items():
+                if value is not None:
+                    self._metrics[mode][key].append(value)
+        return out
+
+    def _flex_importance_sampling(self, out: dict[str, Any], inputs: list[dict]) -> None:
+        """Trainer logprobs, engine full logprobs and TRL's ratio into ``out`` (in place).
+        Raises ``KeyError`` when the rollout returned no :data:`FULL_KEY`."""
+        import torch
+        if any(FULL_KEY not in row for row in inputs):
+            raise KeyError(f"IS correction for a rollout_func needs its {FULL_KEY!r} key (flex "
+                           "engine); set vllm_importance_sampling_correction=False otherwise.")
+        mask = out["completion_mask"]
+        sampling = pad_rows([row[FULL_KEY] for row in inputs], mask.shape[1], mask.device)
+        if "old_per_token_logps" not in out:
+            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+            attn = torch.cat([out["prompt_mask"], mask], dim=1)
+            train = self.model.training
+            batch = self.args.per_device_train_batch_size if train else \
+                self.args.per_device_eval_batch_size
+            with torch.no_grad():
+                out["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attn, mask.shape[1], batch_size=batch)[0]
+        out["sampling_per_token_logps"] = sampling
+        out["importance_sampling_ratio"] = is_ratio(
+            out["old_per_token_logps"], sampling, mask, self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+
     def _compute_loss(self, model, inputs):
         self._sampling_batch = (inputs.get("sampling_per_token_logps"), inputs["completion_mask"])
+        # TRL 1.15 multiplies the loss by inputs["importance_sampling_ratio"] only under use_vllm
+        # (its one use of the flag in _compute_loss); flex's ratio goes through the same line.
+        apply_is = self.flex_is and "importance_sampling_ratio" in inputs
         try:
+            if apply_is:
+                self.use_vllm = True
             return super()._compute_loss(model, inputs)
         finally:
+            if apply_is:
+                self.use_vllm = False
             self._sampling_batch = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         batch = self._sampling_batch
-        # only the loss's own call (compute_entropy=True), once per micro-batch
-        if batch is not None and batch[0] is not None and kwargs.get("compute_entropy"):
+        # only the loss's own call (compute_entropy=True), once per micro-batch; vLLM: TRL logs it
+        if batch is not None and batch[0] is not None and kwargs.get("compute_entropy") \
+                and not self.args.use_vllm:
             self._sampling_batch = None
             mean, worst = logprob_mismatch(out[0], batch[0], batch[1])
             mode = "train" if self.model.training else "eval"

@@ -24,6 +24,11 @@ each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
   ``-log(kept probability mass)`` (0.2-0.3 nats/token measured on SmolLM2 with ``min_p=0.1``). With
   ``Thresholds.sampling_is_filtered`` the check is ``info`` (value reported, never failing); it
   is a hard check when sampling is unfiltered (``min_p=0``, ``top_p=1``, ``top_k`` off).
+* ``importance_sampling`` (``info``, never failing): the per-step token IS ratio
+  ``exp(trainer - engine)`` mean, fraction of tokens outside [0.9, 1.1] and mean
+  |engine - trainer| logprob on one support (:data:`nbhelpers.grpo.flex_rollout.IS_KEYS`, step
+  rows' ``is_*`` keys); skipped for backends without engine logprobs. Issue 13's CPU target for
+  flex: mean within 0.01 of 1, <= 5 % outside.
 
 :func:`check_runs` gates several backends against one reference; :func:`assert_gate` raises
 :class:`GateFailed` listing every failed check (the notebook's last cell calls it). A run that
@@ -192,6 +197,21 @@ def _check_mismatch(rows: list[dict[str, Any]], th: Thresholds) -> Check:
                  f"{worst:.3g} nats/token (limit {th.logprob_mismatch_max})")
 
 
+def _check_is(rows: list[dict[str, Any]]) -> Check:
+    def worst(key: str, far: Any) -> float | None:
+        vals = [v for v in _series(rows, key) if v is not None]
+        return max(vals, key=far) if vals else None
+    mean = worst("is_token_ratio_mean", lambda v: abs(v - 1) if _finite(v) else math.inf)
+    if mean is None:
+        return Check("importance_sampling", "skip", "backend reports no IS ratio")
+    out = worst("is_token_outside_0.9_1.1", lambda v: v if _finite(v) else math.inf)
+    gap = worst("same_support_logp_diff_mean", lambda v: v if _finite(v) else math.inf)
+    support = "n/a (engine reports no kept mass)" if gap is None else f"{gap:.3g} nats/token"
+    return Check("importance_sampling", "info", f"token IS ratio mean furthest from 1: {mean:.4g}; "
+                 f"max fraction outside [0.9, 1.1]: {out:.3g}; |engine - trainer| on one "
+                 f"support, max step mean: {support}")
+
+
 def _check_signal(rows: list[dict[str, Any]]) -> Check:
     moved = sum(1 for r in rows if _finite(r.get("grad_norm")) and r["grad_norm"] > 0)
     note = "" if moved else ": every reward tie gives zero advantages, so the KL checks compare " \
@@ -207,7 +227,7 @@ def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
         _check_reward(rows, thresholds), _check_kl_early(rows, thresholds),
         _check_kl_ref(rows, reference_rows, thresholds),
         _check_reward_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds),
-        _check_signal(rows)])
+        _check_is(rows), _check_signal(rows)])
 
 
 def is_not_staged(error: str | None) -> bool:

@@ -107,7 +107,8 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
         plan.rollout, plan.trainer_cls = _flex_rollout(settings, flex_options or {})
         plan.trainer_kwargs = {"rollout_func": plan.rollout}
         plan.notes.append("flex: TRL rollout_func on the policy's own tensors (no weight sync); "
-                          "TRL's importance-sampling correction is vLLM-only, so it is off here.")
+                          "TRL's importance-sampling correction on one support (engine full-"
+                          "softmax logprobs, FlexGRPOTrainer; vllm_importance_sampling_* apply).")
     return plan
 
 

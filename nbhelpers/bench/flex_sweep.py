@@ -19,8 +19,18 @@ from nbhelpers.config import LoraSpec, SamplingParams
 from nbhelpers.bench.profile import (  # noqa: F401 (re-exported: the notebooks' names)
     KERNEL_CLASSES,
     count_decode_ops,
+    kernel_breakdown,
     kernel_class,
     profile_decode_step,
+)
+from nbhelpers.bench.flex_figures import (  # noqa: F401 (re-exported: the notebooks' names)
+    breakdown_figure,
+    earlier_frame,
+    flex_frame,
+    own_sidecars,
+    pct_figure,
+    reference_frame,
+    sweep_figure,
 )
 
 QWEN3_4B_SHAPE = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -168,9 +178,15 @@ def bench_one(llm: Any, prompts: list[list[int]], sampling: SamplingParams, roun
 
 def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: int,
                    rounds: int = 3, warmup: int = 1, sync_every: int = 32, profile: bool = False,
-                   **options: Any) -> dict[str, Any]:
+                   floor: bool = True, floor_gemms: bool = False, **options: Any) -> dict[str, Any]:
     """Workload-W-style point: ``batch`` random prompts of ``prompt_tokens``, GRPO sampling,
-    ``max_new_tokens`` with EOS ignored; KV pool sized for the batch. ``options`` go to the LLM."""
+    ``max_new_tokens`` with EOS ignored; KV pool sized for the batch. ``options`` go to the LLM.
+
+    ``profile``: a CUDA kernel profile (``breakdown["profile"]``, ``["kernel_breakdown"]``) and
+    the aten-op count (``["aten_ops"]``). ``floor``: ``res["floor"]`` and ``res["pct_of_floor"]``
+    (:func:`nbhelpers.bench.floor.floor_record`, measured after the timed rounds, at the mean
+    decode context ``prompt_tokens + max_new_tokens / 2``; ``floor_gemms``: cold GEMM times too).
+    """
     from nbhelpers.backends.flex import build_llm
     from nbhelpers.config import WORKLOAD_W
     per_seq = prompt_tokens + max_new_tokens
@@ -180,20 +196,53 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
                                  "max_new_tokens": max_new_tokens})
     prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
     res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
-    if profile and llm.runner.device.type == "cuda":  # CUDA kernel profile
-        res["breakdown"]["profile"] = profile_decode_step(llm, batch)
     if profile:
-        ops = count_decode_ops(llm, batch)  # the CPU proxy, also recorded on the GPU
-        res["breakdown"]["aten_ops"] = {k: ops[k] for k in ("ops_per_step", "ops_per_layer",
-                                                           "fixed_ops")}
+        res["breakdown"].update(profile_point(llm, batch))
     llm.sleep()
+    if floor:
+        res.update(point_floor(model, batch, prompt_tokens + max_new_tokens / 2,
+                               res["breakdown"], floor_gemms))
     return res
+
+
+def profile_point(llm: Any, batch: int) -> dict[str, Any]:
+    """``profile`` + ``kernel_breakdown`` (CUDA only) and ``aten_ops`` (every device; its
+    ``note`` says why ``ops_per_layer`` is missing for models that cannot drop a layer)."""
+    out: dict[str, Any] = {}
+    if llm.runner.device.type == "cuda":
+        out["profile"] = profile_decode_step(llm, batch)
+        out["kernel_breakdown"] = kernel_breakdown(out["profile"])
+    ops = count_decode_ops(llm, batch)  # the CPU proxy, also recorded on the GPU
+    out["aten_ops"] = {k: ops[k] for k in ("ops_per_step", "ops_per_layer", "fixed_ops", "note")}
+    return out
+
+
+def point_floor(model: Any, batch: int, context_len: float, breakdown: dict[str, Any],
+                gemms: bool = False) -> dict[str, Any]:
+    """``{"floor", "pct_of_floor", "pct_of_floor_replay"}`` of a measured point: the model's
+    config, weight dtype and PEFT adapter (:func:`nbhelpers.bench.floor.lora_of`) against
+    ``decode_step_ms`` (and the graph replay alone, ``replay_ms``, when measured)."""
+    from nbhelpers.bench import floor as fl
+    lora, adapter_dtype = fl.lora_of(model)
+    base = next(p for n, p in model.named_parameters() if "lora_" not in n)
+    device = str(base.device)
+    rec = fl.floor_record(model.config, batch, context_len, breakdown.get("decode_step_ms"),
+                          device, lora, str(base.dtype).removeprefix("torch."), adapter_dtype,
+                          gemms=gemms)
+    replay, total = breakdown.get("replay_ms"), (rec["floor"].get("bytes_per_step") or {})
+    rec["pct_of_floor_replay"] = (fl.pct_of_floor(total["total"], replay / 1e3,
+                                                  rec["floor"]["bandwidth_bytes_per_s"])
+                                  if replay and total else None)
+    return rec
 
 
 def flex_sidecar(tag: str, model_info: dict[str, Any], lora: LoraSpec | None, batch: int,
                  prompt_tokens: int, max_new_tokens: int, res: dict[str, Any] | None,
-                 error: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Schema-v1 sidecar (phase ``phase3_flex``, backend ``flex``) with the breakdown beside."""
+                 error: str | None = None, extra: dict[str, Any] | None = None,
+                 run_id: str | None = None) -> dict[str, Any]:
+    """Schema-v1 sidecar (phase ``phase3_flex``, backend ``flex``) with the breakdown, ``floor``
+    and ``pct_of_floor`` (``pct_of_floor_replay``) of ``res`` beside; ``run_id`` names the run
+    (one per notebook / script call) so figures can hold to it (:func:`own_sidecars`)."""
     from nbhelpers.stats import make_sidecar
     res = res or {}
     workload = {"n_prompts": batch, "prompt_tokens_mean": prompt_tokens,
@@ -202,72 +251,8 @@ def flex_sidecar(tag: str, model_info: dict[str, Any], lora: LoraSpec | None, ba
                                             "targets": list(lora.targets)}
     return make_sidecar(phase="phase3_flex", backend="flex", model=model_info, lora=lora_block,
                         workload=workload, rounds=res.get("rounds", ()),
-                        peak_mem=res.get("peak_mem"), error=error,
-                        extra={"breakdown": res.get("breakdown"), "tag": tag, **(extra or {})})
-
-
-def flex_frame(sidecars: list[dict[str, Any]]) -> Any:
-    """Tidy rows of flex sidecars: tag, batch, lora, tok/s, step/replay/prefill, peak GiB."""
-    import pandas as pd
-    rows = []
-    for s in sidecars:
-        b = s.get("breakdown") or {}
-        rows.append({"tag": s.get("tag"), "batch": s["workload"]["n_prompts"],
-                     "lora": s.get("lora") is not None,
-                     "decode_tok_per_s": s.get("decode_tok_per_s_median"),
-                     "decode_step_ms": b.get("decode_step_ms"), "replay_ms": b.get("replay_ms"),
-                     "prefill_s": b.get("prefill_s"), "host_s": b.get("host_s"),
-                     "peak_gib": s.get("peak_mem_allocated_gib"), "error": s.get("error") or "",
-                     "utc": (s.get("env") or {}).get("utc")})
-    return pd.DataFrame(rows).sort_values(["lora", "batch", "utc"]).reset_index(drop=True)
-
-
-def reference_frame(gold_paths: list[str]) -> Any:
-    """Phase-1 H200 measurements (``research/measurements/gold_*.json``) as tidy rows."""
-    import json
-
-    import pandas as pd
-    rows = []
-    for path in gold_paths:
-        with open(path) as fh:
-            results = json.load(fh)["results"]
-        for r in results:
-            rows.append({"engine": r["engine"].replace("_lora", ""), "lora": bool(r["lora"]),
-                         "batch": r["n_prompts"], "decode_tok_per_s": r["decode_tok_per_s"],
-                         "peak_gib": r.get("peak_gpu_mem_gib"), "error": r.get("error") or ""})
-    return pd.DataFrame(rows, columns=["engine", "lora", "batch", "decode_tok_per_s", "peak_gib",
-                                       "error"])
-
-
-def sweep_figure(flex: Any, reference: Any | None = None) -> Any:
-    """Decode tok/s against batch (LoRA and no LoRA), phase-1 engines as points at their batch."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
-    for lora, part in flex.groupby("lora"):
-        part = part.groupby("batch", as_index=False)["decode_tok_per_s"].last()
-        ax.plot(part["batch"], part["decode_tok_per_s"], "o-",
-                label=f"flex {'LoRA r32' if lora else 'no LoRA'}")
-    if reference is not None and len(reference):
-        for _, r in reference[reference["error"] == ""].iterrows():
-            ax.scatter(r["batch"], r["decode_tok_per_s"], marker="x" if r["lora"] else "+",
-                       label=f"{r['engine']} {'LoRA' if r['lora'] else ''}".strip())
-    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="decode tok/s",
-           title="flex engine batch sweep (random Qwen3-4B shape, 512 new tokens)")
-    ax.legend(fontsize=7)
-    plt.close(fig)  # the notebook shows the returned figure once
-    return fig
-
-
-def breakdown_figure(profile: dict[str, float], step_ms: float) -> Any:
-    """Stacked bar: GPU kernel ms per decode step by class, beside the measured step time."""
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5), constrained_layout=True)
-    bottom = 0.0
-    for cls, ms in sorted(profile.items(), key=lambda kv: -kv[1]):
-        ax.bar(["kernels (eager step)"], [ms], bottom=bottom, label=f"{cls} {ms:.2f} ms")
-        bottom += ms
-    ax.bar(["measured step (graph)"], [step_ms], color="grey")
-    ax.set(ylabel="ms per decode step", title="where a decode step goes")
-    ax.legend(fontsize=7)
-    plt.close(fig)  # the notebook shows the returned figure once
-    return fig
+                        peak_mem=res.get("peak_mem"), error=error, run_id=run_id,
+                        extra={"breakdown": res.get("breakdown"), "tag": tag,
+                               "floor": res.get("floor"), "pct_of_floor": res.get("pct_of_floor"),
+                               "pct_of_floor_replay": res.get("pct_of_floor_replay"),
+                               **(extra or {})})

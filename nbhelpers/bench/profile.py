@@ -59,27 +59,43 @@ def count_decode_ops(llm: Any, batch: int = 4) -> dict[str, Any]:
     (compiled on the GPU it is one Triton kernel; its eager CPU decomposition is not what the H200
     runs), and so does each call of a torch.compiled elementwise piece (``compiled:<name>``,
     ``compile_layers=True``; inductor emits one or two kernels for each, an assumption here). ``ops_per_layer`` is the difference between a step over all layers and one over all
-    but the last layer (Llama-block models). Needs a prior ``generate`` so a decode state of bucket
+    but the last layer (Llama-block models; ``None`` with ``note`` set for models that cannot
+    drop a layer, e.g. Gemma-4). Needs a prior ``generate`` so a decode state of bucket
     >= ``batch`` exists. Returns ``{"ops_per_step", "ops_per_layer", "fixed_ops", "num_layers",
-    "by_op"}`` (``by_op``: op name -> count over the step, top 25). Raises ``ValueError`` when no
+    "by_op", "note"}`` (``by_op``: op name -> count over the step, top 25). Raises ``ValueError`` when no
     decode state exists yet.
     """
     runner = llm.runner
     states = [s for (b, _), s in sorted(runner.states.items()) if b >= batch]
     if not states:
         raise ValueError("count_decode_ops: no decode state yet; run llm.generate first.")
-    model = runner.model
     full = _count_step(runner, states[0])
+    total, layers = sum(full.values()), len(runner.model.layers)
+    out = {"ops_per_step": total, "ops_per_layer": None, "num_layers": layers, "fixed_ops": None,
+           "by_op": dict(sorted(full.items(), key=lambda kv: -kv[1])[:25]), "note": None}
+    fewer, note = _count_without_last_layer(runner, states[0])
+    if fewer is None:
+        out["note"] = note
+    else:
+        out["ops_per_layer"] = total - sum(fewer.values())
+        out["fixed_ops"] = total - out["ops_per_layer"] * layers
+    return out
+
+
+def _count_without_last_layer(runner: Any, st: Any) -> tuple[dict[str, int] | None, str | None]:
+    """Op counts of a step over all layers but the last, or ``(None, note)`` where the model
+    cannot run without it (Gemma-4: its per-layer inputs are laid out for every layer, and KV
+    sharing points layers at their store layers), so only the whole-step count is reported."""
+    model = runner.model
     layers = model.layers
     model.layers = layers[:-1]
     try:
-        fewer = _count_step(runner, states[0])
+        return _count_step(runner, st), None
+    except Exception as err:  # noqa: BLE001 -- an architecture that needs all layers: a note
+        return None, (f"ops_per_layer not counted: {type(model).__name__} cannot step without "
+                      f"its last layer ({type(err).__name__}: {str(err)[:160]})")
     finally:
         model.layers = layers
-    total, per_layer = sum(full.values()), sum(full.values()) - sum(fewer.values())
-    return {"ops_per_step": total, "ops_per_layer": per_layer, "num_layers": len(layers),
-            "fixed_ops": total - per_layer * len(layers),
-            "by_op": dict(sorted(full.items(), key=lambda kv: -kv[1])[:25])}
 
 
 def _count_step(runner: Any, st: Any) -> dict[str, int]:
@@ -110,6 +126,7 @@ def _count_step(runner: Any, st: Any) -> dict[str, int]:
     model.flex = as_one("flex_attention", flex)
     for name, fn in fx_saved.items():
         setattr(fx, name, as_one(f"compiled:{name}", fn))
+    st.col.zero_()  # the window column: after a generate it can sit at its end (sync_every)
     try:
         with torch.inference_mode(), Counter():
             runner._step_body(st, st.use_sort)
@@ -120,3 +137,20 @@ def _count_step(runner: Any, st: Any) -> dict[str, int]:
         for buf, val in zip((st.pos, st.gen_idx, st.tokens, st.col), saved):
             buf.copy_(val)
     return counts
+
+
+BREAKDOWN_CLASSES = {"gemm": "gemm", "attention": "attention", "elementwise/other": "elementwise",
+                     "sort/sample": "sampling"}
+"""Profile class -> sidecar key stem of :func:`kernel_breakdown` (issue 12's table columns)."""
+
+
+def kernel_breakdown(profile: dict[str, Any] | None) -> dict[str, float] | None:
+    """``{"gemm_ms", "attention_ms", "elementwise_ms", "sampling_ms", "kernel_ms_total",
+    "kernels_per_step"}`` (ms per step) from a :func:`profile_decode_step` result; ``None``
+    when no profile ran."""
+    if not profile:
+        return None
+    by = profile["kernel_ms_per_step"]
+    out = {f"{stem}_ms": by.get(cls, 0.0) for cls, stem in BREAKDOWN_CLASSES.items()}
+    return {**out, "kernel_ms_total": profile["kernel_ms_total"],
+            "kernels_per_step": profile["kernels_per_step"]}

@@ -99,6 +99,8 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
             "use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": vllm_sleep_mode,
             "vllm_gpu_memory_utilization": vllm_gpu_memory_utilization,
             "vllm_max_model_length": vllm_max_model_length(settings)}
+        from nbhelpers.grpo.flex_rollout import FlexGRPOTrainer  # TRL's IS path + the IS report
+        plan.trainer_cls = FlexGRPOTrainer
     elif backend == "hf_cb":
         plan.config_overrides = {"use_transformers_continuous_batching": True}
     elif backend == "unsloth":

@@ -50,6 +50,48 @@ def _tanh(x):
 
 
 @triton.jit
+def _split_tiles(seq_len, window, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):
+    """``(lo, s_lo, s_hi)``: first visible position and this split's ``BLOCK_N`` tiles."""
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    t_lo = lo // BLOCK_N  # tiles are aligned to absolute positions
+    t_hi = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
+    s_lo = t_lo + split * per_split
+    return lo, s_lo, tl.minimum(s_lo + per_split, t_hi)
+
+
+@triton.jit
+def _tile_slots(bt_row, start, offs_n, valid, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Physical slots ``[BLOCK_N]`` of logical positions ``offs_n`` through the block table."""
+    if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one scalar page lookup
+        page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+        slots = page * PAGE_SIZE + start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    return slots
+
+
+@triton.jit
+def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
+                         USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: ``q [BLOCK_H, D]``, ``k [D, BLOCK_N]``, ``v [BLOCK_N, D]``;
+    returns the updated ``(m_i, l_i, acc)`` (running max, denominator, unnormalised output)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    if USE_SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has a visible key: m_new is finite
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, soft_cap, window,
             stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
             stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
@@ -61,15 +103,7 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, s
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)  # positions in int32, slots in int64
-    lo = seq_len * 0
-    if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    t_lo = lo // BLOCK_N  # tiles are aligned to absolute positions
-    t_hi = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
-    s_lo = t_lo + split * per_split
-    s_hi = tl.minimum(s_lo + per_split, t_hi)
-
+    lo, s_lo, s_hi = _split_tiles(seq_len, window, split, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     offs_h = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
     mask_h = offs_h < GROUP
@@ -82,29 +116,15 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, scale, s
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = BlockTable + b * stride_bt
     for t in range(s_lo, s_hi):
-        start = t * BLOCK_N
-        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (offs_n < seq_len) & (offs_n >= lo)
-        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one scalar page lookup
-            page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
-            slots = page * PAGE_SIZE + start % PAGE_SIZE + tl.arange(0, BLOCK_N)
-        else:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+        slots = _tile_slots(bt_row, t * BLOCK_N, offs_n, valid, BLOCK_N, PAGE_SIZE)
         k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_ks + offs_d[:, None],
                     mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-        if USE_SOFT_CAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vs + offs_d[None, :],
                     mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has a visible key: m_new is finite
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
+                                             USE_SOFT_CAP, DOT_PRECISION)
     has = l_i > 0  # False for an empty split (more splits than tiles)
     l_safe = tl.where(has, l_i, 1.0)
     mid = MidO + b * stride_mb + heads * stride_mh + split * stride_ms
@@ -213,7 +233,6 @@ def _check(q: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int, block_
         raise ValueError(f"paged decode: BLOCK_N={block_n} must be a power of 2 >= 16.")
 
 
-
 def build_paged_decode(model: Any, options: Any) -> PagedDecode | None:
     """:class:`PagedDecode` for an engine model and ``RunnerOptions``, or ``None`` (with a warning)
     when the model keeps its own attention (``model.decode_kernels`` lacks ``"triton"``: Gemma-4).
@@ -222,7 +241,7 @@ def build_paged_decode(model: Any, options: Any) -> PagedDecode | None:
         ValueError: see :class:`PagedDecode`; CPU tensors without ``TRITON_INTERPRET=1`` set
             before this module was imported (Triton reads it when the kernels are decorated).
     """
-    if "triton" not in getattr(model, "decode_kernels", ()):
+    if "triton" not in model.decode_kernels:
         warnings.warn(f"decode_attention='triton': {type(model).__name__} keeps flex_attention "
                       "for decode.", stacklevel=3)
         return None

@@ -74,7 +74,9 @@ class LLM:
         share_prefix: prefill the ``n`` samples of a prompt once (GRPO group prefix sharing).
         **options: :class:`~nbhelpers.engine.model_runner.RunnerOptions` fields.
     Raises:
-        ValueError: unsupported architecture, bad options, or a prompt longer than max_model_len.
+        ValueError: unsupported architecture, bad options (e.g. a ``page_size`` the CUDA kernels
+            cannot serve: :func:`~nbhelpers.engine.kv_cache.check_page_size` names the valid
+            sizes), or a prompt longer than max_model_len.
     """
 
     def __init__(self, model: Any, eos_token_id: int | list[int] | None = None,

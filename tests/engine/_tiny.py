@@ -47,3 +47,16 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
         lps.append(logp[tok].item())
         ids.append(tok)
     return toks, lps
+
+
+def skip_if_assets_missing(name: str, load, *args, **kwargs):
+    """``load(*args, **kwargs)`` (e.g. ``nbhelpers.models.load_model(name)``, which needs the
+    model's fetched weights or tokenizer), or a pytest skip naming the fetch command when the
+    assets of registry model ``name`` are not in the cache (``ModelAssetsMissing``)."""
+    import pytest
+
+    from nbhelpers.assets import ModelAssetsMissing, fix_command
+    try:
+        return load(*args, **kwargs)
+    except ModelAssetsMissing as err:
+        pytest.skip(f"{name} assets not fetched: run `{fix_command(name)}` ({err})")

@@ -68,11 +68,17 @@ def test_kernel_matches_addmm(sizes, ranks, y_dtype, b_dtype, n_rows):
     assert torch.equal(full[:, sum(sizes):], tail)  # columns past the view untouched
     if y_dtype == torch.float32:
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    else:  # one rounding of the fp32 sum (the CPU's bf16 addmm_ may round twice): at most
-        # 1 ulp from the fp64 result rounded once, and that only on rare rounding ties
+    elif DEV == "cpu":  # one rounding of the fp32 sum (the CPU's bf16 addmm_ may round twice):
+        # at most 1 ulp from the fp64 result rounded once, and that only on rare rounding ties
         torch.testing.assert_close(y, exact, rtol=2 ** -7, atol=0)
         assert (y != exact).float().mean() < 0.01
         torch.testing.assert_close(y, want)
+    else:  # GPU: the compiled kernel's tl.dot and cuBLAS's addmm_ sum and round in their own
+        # order (3.4e-3 off on a near-zero output seen on the H200), so the error is bounded by
+        # bf16 rounding at the magnitude of the output, not of each element: 2 ulps there
+        ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().max().float())).item() - 7)
+        torch.testing.assert_close(y, exact, rtol=2 ** -7, atol=2 * ulp)
+        torch.testing.assert_close(y, want, rtol=2 ** -7, atol=2 * ulp)
 
 
 def test_unsupported_shapes_fall_back_or_raise():
@@ -135,7 +141,8 @@ def test_engine_with_kernel_sees_in_place_lora_updates(monkeypatch):
     model = peft_tiny(torch.float32)
     calls = _count_calls(monkeypatch)
     prompt = random_prompts(1, 10, 10, seed=3)[0]
-    llm = LLM(model, page_size=8, num_pages=16, max_model_len=32, lora_expand="triton")
+    # page_size 64: one the CUDA flex kernels serve too (kv_cache.check_page_size)
+    llm = LLM(model, page_size=64, num_pages=4, max_model_len=32, lora_expand="triton")
     before = llm.generate([prompt], GREEDY)[0]
     assert before.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)[0]
     assert calls, "the kernel did not run"

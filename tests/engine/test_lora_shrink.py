@@ -94,7 +94,8 @@ def test_engine_with_fp32_adapters_matches_the_torch_path_and_sees_live_updates(
     monkeypatch.setattr(ls, "lora_shrink", lambda *a: (calls.append(1), real(*a))[1])
     prompt = random_prompts(1, 10, 10, seed=3)[0]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    kw = {"page_size": 8, "num_pages": 16, "max_model_len": 32}
+    # page_size 64: one the CUDA flex kernels serve too (kv_cache.check_page_size)
+    kw = {"page_size": 64, "num_pages": 4, "max_model_len": 32}
     kernel, torch_path = LLM(model, lora_expand="triton", **kw), LLM(model, lora_expand="addmm",
                                                                       **kw)
 

@@ -50,8 +50,10 @@ def _smollm2():
         from nbhelpers.models import load_model
     except ImportError as err:
         pytest.skip(f"nbhelpers.models (helper A) not available yet: {err}")
+    from _tiny import skip_if_assets_missing
+    name = "smollm2-135m-instruct"
     try:
-        return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+        return skip_if_assets_missing(name, load_model, name, dtype="float32", device="cpu")
     except (FileNotFoundError, OSError, KeyError, ValueError) as err:
         pytest.skip(f"SmolLM2 weights not loadable offline here: {err}")
 

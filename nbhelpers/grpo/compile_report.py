@@ -66,9 +66,11 @@ def backbone(model: Any) -> Any:
     return dec if dec is not None and dec is not lm else lm
 
 
-def compile_trainer_models(trainer: Any, mode: str) -> list[str]:
+def compile_trainer_models(trainer: Any, mode: str, dynamic: bool | None = None) -> list[str]:
     """Compile the policy's (and reference model's) decoder backbone in place (module
-    docstring); returns what was compiled, e.g. ``["policy"]``.
+    docstring); returns what was compiled, e.g. ``["policy"]``. ``dynamic``: ``torch.compile``'s
+    dynamic-shape switch (the reference's ``--compile_dynamic``, on there by default; ``None`` =
+    torch's default: static first, dynamic after the first recompile).
 
     Raises:
         ValueError: unknown ``mode`` (see :data:`COMPILE_MODES`).
@@ -78,7 +80,7 @@ def compile_trainer_models(trainer: Any, mode: str) -> list[str]:
     done = []
     for name, model in (("policy", trainer.model), ("ref_model", trainer.ref_model)):
         if model is not None:
-            backbone(model).compile(mode=mode)
+            backbone(model).compile(mode=mode, dynamic=dynamic)
             done.append(name)
     return done
 
@@ -95,8 +97,10 @@ class _Collect(logging.Handler):
 class CompileWatch:
     """Counts graph breaks and recompiles inside a ``with`` block (see module docstring)."""
 
-    def __init__(self, mode: str = "default", max_reasons: int = 10):
+    def __init__(self, mode: str = "default", max_reasons: int = 10,
+                 dynamic: bool | None = None):
         self.mode, self.max_reasons = check_compile_mode(mode), max_reasons
+        self.dynamic = dynamic
         self._handler = _Collect()
         self._before: dict[str, Counter] = {}
         self._after: dict[str, Counter] = {}
@@ -123,11 +127,12 @@ class CompileWatch:
                         if after[k] - before.get(k, 0) > 0})
 
     def report(self) -> dict[str, Any]:
-        """``{compile_mode, graph_breaks, graph_break_reasons, recompiles, recompile_reasons,
+        """``{compile_mode, compile_dynamic, graph_breaks, graph_break_reasons, recompiles, recompile_reasons,
         unique_graphs, frames_total, frames_ok}`` for the watched block (counts, ints)."""
         breaks, stats, frames = (self._delta(g) for g in ("graph_break", "stats", "frames"))
         reasons = Counter(self._handler.messages)
-        return {"compile_mode": self.mode, "graph_breaks": sum(breaks.values()),
+        return {"compile_mode": self.mode, "compile_dynamic": self.dynamic,
+                "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common(self.max_reasons)),
                 "recompiles": len(self._handler.messages),
                 "recompile_reasons": dict(reasons.most_common(self.max_reasons)),

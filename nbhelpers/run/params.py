@@ -10,7 +10,8 @@ match) or a value whose type does not match the annotation (``int``, ``float``, 
 for a ``float``; other annotations are not checked). :func:`parse_overrides` reads each ``-p``
 VALUE as a YAML literal and names the ``-p`` whose value does not parse. :func:`plan_parameters`
 loads ``configs/<stem>.<profile>.yaml`` for every notebook of a run and checks all of them (the
-runner calls it before claiming any output name).
+runner calls it before claiming any output name); the value checks are
+:func:`nbhelpers.run.values.check_values` (config dataclass fields, counts, names).
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nbhelpers.run.errors import MissingInputError, UserInputError
+from nbhelpers.run.values import check_values
+
+__all__ = ["MissingInputError", "UserInputError", "check_parameters", "check_value",
+           "load_parameters", "notebook_parameters", "parse_overrides", "plan_parameters",
+           "profiles"]
+
 log = logging.getLogger("nbhelpers.run.runner")
 
 RUNNER_PARAMETERS = ("sidecar_path",)
 """Set by the runner itself: the notebook may or may not declare them."""
-
-
-class UserInputError(ValueError):
-    """Bad input from the user (phase, profile, notebook, ``-p``, config, ``--gpus``): the CLI
-    prints ``error: <message>`` and exits 2, without a traceback."""
-
-
-class MissingInputError(UserInputError, FileNotFoundError):
-    """A file the user named (notebook, ``configs/<stem>.<profile>.yaml``) does not exist."""
 
 
 _CHECKS = {
@@ -178,7 +177,7 @@ def load_parameters(notebook: Path, profile: str, overrides: dict[str, Any] | No
         UserInputError: the file is not YAML, or not a mapping of names to literals.
     """
     import yaml
-    configs = configs or Path(__file__).resolve().parents[1] / "configs"
+    configs = configs or Path(__file__).resolve().parents[2] / "configs"
     path = configs / f"{notebook.stem}.{profile}.yaml"
     params: dict[str, Any] = {}
     if path.is_file():
@@ -214,7 +213,7 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
             unknown parameter name, a value of the wrong type (see ``run_params``), or a ``-p``
             for a runner-set parameter (``sidecar_path``).
     """
-    configs = (repo or Path(__file__).resolve().parents[1]) / "configs"
+    configs = (repo or Path(__file__).resolve().parents[2]) / "configs"
     if set(overrides) & set(RUNNER_PARAMETERS):
         raise UserInputError("-p sidecar_path: the runner writes the sidecar beside the executed "
                              "notebook (<executed>/<phase>/<notebook>/<run>.json); choose the "
@@ -222,25 +221,10 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
     if profile not in (known := profiles(configs)):
         raise UserInputError(f"unknown profile {profile!r}: use one of {known} "
                              "(configs/<stem>.<profile>.yaml).")
-    planned, missing = [], []
-    for nb in notebooks:
-        try:
-            planned.append((nb, load_parameters(nb, profile, None, configs)))
-        except MissingInputError as exc:
-            missing.append(exc)
-    if missing and (len(notebooks) == 1 or not planned):
-        raise missing[0]
-    for exc in missing:  # the notebook's name is in the message
-        log.warning("skipped (the rest of the phase runs): %s", exc)
+    planned = _load_all(notebooks, profile, configs)
     declared = {nb: notebook_parameters(nb) for nb, _ in planned}
     if len(planned) > 1:
-        names = list(dict.fromkeys(n for d in declared.values() for n in d or {}))
-        for name in overrides:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise UserInputError(f"-p {name}: no notebook of this phase has this parameter."
-                                     f"{hint} Valid names: {', '.join(names)}.")
+        _check_phase_overrides(overrides, declared)
     out = []
     for nb, params in planned:
         config = f"configs/{nb.stem}.{profile}.yaml"
@@ -254,63 +238,30 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
     return out
 
 
-_MIN = {"max_steps": 1, "num_generations": 1, "per_device_train_batch_size": 1,
-        "n_questions": 1, "max_prompt_length": 1, "max_completion_length": 1,
-        "max_new_tokens": 1, "n_prompts": 1, "prompt_tokens": 1, "rounds": 1,
-        "parity_prompts": 1, "parity_steps": 1, "warmup_rounds": 0, "skip_first": 0,
-        "format_warmup_steps": 0, "lora_rank": 0, "gradient_accumulation_steps": 1}
-"""Lower bounds of the notebooks' count parameters (a value below fails before anything runs)."""
-
-
-def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path) -> None:
-    """Value checks the type check cannot make, so a typo fails in a second, not after a run:
-    count parameters against :data:`_MIN` (``skip_first >= max_steps`` is allowed: the summary
-    then notes that no post-warm-up step is left), ``model`` a registry name
-    / hub id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known,
-    ``n_questions`` <= 100 for GSM8K (<= 60 with a format warm-up: the warm-up uses 60..99).
-
-    Raises:
-        UserInputError: the first bad value, naming where it came from and what is accepted.
-    """
-    def where(name: str) -> str:
-        return f"{sources.get(name, name)} ({notebook.name})"
-
-    for name, low in _MIN.items():
-        value = params.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < low:
-            raise UserInputError(f"{where(name)}: {name}={value} must be >= {low}.")
-    if isinstance(params.get("model"), str):
-        from nbhelpers.models import get_spec
+def _load_all(notebooks: list[Path], profile: str,
+              configs: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Each notebook's config; a missing one is skipped (logged) while another of the phase has
+    one, else raised."""
+    planned, missing = [], []
+    for nb in notebooks:
         try:
-            get_spec(params["model"])
-        except ValueError as exc:
-            raise UserInputError(f"{where('model')}: {exc}") from exc
-    if isinstance(params.get("dataset"), str):
-        from nbhelpers.grpo.setup import DATASETS
-        if params["dataset"] not in DATASETS:
-            raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
-                                 f"of {DATASETS}.")
-    from nbhelpers.grpo.sft_warmup import N_GSM8K, N_SFT_ROWS
-    n_q, grpo_max = params.get("n_questions"), N_GSM8K - N_SFT_ROWS
-    if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > N_GSM8K:
-        raise UserInputError(f"{where('n_questions')}: n_questions={n_q}: the offline GSM8K "
-                             f"source ships {N_GSM8K} questions; use <= {N_GSM8K}, or -p dataset "
-                             "gsm_symbolic (generated) for more.")
-    if isinstance(n_q, int) and params.get("format_warmup_steps") and n_q > grpo_max:
-        raise UserInputError(f"{where('n_questions')}: n_questions={n_q} with a format warm-up: "
-                             f"GRPO's questions would overlap the warm-up's (the last {N_SFT_ROWS} "
-                             f"GSM8K questions); use <= {grpo_max} or -p format_warmup_steps 0.")
-    if isinstance(params.get("backends"), list):
-        from nbhelpers.backends import BACKENDS as ROLLOUT
-        from nbhelpers.grpo.setup import BACKENDS as GRPO
-        known = GRPO if notebook.parent.name.startswith("phase2") else ROLLOUT  # GRPO trainers
-        if not params["backends"]:
-            raise UserInputError(f"{where('backends')}: backends=[]: name at least one of "
-                                 f"{known}.")
-        if bad := [b for b in params["backends"] if b not in known]:
-            raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")
-    if isinstance(params.get("reference_backend"), str):
-        from nbhelpers.grpo.setup import BACKENDS as GRPO
-        if params["reference_backend"] not in GRPO:  # a typo would skip every cross check
-            raise UserInputError(f"{where('reference_backend')}: reference_backend="
-                                 f"{params['reference_backend']!r}: use one of {GRPO}.")
+            planned.append((nb, load_parameters(nb, profile, None, configs)))
+        except MissingInputError as exc:
+            missing.append(exc)
+    if missing and (len(notebooks) == 1 or not planned):
+        raise missing[0]
+    for exc in missing:  # the notebook's name is in the message
+        log.warning("skipped (the rest of the phase runs): %s", exc)
+    return planned
+
+
+def _check_phase_overrides(overrides: dict[str, Any],
+                           declared: dict[Path, dict[str, str | None] | None]) -> None:
+    """In a phase run every ``-p`` name must be declared by at least one notebook."""
+    names = list(dict.fromkeys(n for d in declared.values() for n in d or {}))
+    for name in overrides:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UserInputError(f"-p {name}: no notebook of this phase has this parameter."
+                                 f"{hint} Valid names: {', '.join(names)}.")

@@ -7,8 +7,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nbhelpers.run import runner
 from nbhelpers.__main__ import main
+from nbhelpers.run import execute as run_execute
+from nbhelpers.run import runner
 from nbhelpers.run.index import index_rows, render_index
 
 OK_SOURCE = """from nbhelpers.stats import make_sidecar, write_sidecar
@@ -156,12 +157,12 @@ def test_kernelspec_runs_this_interpreter_and_is_keyed_by_it(monkeypatch):
         root = Path(env["JUPYTER_PATH"].split(":")[0])
         return root, json.loads((root / "kernels/nbhelpers/kernel.json").read_text())
 
-    root, spec = spec_of(runner._kernel_env({}))
+    root, spec = spec_of(run_execute.kernel_env({}))
     assert spec["argv"][:3] == [sys.executable, "-m", "ipykernel_launcher"]
     monkeypatch.setattr(sys, "executable", "/other/venv/bin/python")
-    other_root, other = spec_of(runner._kernel_env({"JUPYTER_PATH": "/keep"}))
+    other_root, other = spec_of(run_execute.kernel_env({"JUPYTER_PATH": "/keep"}))
     assert other_root != root and other["argv"][0] == "/other/venv/bin/python"
-    assert spec_of(runner._kernel_env({}))[0] != root  # the first spec was not rewritten
+    assert spec_of(run_execute.kernel_env({}))[0] != root  # the first spec was not rewritten
     assert json.loads((root / "kernels/nbhelpers/kernel.json").read_text()) == spec
 
 
@@ -319,7 +320,20 @@ REAL_REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("nb,over,match", [
-    ("phase0_reference/00_reference_grpo", {"max_steps": 0}, "max_steps=0 must be >= 1"),
+    ("phase0_reference/00_reference_grpo", {"max_steps": 0},
+     r"-p max_steps \(00_reference_grpo\.ipynb\): GRPOSettings\.max_steps=0: must be >= 1"),
+    ("phase2_grpo/20_grpo_equivalence", {"num_generations": 1},
+     r"GRPOSettings\.num_generations=1: GRPO needs >= 2"),
+    ("phase0_reference/00_reference_grpo", {"learning_rate": 0.0},
+     r"GRPOSettings\.learning_rate=0\.0: > 0"),
+    ("phase0_reference/00_reference_grpo", {"lora_rank": 0},
+     r"LoraSpec\.rank=0: must be a positive int .*\(lora_rank is LoraSpec\.rank\)"),
+    ("phase1_rollout/10_lora_rollout", {"sampling": "grpo2"},
+     r"-p sampling .*Workload\.sampling='grpo2': use one of \['greedy', 'grpo'\]"),
+    ("phase1_rollout/10_lora_rollout", {"lora_rank": -1}, r"LoraSpec\.rank=-1"),
+    ("phase3_flex/30_engine_walkthrough", {"num_generations": 0},
+     r"SamplingParams\.n=0: must be >= 1.*\(num_generations is SamplingParams\.n\)"),
+    ("phase3_flex/34_gemma4", {"warmup_rounds": -1}, r"Workload\.warmup_rounds=-1: >= 0"),
     ("phase0_reference/00_reference_grpo", {"skip_first": -1}, "skip_first=-1 must be >= 0"),
     ("phase0_reference/00_reference_grpo", {"model": "nope-model"}, "Unknown model 'nope-model'"),
     ("phase0_reference/00_reference_grpo", {"dataset": "gsm9k"}, "dataset='gsm9k': use one of"),
@@ -338,6 +352,32 @@ def test_values_are_checked_before_anything_runs(nb, over, match):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
     with pytest.raises(runner.UserInputError, match=match):
         runner.plan_parameters([path], "cpu", over, REAL_REPO)
+
+
+@pytest.mark.parametrize("nb,over", [
+    ("phase3_flex/30_engine_walkthrough", {"num_generations": 1}),  # SamplingParams.n >= 1
+    ("phase1_rollout/10_lora_rollout", {"lora_rank": 0}),  # phase 1: 0 = no adapter
+    ("phase0_reference/00_reference_grpo", {"skip_first": 20}),  # >= max_steps is allowed
+])
+def test_values_the_config_dataclasses_accept_pass(nb, over):
+    path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
+    ((_, params),) = runner.plan_parameters([path], "cpu", over, REAL_REPO)
+    assert params.items() >= over.items()
+
+
+def test_phase_comes_from_the_folder_not_the_file_name(tmp_path):
+    """A ``2x_`` notebook in phase 3's folder is checked as phase 3 (num_generations 1 is fine)
+    and a ``3x_`` one in phase 2's folder as phase 2 (GRPOSettings: >= 2)."""
+    from nbhelpers.run.phases import phase_of
+    params = "num_generations: int = 2\nsidecar_path: str = ''"
+    in3 = _notebook(tmp_path / "notebooks/phase3_flex/20_x.ipynb", "pass", params)
+    in2 = _notebook(tmp_path / "notebooks/phase2_grpo/30_x.ipynb", "pass", params)
+    (tmp_path / "configs").mkdir()
+    assert (phase_of(in3), phase_of(in2), phase_of(tmp_path / "x.ipynb")) == \
+        ("phase3", "phase2", None)
+    assert runner.plan_parameters([in3], "cpu", {"num_generations": 1}, tmp_path)
+    with pytest.raises(runner.UserInputError, match="GRPO needs >= 2"):
+        runner.plan_parameters([in2], "cpu", {"num_generations": 1}, tmp_path)
 
 
 def test_a_file_that_is_not_a_notebook_is_a_one_line_user_error(tmp_path, capsys):
@@ -367,20 +407,47 @@ def test_gpu_profile_on_a_host_without_gpu_is_a_user_error(repo, monkeypatch, ca
 
 
 SLEEP_SOURCE = """import os, pathlib, time
-pathlib.Path(pid_file).write_text(str(os.getpid()))
-time.sleep(120)"""
+ready = pathlib.Path(pid_file)
+ready.with_suffix(".tmp").write_text(str(os.getpid()))
+ready.with_suffix(".tmp").replace(ready)  # atomic: the test never reads a half-written pid
+time.sleep(900)"""
+READY_CAP_S = 600.0
+"""Generous caps, not timings: the test proceeds on events (the kernel's pid file appears, the
+runner exits, the kernel's pid disappears); a cap only bounds a hung run (a busy 2-core host
+once needed more than 60 s to start the kernel)."""
+
+
+def _wait_for(event, cap_s: float, what: str, proc=None) -> None:
+    """Poll ``event()`` until true; fail after ``cap_s`` or when ``proc`` exits first."""
+    import time
+    deadline = time.monotonic() + cap_s
+    while not event():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the runner exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {cap_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _pid_gone(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
     """Ctrl-C (SIGINT to the runner) or SIGTERM: exit 130, a failed sidecar and an INDEX row,
     and the notebook's kernel is gone (the papermill child runs in its own session, so the
-    runner stops it and papermill shuts its kernel down)."""
+    runner stops it and papermill shuts its kernel down). The signal is sent once the kernel
+    runs the notebook (its pid file is the readiness signal), never after a fixed delay."""
     import os
     import signal
     import subprocess
     import sys
-    import time
     pid_file = tmp_path / "kernel.pid"
     _notebook(tmp_path / "notebooks/phase0_reference/00_sleep.ipynb", SLEEP_SOURCE,
               "pid_file = ''\nsidecar_path = ''")
@@ -390,29 +457,29 @@ def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
             f"from nbhelpers.run import runner as run; run.REPO = Path({str(tmp_path)!r}); "
             "sys.exit(main(['run', 'phase0']))")
     env = {**os.environ, "PYTHONPATH": str(REAL_REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not pid_file.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    assert pid_file.exists(), proc.stderr.read() if proc.poll() is not None else "no kernel"
-    kernel = int(pid_file.read_text())
-    proc.send_signal(getattr(signal, sig))
-    assert proc.wait(60) == 130
-    assert "interrupted" in proc.stderr.read()
+    log = tmp_path / "runner.log"  # a file, not a pipe: a full pipe would stall the runner
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        _wait_for(pid_file.exists, READY_CAP_S, "kernel pid file (kernel start)", proc)
+        kernel = int(pid_file.read_text())
+        proc.send_signal(getattr(signal, sig))
+        _wait_for(lambda: proc.poll() is not None, READY_CAP_S, "runner exit after the signal")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    assert "interrupted" in log.read_text()
     (side,) = (tmp_path / "executed/phase0_reference/00_sleep").glob("*.json")
     doc = json.loads(side.read_text())
     assert doc["status"] == "failed" and "interrupted" in doc["error"]
     assert "failed" in (tmp_path / "executed/INDEX.md").read_text()
-    for _ in range(40):  # the kernel exits shortly after papermill's shutdown request
-        try:
-            os.kill(kernel, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.5)
-    else:
-        os.kill(kernel, signal.SIGKILL)
-        pytest.fail("the notebook's kernel outlived the interrupted run")
+    try:  # the kernel exits shortly after papermill's shutdown request
+        _wait_for(lambda: _pid_gone(kernel), READY_CAP_S, "exit of the notebook's kernel")
+    finally:
+        if not _pid_gone(kernel):
+            os.kill(kernel, signal.SIGKILL)
 
 
 def test_executed_folder_that_cannot_be_written_is_a_user_error(repo, tmp_path):

@@ -1,0 +1,175 @@
+"""Value checks of notebook parameters that the type check cannot make, run before anything is
+launched, so a bad value fails in a second, not after a run.
+
+Contract: :func:`check_values` raises :class:`~nbhelpers.run.params.UserInputError` for the first
+bad value, naming where it came from (``-p NAME`` or ``configs/<stem>.<profile>.yaml``) and what
+is accepted. Parameters that are fields of a config dataclass are checked by that dataclass
+itself (one source of truth: :mod:`nbhelpers.config`'s ``__post_init__``): the notebook's phase,
+from its folder (:func:`nbhelpers.run.phases.phase_of`), picks the dataclasses its notebooks build
+from their parameters (:data:`CONFIG_FIELDS`), and each mapped parameter is put into its field
+and the dataclass constructed. So ``num_generations`` must be >= 2 in phases 0 and 2
+(``GRPOSettings``) and >= 1 in phase 3 (``SamplingParams.n``). Count parameters no dataclass
+holds have their lower bound in :data:`NOTEBOOK_MINIMA`. ``model`` must be a registry name / hub
+id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
+phase, ``n_questions`` <= the GSM8K questions left after a format warm-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbhelpers.config import GRPOSettings, LoraSpec, SamplingParams, Workload
+from nbhelpers.run.errors import UserInputError
+from nbhelpers.run.phases import phase_of
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """Notebook parameters that one config dataclass holds.
+
+    Attributes:
+        config: the dataclass (validates itself in ``__post_init__``).
+        fields: ``{notebook parameter: dataclass field}``.
+        off: ``{parameter: value}`` meaning the notebook builds no such dataclass (phase 1's
+            ``lora_rank=0``: no adapter), so that value is not checked.
+    """
+
+    config: type
+    fields: dict[str, str]
+    off: dict[str, Any] = field(default_factory=dict)
+
+
+def _same(*names: str) -> dict[str, str]:
+    return {n: n for n in names}
+
+
+_GRPO = (FieldMap(GRPOSettings, _same("max_steps", "num_generations", "per_device_train_batch_size",
+                                      "max_prompt_length", "max_completion_length",
+                                      "learning_rate", "beta", "seed")),
+         FieldMap(LoraSpec, {"lora_rank": "rank", "lora_alpha": "alpha"}))
+_WORKLOAD = _same("prompt_tokens", "max_new_tokens", "rounds", "warmup_rounds")
+CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {
+    "phase0": _GRPO,
+    "phase1": (FieldMap(Workload, {**_WORKLOAD, **_same("n_prompts", "sampling")}),
+               FieldMap(LoraSpec, {"lora_rank": "rank"}, off={"lora_rank": 0})),
+    "phase2": _GRPO,
+    "phase3": (FieldMap(SamplingParams, {"num_generations": "n", "max_new_tokens": "max_new_tokens"}),
+               FieldMap(Workload, _WORKLOAD), FieldMap(LoraSpec, {"lora_rank": "rank"})),
+}
+"""Per phase, what its notebooks' derived-values cells build (``scripts/make_*notebooks.py``):
+``GRPOSettings(..., lora=LoraSpec(rank=lora_rank, alpha=lora_alpha))`` in phases 0 and 2,
+``Workload`` + ``LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank > 0`` in phase 1,
+``SamplingParams(n=num_generations, max_new_tokens=...)``, ``Workload`` and ``LoraSpec`` in
+phase 3."""
+
+NOTEBOOK_MINIMA = {"n_questions": 1, "n_prompts": 1, "parity_prompts": 1, "parity_steps": 1,
+                   "skip_first": 0, "format_warmup_steps": 0}
+"""Lower bounds of count parameters that no config dataclass holds (``skip_first >= max_steps``
+is allowed: the summary then notes that no post-warm-up step is left)."""
+
+Where = Callable[[str], str]
+
+
+def _build(fmap: FieldMap, values: dict[str, Any], where: Where) -> None:
+    """Construct ``fmap.config`` from ``values`` (``{parameter: value}``), one field at a time
+    (so the error names the parameter that is wrong), then all together (cross-field checks)."""
+    def construct(names: list[str]) -> None:
+        try:
+            fmap.config(**{fmap.fields[n]: values[n] for n in names})
+        except (TypeError, ValueError) as exc:
+            renamed = [f"{n} is {fmap.config.__name__}.{fmap.fields[n]}" for n in names
+                       if n != fmap.fields[n]]
+            note = f" ({', '.join(renamed)})" if renamed else ""
+            raise UserInputError(f"{', '.join(where(n) for n in names)}: {exc}{note}") from exc
+
+    for name in values:
+        construct([name])
+    construct(list(values))
+
+
+def check_config_fields(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    """Check every parameter that a config dataclass of ``notebook``'s phase holds (see module).
+
+    Raises:
+        UserInputError: the dataclass's own message, prefixed by where the value came from.
+    """
+    for fmap in CONFIG_FIELDS.get(phase_of(notebook) or "", ()):
+        values = {n: params[n] for n in fmap.fields if n in params}
+        if any(n in values and values[n] == v for n, v in fmap.off.items()):
+            continue
+        if values:
+            _build(fmap, values, where)
+
+
+def _check_minima(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    held = {n for fmap in CONFIG_FIELDS.get(phase_of(notebook) or "", ()) for n in fmap.fields}
+    for name, low in NOTEBOOK_MINIMA.items():
+        value = params.get(name)
+        if name not in held and isinstance(value, int) and not isinstance(value, bool) \
+                and value < low:
+            raise UserInputError(f"{where(name)}: {name}={value} must be >= {low}.")
+
+
+def _check_model_and_dataset(params: dict[str, Any], where: Where) -> None:
+    if isinstance(params.get("model"), str):
+        from nbhelpers.models import get_spec
+        try:
+            get_spec(params["model"])
+        except ValueError as exc:
+            raise UserInputError(f"{where('model')}: {exc}") from exc
+    if isinstance(params.get("dataset"), str):
+        from nbhelpers.grpo.setup import DATASETS
+        if params["dataset"] not in DATASETS:
+            raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
+                                 f"of {DATASETS}.")
+
+
+def _check_questions(params: dict[str, Any], where: Where) -> None:
+    """``n_questions`` within the offline GSM8K source, and apart from the warm-up's rows."""
+    from nbhelpers.grpo.sft_warmup import N_GSM8K, N_SFT_ROWS
+    n_q, grpo_max = params.get("n_questions"), N_GSM8K - N_SFT_ROWS
+    if params.get("dataset", "gsm8k") == "gsm8k" and isinstance(n_q, int) and n_q > N_GSM8K:
+        raise UserInputError(f"{where('n_questions')}: n_questions={n_q}: the offline GSM8K "
+                             f"source ships {N_GSM8K} questions; use <= {N_GSM8K}, or -p dataset "
+                             "gsm_symbolic (generated) for more.")
+    if isinstance(n_q, int) and params.get("format_warmup_steps") and n_q > grpo_max:
+        raise UserInputError(f"{where('n_questions')}: n_questions={n_q} with a format warm-up: "
+                             f"GRPO's questions would overlap the warm-up's (the last {N_SFT_ROWS} "
+                             f"GSM8K questions); use <= {grpo_max} or -p format_warmup_steps 0.")
+
+
+def _check_backends(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    """Phase 2 names GRPO trainers (``grpo.setup.BACKENDS``), the others rollout backends."""
+    from nbhelpers.grpo.setup import BACKENDS as GRPO
+    if isinstance(params.get("backends"), list):
+        from nbhelpers.backends import BACKENDS as ROLLOUT
+        known = GRPO if phase_of(notebook) == "phase2" else ROLLOUT
+        if not params["backends"]:
+            raise UserInputError(f"{where('backends')}: backends=[]: name at least one of "
+                                 f"{known}.")
+        if bad := [b for b in params["backends"] if b not in known]:
+            raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")
+    ref = params.get("reference_backend")
+    if isinstance(ref, str) and ref not in GRPO:  # a typo would skip every cross check
+        raise UserInputError(f"{where('reference_backend')}: reference_backend={ref!r}: use one "
+                             f"of {GRPO}.")
+
+
+def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path) -> None:
+    """All the checks of the module docstring, in order; ``sources`` maps a parameter to where its
+    value came from.
+
+    Raises:
+        UserInputError: the first bad value, naming where it came from and what is accepted.
+    """
+    def where(name: str) -> str:
+        return f"{sources.get(name, name)} ({notebook.name})"
+
+    check_config_fields(params, notebook, where)
+    _check_minima(params, notebook, where)
+    _check_model_and_dataset(params, where)
+    _check_questions(params, where)
+    _check_backends(params, notebook, where)

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-# triton for the interpreted CPU tests of the engine's Triton kernels (pyproject extra "interp")
-"${VENV:-.venv}/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[interp]"
+# triton for the interpreted CPU tests of the engine's Triton kernels (pyproject extra "interp"),
+# Playwright for tests/browser/ (extra "browser"; it drives Debian's /usr/bin/chromium)
+"${VENV:-.venv}/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[interp,browser]"
 exec "${VENV:-.venv}/bin/python" -m pytest -q "$@"

@@ -115,7 +115,9 @@ def plan_launch(args_path: Path, num_processes: int, gpus: int, *, vllm_mode: st
     Server mode: the server gets GPU ``num_processes`` (the last one used), the ranks GPUs
     ``0..num_processes-1`` (``CUDA_VISIBLE_DEVICES``). ``gpus`` = 0 means a CPU host.
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+    # --multi_gpu: accelerate's multi-process launcher (module docstring); it refuses 1 process
+    multi = ["--multi_gpu"] if num_processes > 1 else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *multi,
            "--num_processes", str(num_processes), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(port or free_port()),
@@ -126,7 +128,7 @@ def plan_launch(args_path: Path, num_processes: int, gpus: int, *, vllm_mode: st
     plan = LaunchPlan(cmd, env, world_size=num_processes)
     if vllm_mode == "server":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(num_processes))
-        plan.serve_cmd = [sys.executable, "-m", "trl.cli", "vllm-serve", "--model",
+        plan.serve_cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model",
                           str(model_folder), "--host", server[0], "--port", str(server[1])]
         if max_model_len:
             plan.serve_cmd += ["--max_model_len", str(max_model_len)]
@@ -139,19 +141,22 @@ def launch(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     """Run :func:`nbhelpers.grpo.train`'s arguments ``opts`` over ``opts["num_processes"]`` ranks.
 
     Returns rank 0's :class:`~nbhelpers.grpo.result.GRPOResult`. Raises what
-    :func:`check_launch` raises, and ``RuntimeError`` (with the log's tail and path) when a rank
-    fails.
+    :func:`check_launch` and :func:`~nbhelpers.grpo.plans.plan_backend` raise (unknown backend,
+    ``BackendNotInstalled``) before anything starts, and ``RuntimeError`` (with the log's tail
+    and path) when a rank fails.
     """
+    from nbhelpers.grpo.plans import plan_backend
     gpus = visible_gpus()
     check_launch(opts["backend"], opts["num_processes"], opts["vllm_mode"], gpus,
                  opts["callbacks"])
+    plan_backend(opts["backend"], settings, flex_options=dict(opts["flex_options"] or {}))
     out = Path(opts["output_dir"]) / "distributed"
     out.mkdir(parents=True, exist_ok=True)
     args_path = out / "args.json"
     args_path.write_text(json.dumps(rank_args(model_name, settings, opts, config_overrides),
                                     indent=1))
-    plan = plan_launch(args_path, opts["num_processes"], gpus, **_server_options(
-        model_name, settings, opts))
+    plan = plan_launch(args_path, opts["num_processes"], gpus, **_vllm_options(
+        model_name, settings, opts, gpus))
     server = _start_server(plan, out) if plan.serve_cmd else None
     try:
         _run_logged(plan.train_cmd, plan.train_env, out / LOG_FILE)
@@ -162,15 +167,19 @@ def launch(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     return read_result(out / RESULT_FILE)
 
 
-def _server_options(model_name: str, settings: GRPOSettings,
-                    opts: dict[str, Any]) -> dict[str, Any]:
-    if opts["vllm_mode"] != "server":
+def _vllm_options(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
+                  gpus: int) -> dict[str, Any]:
+    """For ``backend="vllm"``: the weights folder TRL's ``LLM`` loads, written once here (N ranks
+    would race to write it), and in server mode the server's :func:`plan_launch` options."""
+    if opts["backend"] != "vllm":
         return {}
     from nbhelpers import models
     from nbhelpers.grpo.plans import vllm_max_model_length
+    folder = models.model_folder(model_name, with_weights=True, device="cuda" if gpus else "cpu")
+    if opts["vllm_mode"] != "server":
+        return {}
     return {"vllm_mode": "server", "server": (opts["vllm_server_host"], opts["vllm_server_port"]),
-            "model_folder": str(models.model_folder(model_name, with_weights=True)),
-            "max_model_len": vllm_max_model_length(settings)}
+            "model_folder": str(folder), "max_model_len": vllm_max_model_length(settings)}
 
 
 def rank_args(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
@@ -261,6 +270,51 @@ def scaling_record(one: Any, many: Any) -> dict[str, Any]:
             "per_device_train_batch_size": many.config["per_device_train_batch_size"],
             "step_time_s_median_1gpu": t1, "step_time_s_median_ngpu": tn,
             "scaling_efficiency": t1 / tn, "per_rank": ranks}
+
+
+def _train_opts(**kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(opts, config_overrides)`` as :func:`nbhelpers.grpo.train` builds them: its keyword
+    defaults updated by ``kwargs``; names that are not its keywords are ``GRPOConfig`` fields."""
+    import inspect
+
+    from nbhelpers.grpo.trainer import train
+    params = inspect.signature(train).parameters.values()
+    opts = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+    overrides = {k: v for k, v in kwargs.items() if k not in opts}
+    return opts | {k: v for k, v in kwargs.items() if k in opts}, overrides
+
+
+def run_scaling(model_name: str, settings: GRPOSettings, backend: str, num_processes: int, *,
+                output_dir: str | os.PathLike, vllm_mode: str = "colocate",
+                **train_kwargs: Any) -> tuple[dict[str, Any], Any, Any]:
+    """``(sidecar, 1-GPU result, N-process result)`` of one backend at a fixed per-GPU batch.
+
+    Both runs are launched processes (:func:`launch`; the 1-GPU one without a process group), so
+    neither sees the other's memory. The 1-GPU run is the same backend on one process (for
+    ``vllm_mode="server"``: TRL's vLLM colocate on one GPU, so the efficiency says what giving
+    generation its own GPU buys). The
+    sidecar is schema v1 (:func:`nbhelpers.stats.make_sidecar`, phase ``phase2``, backend
+    ``<backend>_x<N>[_server]``) with :func:`scaling_record` under ``scaling`` and the N-process
+    run's :meth:`~nbhelpers.grpo.result.GRPOResult.sidecar_extra`.
+    """
+    from nbhelpers.stats import make_sidecar
+    out = Path(output_dir)
+    one = launch(model_name, settings, *_train_opts(backend=backend, output_dir=out / "x1",
+                                                    **train_kwargs))
+    many = launch(model_name, settings, *_train_opts(
+        backend=backend, output_dir=out / f"x{num_processes}", num_processes=num_processes,
+        vllm_mode=vllm_mode, **train_kwargs))
+    rec = scaling_record(one, many)
+    peak = max((r.get("peak_mem_allocated_gib") or 0.0 for r in rec["per_rank"]), default=0.0)
+    side = make_sidecar(
+        phase="phase2", backend=f"{backend}_x{num_processes}"
+        + ("_server" if vllm_mode == "server" else ""), lora=asdict(settings.lora),
+        peak_mem={"allocated": peak or None}, extra=many.sidecar_extra() | {"scaling": rec},
+        workload={"n_prompts": settings.per_device_train_batch_size // settings.num_generations,
+                  "max_new_tokens": settings.max_completion_length, "ignore_eos": False,
+                  "sampling": settings.sampling_params().to_dict()},
+        model={"name": model_name})
+    return side, one, many
 
 if __name__ == "__main__":
     from nbhelpers.grpo.rank import main

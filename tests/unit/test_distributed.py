@@ -28,14 +28,14 @@ def two_rank_run(tmp_path_factory):
                             max_completion_length=4, max_prompt_length=256, learning_rate=2e-2,
                             warmup_ratio=0.0, lr_scheduler_type="constant", min_p=0.0,
                             lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
-    return train("tiny-llama", settings, backend="flex", n_questions=4, progress=False,
-                 output_dir=tmp_path_factory.mktemp("grpo_ddp"), skip_first=0,
-                 reward_funcs=[char_count_reward], num_processes=2)
+    return distributed.run_scaling("tiny-llama", settings, "flex", 2, n_questions=4,
+                                   output_dir=tmp_path_factory.mktemp("grpo_ddp"), skip_first=0,
+                                   progress=False, reward_funcs=[char_count_reward])
 
 
 @pytest.mark.slow
 def test_two_ranks_train_in_sync_and_roll_out_the_updated_weights(two_rank_run):
-    result = two_rank_run
+    result = two_rank_run[2]
     assert isinstance(result, GRPOResult) and result.backend == "flex"
     assert result.config["world_size"] == 2
     ranks = result.config["per_rank"]
@@ -56,6 +56,22 @@ def test_two_ranks_train_in_sync_and_roll_out_the_updated_weights(two_rank_run):
     assert ranks[0]["lora_initial"] == ranks[1]["lora_initial"]
 
 
+@pytest.mark.slow
+def test_scaling_sidecar_compares_one_and_two_processes(two_rank_run):
+    from nbhelpers.stats import validate_sidecar
+    side, one, two = two_rank_run
+    validate_sidecar(side)
+    assert one.config["world_size"] == 1 and len(one.config["per_rank"]) == 1
+    # fixed per-GPU batch: the lone process makes what each of the two ranks makes
+    assert [x["num_completions"] for x in one.config["per_rank"][0]["rollouts"]] == [2, 2]
+    rec = side["scaling"]
+    assert side["backend"] == "flex_x2" and rec["world_size"] == 2
+    assert rec["scaling_efficiency"] == pytest.approx(
+        one.summary["step_time_s_median"] / two.summary["step_time_s_median"])
+    assert [r["rank"] for r in rec["per_rank"]] == [0, 1]
+    assert side["grpo_config"]["world_size"] == 2
+
+
 def test_launch_plans_for_flex_vllm_colocate_and_server(tmp_path):
     args = tmp_path / "args.json"
     flex = distributed.plan_launch(args, 2, gpus=2, port=29555)
@@ -66,12 +82,13 @@ def test_launch_plans_for_flex_vllm_colocate_and_server(tmp_path):
     assert flex.serve_cmd is None and "CUDA_VISIBLE_DEVICES" not in flex.train_env
     cpu = distributed.plan_launch(args, 2, gpus=0)
     assert cpu.train_env["OMP_NUM_THREADS"]
+    assert "--multi_gpu" not in distributed.plan_launch(args, 1, gpus=0).train_cmd  # refused at 1
     server = distributed.plan_launch(args, 1, gpus=2, vllm_mode="server",
                                      server=("127.0.0.1", 8011), model_folder="/m",
                                      max_model_len=1024)
     assert server.train_env["CUDA_VISIBLE_DEVICES"] == "0"
     assert server.serve_env == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert server.serve_cmd[2:] == ["trl.cli", "vllm-serve", "--model", "/m", "--host",
+    assert server.serve_cmd[2:] == ["trl.cli.main", "vllm-serve", "--model", "/m", "--host",
                                     "127.0.0.1", "--port", "8011", "--max_model_len", "1024"]
 
 
@@ -115,6 +132,13 @@ def test_check_launch_without_accelerate(monkeypatch):
                         lambda name, *a: None if name == "accelerate" else real(name, *a))
     with pytest.raises(ImportError, match="pip install accelerate"):
         distributed.check_launch("flex", 2, "colocate", 0)
+
+
+def test_vllm_over_two_processes_fails_naming_the_extra_before_launching(tmp_path):
+    from nbhelpers.backends.base import BackendNotInstalled
+    with pytest.raises(BackendNotInstalled, match="vllm"):
+        train("tiny-llama", GRPOSettings(), backend="vllm", output_dir=tmp_path, num_processes=2)
+    assert not (tmp_path / "distributed").exists()
 
 
 def test_train_rejects_bad_num_processes_before_loading(tmp_path):

@@ -11,6 +11,20 @@ Decode-attention variants in one call (one extra W LoRA stage each):
 "triton", "num_splits": 4}'`` (a dict's ``decode_attention`` key picks its kernel, default flex).
 Run (CPU smoke): ``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf``
 LoRA B as one Triton kernel per group, as an extra stage: add ``--lora-expand triton``.
+
+A/B of engine options, one fresh process per (point, variant), every sidecar with ``floor``,
+``pct_of_floor`` and the kernel-class breakdown (:mod:`nbhelpers.bench.flex_ab`), e.g. old vs new
+LoRA kernels on the H200 (issue 12)::
+
+    python scripts/bench_flex.py --out $OUT --rounds 3 --max-new-tokens 256 \
+      --points qwen3-4b:fp32:4,qwen3-4b:bf16:4,qwen3-4b:fp32:32,qwen3-4b:bf16:32,qwen3-4b:none:32 \
+      --variants '{"name": "old", "options": {"decode_attention": "flex", "lora_expand": "addmm"}};
+                  {"name": "new", "options": {}}'
+
+(``options``: RunnerOptions fields; ``{}`` is the engine's default.) CPU smoke of the same path:
+``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf --points tiny:fp32:2,tiny:none:2
+--prompt-tokens 6 --max-new-tokens 4 --rounds 1 --variants '{"name": "a"};{"name": "b",
+"options": {"lora_expand": "addmm"}}'``.
 """
 
 from __future__ import annotations
@@ -24,11 +38,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nbhelpers.bench import flex_ab as ab
 from nbhelpers.bench import flex_sweep as eb
 from nbhelpers.config import WORKLOAD_W, LoraSpec
 from nbhelpers.stats import utc_stamp, write_sidecar
 
 LOG_PATH: list[Path] = []
+RUN_ID = utc_stamp()
+"""One run_id for every sidecar of this call (figures hold to it)."""
 
 
 def log(msg: str) -> None:
@@ -40,7 +57,7 @@ def log(msg: str) -> None:
             fh.write(line + "\n")
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="executed/phase3_flex/bench")
     ap.add_argument("--sweep", default="8,64", help="comma-separated batch sizes (LoRA)")
@@ -64,7 +81,12 @@ def parse() -> argparse.Namespace:
                     help="extra W LoRA stage with RunnerOptions.lora_expand (triton: one LoRA-B "
                     "kernel per projection group)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU")
-    return ap.parse_args()
+    ap.add_argument("--points", default="", help="A/B mode: shape:lora:batch,... (lora none|bf16|"
+                    "fp32), one process per point and variant; the stages above are skipped")
+    ap.add_argument("--variants", default="", help='A/B mode: \'{"name": "old", "options": '
+                    '{...}};{"name": "new", "options": {}}\' (RunnerOptions fields)')
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one A/B child
+    return ap.parse_args(argv)
 
 
 def model_block(model, name: str) -> dict:
@@ -74,7 +96,7 @@ def model_block(model, name: str) -> dict:
 
 def sidecar(out: Path, tag: str, model_info, lora, batch, args, res=None, error=None, extra=None):
     side = eb.flex_sidecar(tag, model_info, lora, batch, args.prompt_tokens, args.max_new_tokens,
-                           res, error, extra)
+                           res, error, extra, run_id=RUN_ID)
     write_sidecar(side, out / f"{utc_stamp()}_{tag}.json")
     return side
 
@@ -126,15 +148,39 @@ def run_workload(model, name, lora, batch, args, rounds, tag, profile=False, **o
     return res
 
 
-def main() -> None:
-    args = parse()
-    variants = decode_variants(args)  # a malformed option fails here, before any GPU work
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.one:  # an A/B child: one configuration in this process
+        job = json.loads(args.one)
+        ab.run_config(ab.Point(**job["point"]), job["variant"], job["settings"], job["run_id"],
+                      out, "cpu" if job["point"]["shape"] == "tiny" else "cuda")
+        return
     LOG_PATH.append(out / "bench_flex.log")
+    if args.points:
+        return run_points(args, out)
+    variants = decode_variants(args)  # a malformed option fails here, before any GPU work
     if args.cpu_smoke:
         import torch
         torch.set_num_threads(1)
+    run_stages(args, out, variants)
+
+
+def run_points(args, out: Path) -> None:
+    """A/B mode: every ``--points`` x ``--variants`` in its own process (module docstring)."""
+    points, variants = ab.parse_points(args.points), ab.parse_variants(args.variants)
+    settings = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
+                "rounds": args.rounds, "sync_every": args.sync_every}
+    run_id = utc_stamp()
+    log(f"A/B run {run_id}: {len(points)} points x {len(variants)} variants")
+    sides = ab.run_ab(points, variants, settings, run_id, out, str(Path(__file__).resolve()))
+    for line in ab.ab_table(sides):
+        log(line)
+
+
+def run_stages(args, out: Path, variants: list[dict]) -> None:
+    """The staged run: parity, W with and without LoRA, the LoRA sweep, variants."""
     dev = "cpu" if args.cpu_smoke else "cuda"
     shape = eb.TINY_QWEN3_SHAPE if args.cpu_smoke else eb.QWEN3_4B_SHAPE
     name = "tiny-qwen3-shape" if args.cpu_smoke else "qwen3-4b"
@@ -152,6 +198,20 @@ def main() -> None:
         log(f"parity {name} bf16: {par} {err or ''}")
         llm.sleep()
     lora = LoraSpec(rank=32, alpha=64)
+    model = run_w_and_sweep(model, name, info, lora, args, out, table, skip)
+    if args.compiled:
+        res, err = stage("W LoRA compiled step", run_workload, model, name, lora,
+                         WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_compiled",
+                         profile=args.profile, compile_decode=True)
+        sidecar(out, "w_lora_compiled", info, lora, WORKLOAD_W.n_prompts, args, res, err,
+                extra={"compile_decode": True})
+        table.append(("W LoRA r32, compiled step", WORKLOAD_W.n_prompts, res))
+    run_decode_variants(model, name, lora, info, args, out, table, variants)
+    print_table(table)
+
+
+def run_w_and_sweep(model, name, info, lora, args, out: Path, table: list, skip: set):
+    """W without LoRA, then LoRA attached (in place) for W and the sweep; the PEFT model."""
     if "w" not in skip:
         res, err = stage("W no LoRA", run_workload, model, name, None, WORKLOAD_W.n_prompts, args,
                          args.rounds, "w_nolora")
@@ -169,15 +229,7 @@ def main() -> None:
         sidecar(out, f"sweep_lora_b{batch}", info, lora, batch, args, res, err,
                 extra={"sweep_batch": batch})
         table.append(("sweep LoRA", batch, res))
-    if args.compiled:
-        res, err = stage("W LoRA compiled step", run_workload, model, name, lora,
-                         WORKLOAD_W.n_prompts, args, args.rounds, "w_lora_compiled",
-                         profile=args.profile, compile_decode=True)
-        sidecar(out, "w_lora_compiled", info, lora, WORKLOAD_W.n_prompts, args, res, err,
-                extra={"compile_decode": True})
-        table.append(("W LoRA r32, compiled step", WORKLOAD_W.n_prompts, res))
-    run_decode_variants(model, name, lora, info, args, out, table, variants)
-    print_table(table)
+    return model
 
 
 def decode_variants(args) -> list[dict]:

@@ -201,10 +201,12 @@ batch, and where does a decode step's time go?
 **Result:** computed from this run in the last cell.
 
 Runs the batch sweep here (random weights; speed does not depend on values) with the same
-functions as `scripts/bench_flex.py`, then reads the phase 1 H200 measurements
-(`research/measurements/gold_*.json`) and any flex sidecars already in `executed/phase3_flex/bench`.
+functions as `scripts/bench_flex.py`; every figure shows only this run's points (held to its
+`run_id`), the phase 1 H200 engines (`docs/reference_measurements/gold_*.json`) as labelled
+reference points, earlier flex sidecars of `executed/phase3_flex/bench` only as a labelled table.
 Breakdown: `prefill_s`, the decode step (`decode_step_ms`: graph replays + one readback per window),
-one graph replay alone (`replay_ms`), and a kernel profile of one eager step by class.""",
+one graph replay alone (`replay_ms`), % of the bandwidth floor, and a kernel profile of one eager
+step by class.""",
     "params": """shape: str = "tiny"  # tiny (CPU smoke) | qwen3-4b (H200)
 device: str = "cpu"  # cpu | cuda
 batches: list = [2, 4]  # batch sweep (H200: 8, 32, 64, 128, 256)
@@ -216,25 +218,24 @@ lora_modes: list = [True]  # sweep with LoRA (True) and/or without (False); H200
 profile: bool = False  # kernel-class profile of one decode step (CUDA only)
 engine_options: dict = {}  # flex RunnerOptions, e.g. {"decode_attention": "triton"}
 gold_dir: str = "docs/reference_measurements"  # phase-1 H200 reference runs (absent: none)
-bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars to show beside
+bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars (a labelled table only)
 min_tok_per_s: float = 1.0  # claim: every point ran and produced tokens
 sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)""",
     "cells": [
-        ("Derived values: the model (random weights) with its LoRA, and the reference rows.",
+        ("Derived values: the model (random weights) with its LoRA, and this run's id.",
          """import glob
-from nbhelpers.stats import read_sidecars
+from nbhelpers.stats import read_sidecars, utc_stamp
 base_shape = eb.QWEN3_4B_SHAPE if shape == "qwen3-4b" else eb.TINY_QWEN3_SHAPE
 dtype = "bfloat16" if device == "cuda" else "float32"
 hf = eb.random_qwen3(base_shape, dtype=dtype, device=device)
 lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
 info = {"name": shape, "architecture": "Qwen3ForCausalLM", "weights": "random",
         "n_params": sum(p.numel() for p in hf.parameters())}  # base model, LoRA not counted
-reference = eb.reference_frame(sorted(glob.glob(f"{gold_dir}/gold_*.json")))
-earlier = eb.flex_frame([s for s in read_sidecars(bench_dir, phase="phase3_flex")
-                         if s.get("tag")]) if glob.glob(f"{bench_dir}/*.json") else None
-info"""),
+run_id = utc_stamp()  # every sidecar of this run carries it; figures refuse any other
+info, run_id"""),
         (("## Batch sweep\nWithout LoRA first, then the same model with the LoRA attached (PEFT "
-          "injects it in place; the engine reads its tensors live)."),
+          "injects it in place; the engine reads its tensors live). Each point records its "
+          "bandwidth floor (bytes per step / read bandwidth measured in this process)."),
          """sides = []
 for with_lora in sorted(set(lora_modes)):  # False before True: attaching LoRA is in place
     if with_lora:
@@ -245,26 +246,30 @@ for with_lora in sorted(set(lora_modes)):  # False before True: attaching LoRA i
                                 **engine_options)
         sides.append(eb.flex_sidecar(f"nb33_b{b}{'_lora' if with_lora else ''}", info,
                                      lora if with_lora else None, b, prompt_tokens,
-                                     max_new_tokens, res, extra={"engine_options": engine_options}))
-sweep = eb.flex_frame(sides)
+                                     max_new_tokens, res, extra={"engine_options": engine_options},
+                                     run_id=run_id))
+sweep = eb.flex_frame(sides, run_id=run_id)
 sweep"""),
-        ("## Beside phase 1 and earlier flex runs",
-         """display(reference)
+        (("## This run beside phase 1\nThe figure: this run's points and the phase 1 H200 engines "
+          "(labelled with their file and date). Earlier flex runs, if any, only as a table with "
+          "their source file and date."),
+         """reference = eb.reference_frame(sorted(glob.glob(f"{gold_dir}/gold_*.json")))
+display(reference)
+earlier = eb.earlier_frame(read_sidecars(bench_dir, phase="phase3_flex"), run_id)
 if earlier is not None:
+    display(Markdown(f"Earlier flex runs from `{bench_dir}` (not this run):"))
     display(earlier)
-eb.sweep_figure(earlier if earlier is not None and shape == "qwen3-4b" else sweep, reference)"""),
-        (("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) against "
-          "the measured graph step. Many small elementwise kernels (norms, RoPE, casts, LoRA "
-          "adds, block-mask building) cost launch latency even inside a graph."),
-         """prof = (sides[-1].get("breakdown") or {}).get("profile")
-if prof is None and earlier is not None:  # fall back to the recorded H200 profile
-    prof_sides = [s for s in read_sidecars(bench_dir, phase="phase3_flex")
-                  if (s.get("breakdown") or {}).get("profile")]
-    prof = prof_sides[-1]["breakdown"]["profile"] if prof_sides else None
-    step_ms = prof_sides[-1]["breakdown"]["decode_step_ms"] if prof_sides else None
-else:
-    step_ms = sides[-1]["breakdown"]["decode_step_ms"]
-eb.breakdown_figure(prof["kernel_ms_per_step"], step_ms) if prof else "no profile" """),
+eb.sweep_figure(sweep, run_id, reference if shape == "qwen3-4b" else None)"""),
+        (("## % of the bandwidth floor\nEach point's bytes per decode step (weights + LoRA + KV at "
+          "the mean context) over its measured step time, as a share of the read bandwidth "
+          "measured in this process: 100 % streams every byte once at that rate."),
+         """display(sweep[["tag", "batch", "lora", "decode_step_ms", "floor_ms", "pct_of_floor"]])
+eb.pct_figure(sweep, run_id)"""),
+        (("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) of this "
+          "run's last point against its measured graph step; no profile in this run: said so."),
+         """profiled = [s for s in sides if (s.get("breakdown") or {}).get("profile")]
+eb.breakdown_figure(profiled[-1], run_id) if profiled else Markdown("No kernel profile in this run "
+                                                                    "(profile=False or CPU).")"""),
         (("## Try other choices (JupyterLab)\nPick batch sizes and decode kernels, then Run: the "
           "same `eb.run_flex_point` as the sweep, on the model as it is now (with LoRA if the "
           "sweep attached it). Under papermill the panel is only shown."),
@@ -279,8 +284,9 @@ def rerun(batches, kernels):
     opts = {**engine_options, **KERNELS[kernels]}
     got = [eb.flex_sidecar(f"ui_b{b}", info, None, b, prompt_tokens, max_new_tokens,
                            eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens,
-                                             rounds=rounds, **opts)) for b in batches]
-    return eb.flex_frame(got)
+                                             rounds=rounds, **opts), run_id=run_id)
+           for b in batches]
+    return eb.flex_frame(got, run_id=run_id)
 
 
 run_controls(rerun, batches=([1, 2, 4, 8, 16, 32, 64, 128, 256], batches),
@@ -291,16 +297,18 @@ run_controls(rerun, batches=([1, 2, 4, 8, 16, 32, 64, 128, 256], batches),
                     workload={"batches": batches, "prompt_tokens_mean": prompt_tokens,
                               "max_new_tokens": max_new_tokens, "ignore_eos": True,
                               "sampling": "grpo"},
-                    rounds=sides[-1]["rounds"],
+                    rounds=sides[-1]["rounds"], run_id=run_id,
                     extra={"notebook": "33_flex_vs_baselines", "engine_options": engine_options,
                            "sweep": sweep.to_dict(orient="records")})
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert (sweep["error"] == "").all(), sweep
 assert (sweep["decode_tok_per_s"] >= min_tok_per_s).all(), sweep
+assert sweep["pct_of_floor"].notna().all() and set(sweep["run_id"]) == {run_id}, sweep
 rows = [f"{'LoRA r' + str(lora_rank) if r['lora'] else 'no LoRA'} batch {r['batch']}: "
         f"{r['decode_tok_per_s']:.0f} tok/s (step {r['decode_step_ms']:.2f} ms, "
-        f"peak {r['peak_gib']:.2f} GiB)" for _, r in sweep.iterrows()]
+        f"{r['pct_of_floor']:.0f} % of floor, peak {r['peak_gib']:.2f} GiB)"
+        for _, r in sweep.iterrows()]
 display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-token prompts, "
                  f"{max_new_tokens} new tokens, engine options {engine_options or 'default'}) "
                  "the flex engine reached: " + "; ".join(rows)))""",

@@ -127,3 +127,24 @@ def test_every_code_cell_is_valid_python(path):
             ast.parse(src)
         except SyntaxError as err:
             pytest.fail(f"{path.name} cell {i}: {err}")
+
+
+FIGURE_CALLS = re.compile(r"\beb\.(\w+_figure)\((.*?)\)(?=\s*(?:if\b|$|\n))", re.S)
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.parent.name == "phase3_flex"],
+                         ids=lambda p: p.name)
+def test_flex_figures_take_this_runs_id_and_no_earlier_run(path):
+    """Issue 12: the H200 run of 33 plotted older bench sidecars (``eb.sweep_figure(earlier
+    ...)``) and fell back to an older run's profile. Every figure helper call passes the run's
+    ``run_id`` (the helpers refuse rows of another run: tests/unit/test_floor.py) and is never
+    handed the earlier-runs table; no cell reads an older profile for a figure."""
+    code = "\n".join(c.source for c in _load(path).cells if c.cell_type == "code")
+    calls = FIGURE_CALLS.findall(code)
+    for name, args in calls:
+        assert "run_id" in args, f"{path.name}: eb.{name}({args}) without the run's run_id"
+        assert "earlier" not in args, f"{path.name}: eb.{name} is handed earlier runs: {args}"
+    assert "prof_sides" not in code and "fall back" not in code, f"{path.name}: older profile"
+    if path.stem == "33_flex_vs_baselines":
+        assert {n for n, _ in calls} >= {"sweep_figure", "pct_figure", "breakdown_figure"}
+        assert "run_id=run_id" in code and "eb.flex_frame(sides, run_id=run_id)" in code

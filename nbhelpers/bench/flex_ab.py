@@ -1,0 +1,161 @@
+"""A/B of flex engine options, one process per configuration (``scripts/bench_flex.py --points``).
+
+Contract: a *point* is ``shape:lora:batch`` (shape ``qwen3-4b`` | ``tiny`` | a
+:mod:`nbhelpers.model_configs` function such as ``llama_3_2_3b``; lora ``none`` | ``bf16`` (the
+model's dtype, as Unsloth keeps it) | ``fp32`` (PEFT's default upcast, TRL's GRPO); batch rows),
+a *variant* a named dict of :class:`~nbhelpers.engine.runner_options.RunnerOptions` fields.
+:func:`run_ab` runs every (point, variant) in a fresh ``python scripts/bench_flex.py --one ...``
+process (no allocator, autotune or graph state carried between them), each writing one schema-v1
+sidecar with ``floor``, ``pct_of_floor`` and the kernel-class breakdown, all under one
+``run_id``; a child that fails leaves a sidecar with ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LORA_MODES = ("none", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration's workload: model shape, adapter dtype mode, batch rows."""
+
+    shape: str
+    lora: str
+    batch: int
+
+    @property
+    def tag(self) -> str:
+        return f"{self.shape}_{self.lora}_b{self.batch}"
+
+
+def parse_points(text: str) -> list[Point]:
+    """``"qwen3-4b:fp32:4,qwen3-4b:none:32"`` -> points. Raises ``ValueError`` naming the fix."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        bits = part.split(":")
+        if len(bits) != 3 or bits[1] not in LORA_MODES or not bits[2].isdigit():
+            raise ValueError(f"--points entry {part!r}: write shape:lora:batch with lora one of "
+                             f"{LORA_MODES}, e.g. qwen3-4b:fp32:4.")
+        out.append(Point(bits[0], bits[1], int(bits[2])))
+    return out
+
+
+def parse_variants(text: str) -> list[dict[str, Any]]:
+    """``';'``-separated JSON objects ``{"name": ..., "options": {...}}`` (default one variant
+    ``default`` with no options). Raises ``ValueError`` for a part without a unique ``name``."""
+    parts = [json.loads(p) for p in text.split(";") if p.strip()] or [{"name": "default"}]
+    names = [p.get("name") if isinstance(p, dict) else None for p in parts]
+    if None in names or len(set(names)) != len(names):
+        raise ValueError(f"--variants: each ';'-separated part must be a JSON object with a unique "
+                         f"'name' (and optional 'options'), got {parts!r}.")
+    return [{"name": p["name"], "options": dict(p.get("options") or {})} for p in parts]
+
+
+def random_model(shape: str, device: str) -> Any:
+    """A random-weight model of ``shape`` (bf16 on CUDA, fp32 on the CPU) on ``device``."""
+    import torch
+    import transformers
+
+    from nbhelpers import model_configs
+    from nbhelpers.bench import flex_sweep as eb
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    if shape in ("qwen3-4b", "tiny"):
+        return eb.random_qwen3(eb.QWEN3_4B_SHAPE if shape == "qwen3-4b" else
+                               eb.TINY_QWEN3_SHAPE, dtype=dtype, device=device)
+    make = getattr(model_configs, shape.replace("-", "_"), None)
+    if make is None:
+        raise ValueError(f"point shape {shape!r}: use qwen3-4b, tiny or a function of "
+                         "nbhelpers.model_configs (e.g. llama_3_2_3b, gemma_4_e2b).")
+    cfg = make()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = getattr(transformers, cfg.architectures[0])(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def run_config(point: Point, variant: dict[str, Any], settings: dict[str, Any], run_id: str,
+               out: Path, device: str) -> dict[str, Any]:
+    """One configuration in this process: model, LoRA r32 (alpha 64) per ``point.lora``,
+    ``run_flex_point(profile=True, floor_gemms=True)``, sidecar written under ``out``."""
+    from nbhelpers.bench import flex_sweep as eb
+    from nbhelpers.config import LoraSpec
+    from nbhelpers.stats import write_sidecar
+    model, lora = random_model(point.shape, device), None
+    info = {"name": point.shape, "architecture": type(model).__name__, "weights": "random",
+            "n_params": sum(p.numel() for p in model.parameters())}
+    if point.lora != "none":
+        lora = LoraSpec(rank=32, alpha=64)
+        model = eb.attach_lora(model, lora, adapter_dtype="float32" if point.lora == "fp32"
+                               else "model")
+    res = eb.run_flex_point(model, point.batch, settings["prompt_tokens"],
+                            settings["max_new_tokens"], rounds=settings["rounds"],
+                            sync_every=settings["sync_every"], profile=True, floor_gemms=True,
+                            **variant["options"])
+    side = eb.flex_sidecar(f"{point.tag}_{variant['name']}", info, lora, point.batch,
+                           settings["prompt_tokens"], settings["max_new_tokens"], res,
+                           extra={"variant": variant, "point": asdict(point)}, run_id=run_id)
+    write_sidecar(side, out / f"{run_id}_{point.tag}_{variant['name']}.json")
+    return side
+
+
+def run_ab(points: list[Point], variants: list[dict[str, Any]], settings: dict[str, Any],
+           run_id: str, out: Path, script: str, timeout_s: float = 1800) -> list[dict]:
+    """Every (point, variant) in its own ``python script --one ...`` process; returns the
+    sidecars (an error sidecar for a child that failed or wrote none)."""
+    sides = []
+    for point in points:
+        for var in variants:
+            job = json.dumps({"point": asdict(point), "variant": var, "settings": settings,
+                              "run_id": run_id})
+            proc = subprocess.run([sys.executable, script, "--one", job, "--out", str(out)],
+                                  capture_output=True, text=True, timeout=timeout_s)
+            path = out / f"{run_id}_{point.tag}_{var['name']}.json"
+            if proc.returncode == 0 and path.exists():
+                sides.append(json.loads(path.read_text()))
+            else:
+                sides.append(_error_sidecar(point, var, settings, run_id, out, proc))
+    return sides
+
+
+def _error_sidecar(point: Point, var: dict, settings: dict, run_id: str, out: Path,
+                   proc: Any) -> dict[str, Any]:
+    from nbhelpers.bench import flex_sweep as eb
+    from nbhelpers.stats import write_sidecar
+    err = f"child exit {proc.returncode}: {(proc.stderr or '')[-2000:]}"
+    side = eb.flex_sidecar(f"{point.tag}_{var['name']}", {"name": point.shape}, None,
+                           point.batch, settings["prompt_tokens"], settings["max_new_tokens"],
+                           None, error=err, extra={"variant": var, "point": asdict(point)},
+                           run_id=run_id)
+    write_sidecar(side, out / f"{run_id}_{point.tag}_{var['name']}.json")
+    return side
+
+
+def ab_table(sides: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows: point, variant, tok/s, ms/step, % of floor, floor ms, GEMM / attention /
+    elementwise / sampling ms and kernels per step (profile), cuBLAS cold GEMM ms per step."""
+    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+    lines = ["| point | variant | tok/s | ms/step | % floor | floor ms | GEMM | attn | elem | "
+             "sample | kernels/step | cuBLAS GEMM ms |", "|---" * 12 + "|"]
+    for s in sides:
+        b, fl = s.get("breakdown") or {}, s.get("floor") or {}
+        kb = b.get("kernel_breakdown") or {}
+        lines.append(
+            f"| {s['point']['shape']} {s['point']['lora']} b{s['point']['batch']} | "
+            f"{s['variant']['name']} | {fmt(s.get('decode_tok_per_s_median'), '.0f')} | "
+            f"{fmt(b.get('decode_step_ms'))} | {fmt(s.get('pct_of_floor'), '.1f')} | "
+            f"{fmt(fl.get('floor_ms_per_step'))} | {fmt(kb.get('gemm_ms'))} | "
+            f"{fmt(kb.get('attention_ms'))} | {fmt(kb.get('elementwise_ms'))} | "
+            f"{fmt(kb.get('sampling_ms'))} | {fmt(kb.get('kernels_per_step'), '.0f')} | "
+            f"{fmt(fl.get('gemm_ms_per_step_cublas'))} |" + (" ERROR" if s.get("error") else ""))
+    return lines

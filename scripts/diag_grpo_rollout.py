@@ -68,6 +68,31 @@ def measure(policy, batch: int, rounds: int, profile: bool, device: str) -> dict
     return res
 
 
+def run_variant(base, name: str, lora, a: argparse.Namespace, log) -> dict:
+    """One variant's decode timings per batch size (``a.batches``, ``a.rounds``), or its error
+    and traceback tail (the other variants go on)."""
+    t0 = time.perf_counter()
+    try:
+        policy, undo = variant(base, name, lora, log)
+        rows = {}
+        for b in (int(x) for x in a.batches.split(",")):
+            r = measure(policy, b, a.rounds, profile=True, device=a.device)
+            rows[b] = {"wall_s_median": r.get("wall_s_median"),
+                       "decode_tok_per_s_median": r.get("decode_tok_per_s_median"),
+                       "breakdown": r["breakdown"]}
+            bd = r["breakdown"]
+            prof = bd.get("profile", {})
+            log(f"{name} b{b}: generate {r.get('wall_s_median')} s, decode step "
+                f"{bd['decode_step_ms']:.2f} ms, replay {bd.get('replay_ms')} ms, kernels "
+                f"{prof.get('kernels_per_step')}, by class {prof.get('kernel_ms_per_step')}")
+        undo()
+        return {"batches": rows, "s": round(time.perf_counter() - t0, 1)}
+    except Exception as err:  # noqa: BLE001 -- the other variants go on
+        log(f"{name}: {type(err).__name__}: {err}")
+        return {"error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc()[-2500:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="executed/phase2_grpo/bench")
@@ -97,26 +122,7 @@ def main() -> int:
               "shape": {"prompt_tokens": 100, "n": 4, "max_new_tokens": 256, "min_p": 0.1},
               "variants": {}}
     for name in a.variants.split(","):
-        t0 = time.perf_counter()
-        try:
-            policy, undo = variant(base, name, lora, log)
-            rows = {}
-            for b in (int(x) for x in a.batches.split(",")):
-                r = measure(policy, b, a.rounds, profile=True, device=a.device)
-                rows[b] = {"wall_s_median": r.get("wall_s_median"),
-                           "decode_tok_per_s_median": r.get("decode_tok_per_s_median"),
-                           "breakdown": r["breakdown"]}
-                bd = r["breakdown"]
-                prof = bd.get("profile", {})
-                log(f"{name} b{b}: generate {r.get('wall_s_median')} s, decode step "
-                    f"{bd['decode_step_ms']:.2f} ms, replay {bd.get('replay_ms')} ms, kernels "
-                    f"{prof.get('kernels_per_step')}, by class {prof.get('kernel_ms_per_step')}")
-            undo()
-            report["variants"][name] = {"batches": rows, "s": round(time.perf_counter() - t0, 1)}
-        except Exception as err:  # noqa: BLE001 -- the other variants go on
-            report["variants"][name] = {"error": f"{type(err).__name__}: {err}",
-                                        "traceback": traceback.format_exc()[-2500:]}
-            log(f"{name}: {report['variants'][name]['error']}")
+        report["variants"][name] = run_variant(base, name, lora, a, log)
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()

@@ -91,7 +91,7 @@ def format_warmup(model, tokenizer, rows: list[dict[str, Any]], steps: int, *,
     """
     from datasets import Dataset
     from peft import PeftModel
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from nbhelpers.shims import trl_fused_logprob_cpu
     trl_fused_logprob_cpu.install()  # SFTTrainer's loss uses TRL's Triton log-prob kernel too
@@ -110,14 +110,9 @@ def format_warmup(model, tokenizer, rows: list[dict[str, Any]], steps: int, *,
 
     before = probe()
     text = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in rows]
-    args = SFTConfig(output_dir=output_dir, dataset_text_field="text", max_steps=steps,
-                     per_device_train_batch_size=1, gradient_accumulation_steps=1,
-                     warmup_steps=min(5, max(steps - 1, 0)), learning_rate=learning_rate,
-                     lr_scheduler_type="linear", weight_decay=0.001, optim="adamw_torch",
-                     seed=seed, logging_steps=1, gradient_checkpointing=False, report_to="none", save_strategy="no",
-                     max_length=max_seq_length, packing=False, disable_tqdm=True,
-                     use_cpu=not _on_gpu(model), bf16=_on_gpu(model))
-    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+    trainer = SFTTrainer(model=model, processing_class=tokenizer,
+                         args=_sft_config(model, output_dir, steps, seed, learning_rate,
+                                          max_seq_length),
                          train_dataset=Dataset.from_dict({"text": text}))
     t0 = time.perf_counter()
     trainer.train()
@@ -125,6 +120,20 @@ def format_warmup(model, tokenizer, rows: list[dict[str, Any]], steps: int, *,
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"steps": steps, "wall_s": wall_s, "losses": losses, "before": before,
             "after": probe()}
+
+
+def _sft_config(model, output_dir: str, steps: int, seed: int, learning_rate: float,
+                max_seq_length: int):
+    """TRL ``SFTConfig`` of the warm-up: batch 1, linear schedule, up to 5 warm-up steps."""
+    from trl import SFTConfig
+    return SFTConfig(output_dir=output_dir, dataset_text_field="text", max_steps=steps,
+                     per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                     warmup_steps=min(5, max(steps - 1, 0)), learning_rate=learning_rate,
+                     lr_scheduler_type="linear", weight_decay=0.001, optim="adamw_torch",
+                     seed=seed, logging_steps=1, gradient_checkpointing=False,
+                     report_to="none", save_strategy="no", max_length=max_seq_length,
+                     packing=False, disable_tqdm=True, use_cpu=not _on_gpu(model),
+                     bf16=_on_gpu(model))
 
 
 def _on_gpu(model) -> bool:

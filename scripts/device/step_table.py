@@ -1,0 +1,100 @@
+"""The device steps of docs/h200_runbook.md as data: what each call stages and runs.
+
+``STEPS[step] = (wheel sets, extra staging, jobs)``; a job is ``(notebook or script, -p
+overrides, est_s, cap_s, lane)``. Read by ``scripts/device/run_step.py`` (its docstring says how
+a step runs); stdlib only, nothing imported.
+"""
+from __future__ import annotations
+
+TOK = ".cache/device/nbh_tok.tar.xz"  # built by the `pack` step from .cache/nbh/npm
+GSM8K = ".cache/nbh/pypi"
+P1 = "notebooks/phase1_rollout/10_lora_rollout.ipynb"
+P2 = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
+N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
+N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
+VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
+VLLM_MANIFEST = ".bundles/vllm/manifest.json"
+BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
+DIAG = "scripts/diag_gemma4.py"
+DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
+AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
+AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
+           "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
+           "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
+           "\"num_splits\": 8};{\"num_warps\": 8, \"num_stages\": 3}'")
+
+# step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
+# Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
+# when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
+# Slow HF-family backends get 2 timed rounds (their per-round time is 15-60 s at W).
+R2 = {"rounds": "2"}
+STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int, int, int]]]] = {
+    # x2 chain A, call 1: every non-vLLM, non-flex phase 1 backend, and 34 (Gemma-4).
+    "a1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P1, {"backends": "[hf_cb, unsloth, hf_generate]", **R2}, 480, 540, 0),
+        (P1, {"backends": "[hf_cb_nograph, cb_sync]", **R2}, 340, 400, 1),
+        (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 220, 1)]),
+    # x2 chain A, calls 2-4 (back to back: /tmp survives only while the machine is warm): the
+    # vLLM site in three parts, then phase 1 vLLM and phase 2 vLLM side by side.
+    # Since session 3 the site is in four parts of <= 40 MiB (`python -m nbhelpers.bundles
+    # resplit vllm --part-mib 40`: the working tree, carried by every call, grew to 6.5 MiB and
+    # pushed v1 over 64 MiB), so a chain is v1, v2, v2b, then one of v3 / v3p2 / s4v3.
+    "v1": ([], ["vllm0", "tok"], []),
+    "v2": (["trl"], ["vllm1"], []),
+    "v2b": ([], ["vllm2"], []),
+    "v3": (["notebooks"], ["vllm3", "gsm8k"], [
+        (P1, {"backends": "[vllm]", "without_lora": "false"}, 200, 260, 0),
+        (P1, {"backends": "[vllm]", "lora_rank": "0"}, 160, 220, 0),
+        (P2, {"backends": "[vllm]"}, 330, 480, 1)]),
+    # x2 final call of session 2: lane 0 = engine A/B (bench_flex variants, each first checked
+    # against HF/PEFT on a tiny fp32 model), 33 with the fastest parity-clean options ("@ab"),
+    # the Gemma-4 GPU parity diagnosis; lane 1 = phase 2 hf_generate + flex, then the phase 1
+    # LoRA rows of hf_cb / cb_sync again with the CB cache zero-fill shim.
+    "f": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (BENCH, {"args": AB_ARGS}, 150, 200, 0),
+        (N33, {"engine_options": "@ab", "rounds": "2"}, 240, 300, 0),
+        (DIAG, {"args": ""}, 150, 200, 0),
+        (P2, {"backends": "[hf_generate, flex]"}, 400, 480, 1),
+        (P1, {"backends": "[hf_cb, cb_sync]", "without_lora": "false", "rounds": "1"}, 150,
+         200, 1)]),
+    # x2 last call of session 2: 34_gemma4 (float64 parity + bf16 HF noise floor, then
+    # throughput) with batch 8 on one GPU and batch 64 on the other, 1 timed round each.
+    "g": (["notebooks"], ["tok", "gsm8k"], [
+        (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 0),
+        (N34, {"batch_sizes": "[64]", "rounds": "1", "probe_kernels_s": "0"}, 230, 285, 1)]),
+    # next session (x2), see docs/h200_runbook.md section 6: phase 2 everywhere, 34 complete.
+    "n1": (["notebooks", "trl", "unsloth"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[hf_generate, flex]"}, 400, 480, 0),
+        (P2, {"backends": "[unsloth]"}, 330, 420, 1),
+        (P1, {"backends": "[flex]"}, 150, 200, 1)]),
+    "n2": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[hf_cb]"}, 450, 540, 0),
+        (N34, {"batch_sizes": "[16, 32]", "rounds": "1", "probe_kernels_s": "0"}, 330, 420, 1)]),
+    "v3p2": (["notebooks"], ["vllm3", "gsm8k"], [
+        (P2, {"backends": "[vllm]"}, 330, 480, 0),
+        (N34, {"batch_sizes": "[8, 64]", "probe_kernels_s": "0"}, 330, 480, 1)]),
+    # session 3: why flex decodes slower inside GRPO than in 33 (adapter dtype A/B), and phase 2
+    # flex with the trainer's forward compiled (compile_mode default, graph-break report).
+    "d1": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout"}, 150, 240, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 300, 1)]),
+    # session 3, after the LoRA-shrink kernel (fp32 adapters) and the backbone-only compile: the
+    # decode step at GRPO's shape again, phase 2 flex eager (lane 0) and compiled (lane 1).
+    "d2": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_shrink "
+                   "--variants fp32_adapters,bf16_adapters --batches 4 --rounds 3"}, 60, 100, 0),
+        (P2, {"backends": "[flex]"}, 130, 200, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 200, 260, 1)]),
+    # next session (docs/h200_runbook.md section 7): after v1 + v2, vLLM colocate at the
+    # reference's memory setting beside flex with the trainer compiled; then phase 1 flex with
+    # the LoRA-shrink kernel and the decode-step diagnosis over batch sizes.
+    "s4v3": (["notebooks"], ["vllm3", "gsm8k"], [
+        (P2, {"backends": "[vllm]", "vllm_gpu_memory_utilization": "0.9"}, 200, 400, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 400, 540, 1)]),
+    "s4n": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (P1, {"backends": "[flex]"}, 150, 220, 0),
+        (P1, {"backends": "[flex]", "engine_options": "{flex: {adapter_dtype: model}}"}, 150,
+         220, 0),
+        (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_batches "
+                   "--variants fp32_adapters,bf16_adapters --batches 4,8,16,32"}, 200, 300, 1)]),
+}

@@ -175,7 +175,9 @@ def _vllm_options(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
         return {}
     from nbhelpers import models
     from nbhelpers.grpo.plans import vllm_max_model_length
-    folder = models.model_folder(model_name, with_weights=True, device="cuda" if gpus else "cpu")
+    # built on the CPU: the parent holds no GPU memory while the ranks run (TRL's first
+    # sync_weights replaces these values with the policy's anyway)
+    folder = models.model_folder(model_name, with_weights=True, device="cpu")
     if opts["vllm_mode"] != "server":
         return {}
     return {"vllm_mode": "server", "server": (opts["vllm_server_host"], opts["vllm_server_port"]),

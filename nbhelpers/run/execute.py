@@ -56,7 +56,8 @@ class Job:
 
 
 STOPPING = threading.Event()
-"""Set by :func:`nbhelpers.run.runner.run` on Ctrl-C / SIGTERM: workers leave the record to :func:`stop_jobs`."""
+"""Set by :func:`nbhelpers.run.runner.run` on Ctrl-C / SIGTERM: workers leave the record to
+:func:`stop_jobs`."""
 
 
 def kernel_env(env: dict[str, str]) -> dict[str, str]:

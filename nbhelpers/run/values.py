@@ -46,9 +46,9 @@ def _same(*names: str) -> dict[str, str]:
     return {n: n for n in names}
 
 
-_GRPO = (FieldMap(GRPOSettings, _same("max_steps", "num_generations", "per_device_train_batch_size",
-                                      "max_prompt_length", "max_completion_length",
-                                      "learning_rate", "beta", "seed")),
+_GRPO = (FieldMap(GRPOSettings, _same(
+             "max_steps", "num_generations", "per_device_train_batch_size", "max_prompt_length",
+             "max_completion_length", "learning_rate", "beta", "seed")),
          FieldMap(LoraSpec, {"lora_rank": "rank", "lora_alpha": "alpha"}))
 _WORKLOAD = _same("prompt_tokens", "max_new_tokens", "rounds", "warmup_rounds")
 CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {
@@ -56,7 +56,8 @@ CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {
     "phase1": (FieldMap(Workload, {**_WORKLOAD, **_same("n_prompts", "sampling")}),
                FieldMap(LoraSpec, {"lora_rank": "rank"}, off={"lora_rank": 0})),
     "phase2": _GRPO,
-    "phase3": (FieldMap(SamplingParams, {"num_generations": "n", "max_new_tokens": "max_new_tokens"}),
+    "phase3": (FieldMap(SamplingParams, {"num_generations": "n",
+                                         "max_new_tokens": "max_new_tokens"}),
                FieldMap(Workload, _WORKLOAD), FieldMap(LoraSpec, {"lora_rank": "rank"})),
 }
 """Per phase, what its notebooks' derived-values cells build (``scripts/make_*notebooks.py``):

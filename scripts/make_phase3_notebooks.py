@@ -307,7 +307,7 @@ assert (sweep["decode_tok_per_s"] >= min_tok_per_s).all(), sweep
 assert sweep["pct_of_floor"].notna().all() and set(sweep["run_id"]) == {run_id}, sweep
 rows = [f"{'LoRA r' + str(lora_rank) if r['lora'] else 'no LoRA'} batch {r['batch']}: "
         f"{r['decode_tok_per_s']:.0f} tok/s (step {r['decode_step_ms']:.2f} ms, "
-        f"{r['pct_of_floor']:.0f} % of floor, peak {r['peak_gib']:.2f} GiB)"
+        f"{r['pct_of_floor']:.1f} % of floor, peak {r['peak_gib']:.2f} GiB)"
         for _, r in sweep.iterrows()]
 display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-token prompts, "
                  f"{max_new_tokens} new tokens, engine options {engine_options or 'default'}) "

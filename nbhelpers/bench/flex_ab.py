@@ -119,7 +119,7 @@ def run_ab(points: list[Point], variants: list[dict[str, Any]], settings: dict[s
             job = json.dumps({"point": asdict(point), "variant": var, "settings": settings,
                               "run_id": run_id})
             proc = subprocess.run([sys.executable, script, "--one", job, "--out", str(out)],
-                                  capture_output=True, text=True, timeout=timeout_s)
+                                  capture_output=True, text=True, timeout=timeout_s, check=False)
             path = out / f"{run_id}_{point.tag}_{var['name']}.json"
             if proc.returncode == 0 and path.exists():
                 sides.append(json.loads(path.read_text()))
@@ -144,9 +144,9 @@ def _error_sidecar(point: Point, var: dict, settings: dict, run_id: str, out: Pa
 def ab_table(sides: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: point, variant, tok/s, ms/step, % of floor, floor ms, GEMM / attention /
     elementwise / sampling ms and kernels per step (profile), cuBLAS cold GEMM ms per step."""
-    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
-    lines = ["| point | variant | tok/s | ms/step | % floor | floor ms | GEMM | attn | elem | "
-             "sample | kernels/step | cuBLAS GEMM ms |", "|---" * 12 + "|"]
+    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)
+    lines = [("| point | variant | tok/s | ms/step | % floor | floor ms | GEMM | attn | elem | "
+              "sample | kernels/step | cuBLAS GEMM ms |"), ("|---" * 12) + "|"]
     for s in sides:
         b, fl = s.get("breakdown") or {}, s.get("floor") or {}
         kb = b.get("kernel_breakdown") or {}

@@ -15,14 +15,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbhelpers.config import LoraSpec, SamplingParams
-from nbhelpers.bench.profile import (  # noqa: F401 (re-exported: the notebooks' names)
-    KERNEL_CLASSES,
-    count_decode_ops,
-    kernel_breakdown,
-    kernel_class,
-    profile_decode_step,
-)
 from nbhelpers.bench.flex_figures import (  # noqa: F401 (re-exported: the notebooks' names)
     breakdown_figure,
     earlier_frame,
@@ -32,6 +24,14 @@ from nbhelpers.bench.flex_figures import (  # noqa: F401 (re-exported: the noteb
     reference_frame,
     sweep_figure,
 )
+from nbhelpers.bench.profile import (  # noqa: F401 (re-exported: the notebooks' names)
+    KERNEL_CLASSES,
+    count_decode_ops,
+    kernel_breakdown,
+    kernel_class,
+    profile_decode_step,
+)
+from nbhelpers.config import LoraSpec, SamplingParams
 
 QWEN3_4B_SHAPE = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
                       "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,

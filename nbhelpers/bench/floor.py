@@ -79,7 +79,6 @@ def read_bandwidth(device: str = "cuda", nbytes: int | None = None, rounds: int 
     buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     sec = median_seconds(lambda: buf.sum(dtype=torch.float32), device, rounds)
     size = buf.numel() * 2
-    del buf
     return {"bytes_per_s": size / sec, "buffer_bytes": size, "median_s": sec, "rounds": rounds}
 
 
@@ -165,8 +164,32 @@ def decode_gemm_shapes(config: Any) -> dict[str, dict[str, int]]:
 
 
 def _cold(fn_of: Any, tensors: list[Any], device: str, rounds: int) -> float:
-    """Seconds per call of ``fn_of(t)`` cycled over ``tensors`` (cold weights), median."""
-    return median_seconds(lambda: [fn_of(t) for t in tensors], device, rounds) / len(tensors)
+    """Seconds per call of ``fn_of(t)`` cycled over ``tensors`` (cold weights), median. On CUDA
+    the cycle is one captured CUDA graph (as ``gemv_roofline.py`` times it: launches of small
+    GEMMs from Python would otherwise starve the GPU); eager where capture fails."""
+    def cycle() -> None:
+        for t in tensors:
+            fn_of(t)
+    run = _graphed(cycle) if str(device).startswith("cuda") else cycle
+    return median_seconds(run, device, rounds) / len(tensors)
+
+
+def _graphed(fn: Any) -> Any:
+    """``graph.replay`` of ``fn`` captured after a side-stream warm-up, or ``fn`` when capture
+    raises (an op that cannot be captured)."""
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return fn
+    return graph.replay
 
 
 def cold_gemm_times(config: Any, batch: int, device: str = "cuda", dtype: str = "bfloat16",
@@ -191,7 +214,7 @@ def cold_gemm_times(config: Any, batch: int, device: str = "cuda", dtype: str = 
         x = torch.randn(batch, s["k"], dtype=tdt, device=device)
         copies = max(1, -(-cycle // (s["n"] * s["k"] * _elt(dtype))))
         ws = [torch.randn(s["n"], s["k"], dtype=tdt, device=device) * 0.02 for _ in range(copies)]
-        sec = _cold(lambda w: torch.nn.functional.linear(x, w), ws, device, rounds)
+        sec = _cold(lambda w, x=x: torch.nn.functional.linear(x, w), ws, device, rounds)
         row = {"m": batch, "n": s["n"], "k": s["k"], "per_step": s["per_step"], "copies": copies,
                "cublas_ms": sec * 1e3, "cublas_bytes_per_s": s["n"] * s["k"] * _elt(dtype) / sec}
         del ws
@@ -205,6 +228,7 @@ def _lora_kernel_times(name: str, s: dict, x: Any, lora: LoraSpec, adapter_dtype
                        device: str, cycle: int, rounds: int) -> dict[str, Any]:
     """Times of the engine's LoRA kernels for one projection group (see :func:`cold_gemm_times`)."""
     import torch
+
     from nbhelpers.engine.kernels import lora_expand, lora_shrink
     res: dict[str, Any] = {"lora_shrink_ms": None, "lora_expand_ms": None, "notes": []}
     if name == "lm_head" or not s["parts"]:

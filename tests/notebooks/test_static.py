@@ -129,7 +129,7 @@ def test_every_code_cell_is_valid_python(path):
             pytest.fail(f"{path.name} cell {i}: {err}")
 
 
-FIGURE_CALLS = re.compile(r"\beb\.(\w+_figure)\((.*?)\)(?=\s*(?:if\b|$|\n))", re.S)
+FIGURE_CALLS = re.compile(r"\beb\.(\w+_figure)\((.*?)\)(?=\s*(?:if\b|$|\n))", re.DOTALL)
 
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.parent.name == "phase3_flex"],

@@ -101,7 +101,7 @@ def point(tiny):
 
 
 def test_tiny_cpu_point_sidecar_records_floor_and_pct(point):
-    res, side = point
+    _, side = point
     assert side["run_id"] == "run-a"
     floor = side["floor"]
     assert floor["error"] is None and floor["bandwidth_bytes_per_s"] > 0
@@ -168,3 +168,20 @@ def test_sweep_figure_wants_labelled_reference_rows(point):
     with pytest.raises(ValueError, match="source"):
         eb.sweep_figure(frame, "run-a", ref)
     assert eb.sweep_figure(frame, "run-a", ref.assign(source="gold_x_2026-11-30.json"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 floor)")
+def test_gpu_floor_of_the_qwen3_4b_shape_is_physical():
+    """On the GPU: read bandwidth between 1 and 6 TB/s (H200 spec 4.8 TB/s), and no cold-weight
+    GEMM reads its weights faster than 1.15x that bandwidth (faster would mean L2 held them,
+    i.e. the cycling failed)."""
+    from transformers import Qwen3Config
+    cfg = Qwen3Config(**eb.QWEN3_4B_SHAPE)
+    bw = fl.read_bandwidth("cuda")["bytes_per_s"]
+    assert 1e12 < bw < 6e12, bw
+    rows = fl.cold_gemm_times(cfg, 4, "cuda", "bfloat16", LoraSpec(rank=32, alpha=64), "float32")
+    for name, r in rows.items():
+        assert 0 < r["cublas_bytes_per_s"] < 1.15 * bw, (name, r)
+        assert name == "lm_head" or r["lora_shrink_ms"] > 0, (name, r)
+    assert fl.step_bytes(cfg, 32, 406)["weights"] == pytest.approx(8.05e9, rel=0.01)

@@ -2,7 +2,7 @@
 
 Contract: :func:`launch` (called by ``train(num_processes=N)`` with N > 1, or with
 ``vllm_mode="server"``) writes the run's arguments to ``<output_dir>/distributed/args.json``, runs
-``accelerate launch --num_processes N ... -m nbhelpers.grpo.distributed args.json`` (accelerate's
+``accelerate launch --num_processes N ... -m nbhelpers.grpo.rank args.json`` (accelerate's
 own launcher, which is torch's ``torchrun``; no process group of ours) and returns rank 0's
 result as a :class:`~nbhelpers.grpo.result.GRPOResult`. :func:`nbhelpers.grpo.rank.main` is the
 rank entry point: each rank loads the policy on its own device and runs :func:`nbhelpers.grpo.trainer._train_local`
@@ -121,7 +121,7 @@ def plan_launch(args_path: Path, num_processes: int, gpus: int, *, vllm_mode: st
            "--num_processes", str(num_processes), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(port or free_port()),
-           "-m", "nbhelpers.grpo.distributed", str(args_path)]
+           "-m", "nbhelpers.grpo.rank", str(args_path)]
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())}
     if not gpus:
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
@@ -317,7 +317,3 @@ def run_scaling(model_name: str, settings: GRPOSettings, backend: str, num_proce
                   "sampling": settings.sampling_params().to_dict()},
         model={"name": model_name})
     return side, one, many
-
-if __name__ == "__main__":
-    from nbhelpers.grpo.rank import main
-    main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """One rank of a multi-process GRPO run: what each process does under ``accelerate launch``.
 
-Contract: :func:`main` (``python -m nbhelpers.grpo.distributed ARGS_JSON``, started by
+Contract: :func:`main` (``python -m nbhelpers.grpo.rank ARGS_JSON``, started by
 :func:`nbhelpers.grpo.distributed.launch`) sets up accelerate's process state, loads the policy on
 this rank's device and runs :func:`nbhelpers.grpo.trainer._train_local` with a :class:`RankProbe`;
 rank 0 writes the :class:`~nbhelpers.grpo.result.GRPOResult` as JSON with every rank's record
@@ -159,7 +159,7 @@ def check_flex_sharding(backend: str, env: dict[str, str] | None = None) -> None
 
 
 def main(argv: list[str]) -> None:
-    """Rank entry point: ``python -m nbhelpers.grpo.distributed ARGS_JSON`` under accelerate."""
+    """Rank entry point: ``python -m nbhelpers.grpo.rank ARGS_JSON`` under accelerate."""
     from accelerate.utils import gather_object
 
     from nbhelpers.grpo.trainer import _train_local
@@ -179,3 +179,7 @@ def main(argv: list[str]) -> None:
         out.write_text(json.dumps(asdict(result), default=str))
     state.wait_for_everyone()
 
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])

@@ -77,7 +77,7 @@ def test_launch_plans_for_flex_vllm_colocate_and_server(tmp_path):
     flex = distributed.plan_launch(args, 2, gpus=2, port=29555)
     assert flex.train_cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert ["--num_processes", "2"] == flex.train_cmd[4:6] and "--multi_gpu" in flex.train_cmd
-    assert flex.train_cmd[-3:] == ["-m", "nbhelpers.grpo.distributed", str(args)]
+    assert flex.train_cmd[-3:] == ["-m", "nbhelpers.grpo.rank", str(args)]
     assert "--main_process_port" in flex.train_cmd and "29555" in flex.train_cmd
     assert flex.serve_cmd is None and "CUDA_VISIBLE_DEVICES" not in flex.train_env
     cpu = distributed.plan_launch(args, 2, gpus=0)

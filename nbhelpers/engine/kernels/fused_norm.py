@@ -1,0 +1,184 @@
+"""Residual add + RMSNorm and gated activation (SiLU / GELU-tanh times up), one Triton kernel each.
+
+Contract: :func:`add_norm` computes, per row of ``[R, N]`` (one program per row, the row in
+registers, fp32 math inside),
+
+    ``res = (x + norm_d(delta)) * scale``   (each piece optional)
+    ``out = norm_o(res)``
+
+where a norm is ``(weight, eps, style)``: ``"llama"`` = HF ``LlamaRMSNorm`` / ``Qwen3RMSNorm``
+(fp32 ``h * rsqrt(mean(h^2) + eps)``, cast to the input dtype, times the weight in that dtype),
+``"gemma"`` = HF ``Gemma4RMSNorm`` (fp32 normed times ``weight.float()``, then cast; ``weight``
+``None`` = ``with_scale=False``). Every intermediate the HF modules round to the model dtype
+(the norm's output, ``x + delta``, ``* layer_scalar``) is rounded here too, so fp32 results agree
+with torch to fp32 rounding and bf16 ones to about one bf16 ulp (the interpreter's fp32 -> bf16
+cast truncates where compiled Triton rounds to nearest even). :func:`act_mul` is
+``act(gate) * up`` with ``act`` = SiLU (Llama/Qwen3) or GELU-tanh (Gemma-4,
+``gelu_pytorch_tanh``, as ``x * sigmoid(2 z)``, the identity ``0.5 (1 + tanh z) = sigmoid(2 z)``).
+
+One launch per call covers: Llama/Qwen3's ``add_rms_norm`` (and the first ``rms_norm``), and
+Gemma-4's sandwich norms (``x + post_norm(h)`` then ``pre_norm``; ``(x + norm(p)) * layer_scalar``
+then the next layer's ``input_layernorm``). No host sync, allocations only through torch, so it is
+capturable in a CUDA graph.
+
+Sources: vLLM ``csrc/layernorm_kernels.cu`` ``fused_add_rms_norm_kernel`` (residual add and norm
+in one pass, one block per token), Liger-Kernel ``ops/rms_norm.py`` (Triton RMSNorm, one program
+per row, ``casting_mode`` "llama" vs "gemma") and ``ops/swiglu.py`` / ``ops/geglu.py`` (SiLU and
+GELU-tanh gated products); FlashInfer ``norm.cuh`` ``FusedAddRMSNormKernel``.
+
+Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_fused_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""``TRITON_INTERPRET=1`` at import: the kernels then run on CPU tensors."""
+
+STYLES = {None: 0, "llama": 1, "gemma": 2}
+"""Norm style -> kernel constant (0: no norm; gemma without weight is style 2, HAS_W False)."""
+
+ACTS = {"silu": 0, "gelu_tanh": 1}
+MAX_COLS = 16384
+"""Widest row :func:`add_norm` keeps in registers (Gemma-4 31B hidden 5376, Qwen3-4B 2560)."""
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """Round fp32 ``x`` to the model dtype and back (a no-op for fp32)."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rms(h, w_ptr, cols, m, n, eps, STYLE: tl.constexpr, HAS_W: tl.constexpr,
+         DT: tl.constexpr):
+    """HF RMSNorm of the fp32 row ``h`` (style: 1 llama, 2 gemma), rounded to ``DT``."""
+    hn = h * tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    if STYLE == 1:
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        return _rnd(w * _rnd(hn, DT), DT)
+    if HAS_W:
+        hn = hn * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    return _rnd(hn, DT)
+
+
+@triton.jit
+def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, n_cols,
+                     stride_x, stride_d, eps_d, eps_o,
+                     HAS_X: tl.constexpr, D_STYLE: tl.constexpr, D_W: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
+                     O_W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    DT: tl.constexpr = res_ptr.dtype.element_ty
+    y = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+    if D_STYLE != 0:
+        y = _rms(y, wd_ptr, cols, m, n_cols, eps_d, D_STYLE, D_W, DT)
+    if HAS_X:
+        y = _rnd(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32) + y,
+                 DT)
+    if HAS_SCALE:
+        y = _rnd(y * tl.load(s_ptr).to(tl.float32), DT)
+    if STORE_RES:
+        tl.store(res_ptr + row * n_cols + cols, y.to(DT), mask=m)
+    if O_STYLE != 0:
+        o = _rms(y, wo_ptr, cols, m, n_cols, eps_o, O_STYLE, O_W, DT)
+        tl.store(out_ptr + row * n_cols + cols, o.to(DT), mask=m)
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = g * tl.sigmoid(g)  # silu
+    else:  # gelu tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    tl.store(o_ptr + row * n_cols + cols, (_rnd(a, DT) * u).to(DT), mask=m)
+
+
+def _rows(t: Any) -> Any:
+    """``t`` as ``[R, N]`` (a view where strides allow); last dim must be unit-stride."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def supported(*tensors: Any) -> bool:
+    """Whether the kernels can run on these tensors: all on one CUDA device (or CPU tensors
+    under the interpreter), floating point, last dim at most :data:`MAX_COLS`."""
+    ok_dev = all(t.is_cuda for t in tensors) or (INTERPRETED and all(
+        t.device.type == "cpu" for t in tensors))
+    return ok_dev and all(t.is_floating_point() for t in tensors) and \
+        tensors[0].shape[-1] <= MAX_COLS
+
+
+def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
+             delta_norm: tuple | None = None, scale: Any = None,
+             store_res: bool = True) -> tuple[Any, Any]:
+    """``(res, out)`` of the module docstring; ``delta``, ``x [..., N]`` (one dtype),
+    ``out_norm``/``delta_norm`` ``(weight [N] | None, eps, "llama" | "gemma")`` or ``None``,
+    ``scale`` a one-element tensor (Gemma-4 ``layer_scalar``) or ``None``. ``res`` is ``None``
+    when ``store_res`` is False, ``out`` when ``out_norm`` is ``None``; both ``delta``'s shape.
+
+    Raises:
+        ValueError: ``x`` and ``delta`` of different shapes or dtypes, or a ``"llama"`` norm
+            whose weight dtype differs from ``delta``'s (torch would promote; use the module).
+    """
+    import torch
+    if x is not None and (x.shape != delta.shape or x.dtype != delta.dtype):
+        raise ValueError(f"add_norm: x {tuple(x.shape)} {x.dtype} must match delta "
+                         f"{tuple(delta.shape)} {delta.dtype}.")
+    for nrm in (out_norm, delta_norm):
+        if nrm is not None and nrm[2] == "llama" and nrm[0].dtype != delta.dtype:
+            raise ValueError(f"add_norm: llama-style weight {nrm[0].dtype} != {delta.dtype}.")
+    d2 = _rows(delta)
+    x2 = _rows(x) if x is not None else d2
+    n = d2.shape[1]
+    res = torch.empty_like(d2) if store_res else d2
+    out = torch.empty_like(d2) if out_norm is not None else d2
+    dn, on = delta_norm or (None, 0.0, None), out_norm or (None, 0.0, None)
+    _add_norm_kernel[(d2.shape[0],)](
+        x2, d2, res, out, dn[0] if dn[0] is not None else d2,
+        on[0] if on[0] is not None else d2, scale if scale is not None else d2, n,
+        x2.stride(0), d2.stride(0), float(dn[1]), float(on[1]),
+        HAS_X=x is not None, D_STYLE=STYLES[dn[2]], D_W=dn[0] is not None,
+        HAS_SCALE=scale is not None, STORE_RES=store_res, O_STYLE=STYLES[on[2]],
+        O_W=on[0] is not None, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+    shape = delta.shape
+    return (res.view(shape) if store_res else None,
+            out.view(shape) if out_norm is not None else None)
+
+
+def _warps(n: int) -> int:
+    """Warps per row program: 4 up to 4096 columns, 8 above (Liger's ``calculate_settings``)."""
+    return 4 if n <= 4096 else 8
+
+
+def act_mul(gate: Any, up: Any, act: str = "silu") -> Any:
+    """``act(gate) * up``, ``[..., I]`` each (strided views such as a gate_up split are fine),
+    rounded like HF (``act`` to the dtype, then the product); ``act`` in :data:`ACTS`.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or an unknown ``act``.
+    """
+    import torch
+    if gate.shape != up.shape or gate.dtype != up.dtype or act not in ACTS:
+        raise ValueError(f"act_mul: gate {tuple(gate.shape)} {gate.dtype}, up "
+                         f"{tuple(up.shape)} {up.dtype}, act {act!r} (one of {tuple(ACTS)}).")
+    g2, u2 = _rows(gate), _rows(up)
+    rows, n = g2.shape
+    out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _act_mul_kernel[(rows, triton.cdiv(n, block))](
+        g2, u2, out, n, g2.stride(0), u2.stride(0), ACT=ACTS[act], BLOCK=block, num_warps=4)
+    return out.view(gate.shape)

@@ -1,0 +1,163 @@
+"""q/k RMSNorm + RoPE + paged KV-cache write in one Triton kernel (decode and prefill shapes).
+
+Contract: :func:`qk_norm_rope_cache` takes the q/k/v projections of ``T`` tokens (``q [1, T, H*D]``
+or ``[1, T, H, D]``, k/v with ``H_kv`` heads; strided views of the q/k/v group output are fine)
+and, in one launch over ``(T, H + H_kv)`` programs (one head of one token each):
+
+- q heads: optional per-head RMSNorm (Qwen3 ``q_norm``, Gemma-4 ``q_norm``), then HF
+  ``apply_rotary_pos_emb`` (rotate_half: ``x * cos + cat(-x2, x1) * sin``) with ``cos/sin
+  [1, T, D]`` -> a new ``[T, H, D]`` tensor (returned);
+- k heads: the same with ``k_norm``, written to ``k_cache[0, h, slot_mapping[t], :]``;
+- v heads: optional weightless RMSNorm (Gemma-4 ``v_norm``), written to
+  ``v_cache[0, h, slot_mapping[t], :]`` (the ``[1, H_kv, S, D]`` pool of ``engine/kv_cache.py``,
+  what ``index_copy_(1, slot_mapping, ...)`` writes today).
+
+With ``k=None`` (a Gemma-4 KV-shared layer) only q is computed. Dtype order as HF: the norm's
+output, each RoPE product and their sum are rounded to the model dtype (fp32 math inside), so fp32
+agrees with the torch path to fp32 rounding, bf16 to about one ulp (the interpreter truncates
+fp32 -> bf16 where compiled Triton rounds to nearest even). Norm styles as
+:mod:`.fused_norm` (``"llama"`` for Qwen3, ``"gemma"`` for Gemma-4).
+
+Sources: vLLM ``csrc/pos_encoding_kernels.cu`` ``rotary_embedding_kernel`` (neox / rotate_half
+form, one block per token over its heads) and ``csrc/cache_kernels.cu`` ``reshape_and_cache``
+(slot_mapping -> physical slot); SGLang's fused q/k-norm + RoPE (``sgl-kernel``
+``fused_qk_norm_rope``) and vLLM's ``fused_qk_norm_rope`` custom op (Qwen3 per-head norms folded
+into the RoPE kernel); FlashInfer ``apply_rope_pos_ids`` + ``append_paged_kv_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES
+
+__all__ = ["INTERPRETED", "qk_norm_rope_cache", "supported"]
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE: tl.constexpr, HAS_W: tl.constexpr,
+                 DT: tl.constexpr):
+    """HF RMSNorm over one head given as two halves ``[BLOCK_H]`` (fp32), rounded to ``DT``."""
+    r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
+    y1, y2 = x1 * r, x2 * r
+    if STYLE == 1:  # llama: cast, then times the weight in the dtype
+        w1 = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + c, mask=m, other=0.0).to(tl.float32)
+        return _rnd(w1 * _rnd(y1, DT), DT), _rnd(w2 * _rnd(y2, DT), DT)
+    if HAS_W:  # gemma: fp32 times weight.float(), then cast
+        y1 = y1 * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        y2 = y2 * tl.load(w_ptr + half + c, mask=m, other=0.0).to(tl.float32)
+    return _rnd(y1, DT), _rnd(y2, DT)
+
+
+@triton.jit
+def _head(src, w_ptr, c, m, half, eps, cos1, cos2, sin1, sin2, STYLE: tl.constexpr,
+          HAS_W: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+    """Load one head (two halves), norm it (STYLE != 0), rotate it (ROPE)."""
+    x1 = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + c, mask=m, other=0.0).to(tl.float32)
+    if STYLE != 0:
+        x1, x2 = _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE, HAS_W, DT)
+    if ROPE:
+        o1 = _rnd(_rnd(x1 * cos1, DT) + _rnd(-x2 * sin1, DT), DT)
+        o2 = _rnd(_rnd(x2 * cos2, DT) + _rnd(x1 * sin2, DT), DT)
+        return o1, o2
+    return x1, x2
+
+
+@triton.jit
+def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, cos_ptr,
+                          sin_ptr, wq_ptr, wk_ptr, stride_q, stride_k, stride_v, stride_cs,
+                          stride_ch, n_q, head_dim, eps_qk, eps_v,
+                          QK_STYLE: tl.constexpr, QK_W: tl.constexpr, V_STYLE: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half = head_dim // 2
+    c = tl.arange(0, BLOCK_H)
+    m = c < half
+    DT: tl.constexpr = qo_ptr.dtype.element_ty
+    cs = t * stride_cs
+    cos1 = tl.load(cos_ptr + cs + c, mask=m, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + half + c, mask=m, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs + c, mask=m, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + half + c, mask=m, other=0.0).to(tl.float32)
+    if h < n_q:
+        o1, o2 = _head(q_ptr + t * stride_q + h * head_dim, wq_ptr, c, m, half, eps_qk, cos1,
+                       cos2, sin1, sin2, QK_STYLE, QK_W, True, DT)
+        dst = qo_ptr + (t * n_q + h) * head_dim
+        tl.store(dst + c, o1.to(DT), mask=m)
+        tl.store(dst + half + c, o2.to(DT), mask=m)
+    else:
+        hk = h - n_q
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        off = hk * stride_ch + slot * head_dim
+        o1, o2 = _head(k_ptr + t * stride_k + hk * head_dim, wk_ptr, c, m, half, eps_qk, cos1,
+                       cos2, sin1, sin2, QK_STYLE, QK_W, True, DT)
+        tl.store(kc_ptr + off + c, o1.to(DT), mask=m)
+        tl.store(kc_ptr + off + half + c, o2.to(DT), mask=m)
+        v1, v2 = _head(v_ptr + t * stride_v + hk * head_dim, wk_ptr, c, m, half, eps_v, cos1,
+                       cos2, sin1, sin2, V_STYLE, False, False, DT)
+        tl.store(vc_ptr + off + c, v1.to(DT), mask=m)
+        tl.store(vc_ptr + off + half + c, v2.to(DT), mask=m)
+
+
+def _tokens(x: Any, heads: int, head_dim: int) -> tuple[Any, int]:
+    """``x [1, T, heads*D]`` / ``[1, T, heads, D]`` / ``[T, ...]`` -> (tensor, token stride)."""
+    x2 = x.reshape(-1, heads * head_dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, x2.stride(0)
+
+
+def supported(q: Any, cos: Any, k_cache: Any = None, head_dim: int = 0) -> bool:
+    """Whether the kernel serves these operands: CUDA (or CPU under the interpreter), even
+    ``head_dim``, ``cos`` of width ``head_dim`` with unit last stride, a ``[1, H_kv, S, D]``
+    cache of ``q``'s dtype with unit last stride."""
+    dev_ok = q.is_cuda or (INTERPRETED and q.device.type == "cpu")
+    cache_ok = k_cache is None or (k_cache.dim() == 4 and k_cache.stride(-1) == 1 and
+                                   k_cache.stride(2) == head_dim and k_cache.dtype == q.dtype)
+    return (dev_ok and head_dim % 2 == 0 and cos.shape[-1] == head_dim and
+            cos.stride(-1) == 1 and cache_ok)
+
+
+def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int,
+                       head_dim: int, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
+                       slot_mapping: Any, qk_norm: tuple | None = None,
+                       v_norm: tuple | None = None) -> Any:
+    """Rotated (normed) q ``[T, H, D]``; writes normed+rotated k and (normed) v into the cache.
+
+    ``qk_norm``: ``(wq [D], wk [D], eps, style)`` or ``None`` (Llama); ``v_norm``: ``(eps,
+    "gemma")`` (weightless, Gemma-4) or ``None``; ``k=None``: q only (KV-shared layer).
+    ``cos/sin [1, T, D]``; ``slot_mapping [T]`` int64 physical slots; caches
+    ``[1, H_kv, S, D]``. See the module docstring for the math and rounding.
+    """
+    import torch
+    q2, sq = _tokens(q, num_heads, head_dim)
+    t = q2.shape[0]
+    qo = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if k is not None:
+        k2, sk = _tokens(k, num_kv_heads, head_dim)
+        v2, sv = _tokens(v, num_kv_heads, head_dim)
+    else:
+        k2, sk, v2, sv, num_kv_heads = q2, sq, q2, sq, 0
+    kc, vc = (k_cache, v_cache) if k is not None else (qo, qo)
+    wq, wk, eps, style = qk_norm or (None, None, 0.0, None)
+    c2, s2 = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
+    _qk_rope_cache_kernel[(t, num_heads + num_kv_heads)](
+        q2, k2, v2, qo, kc, vc, slot_mapping, c2, s2, wq if wq is not None else q2,
+        wk if wk is not None else q2, sq, sk, sv, c2.stride(0),
+        kc.stride(1) if k is not None else 0, num_heads, head_dim, float(eps),
+        float(v_norm[0]) if v_norm else 0.0, QK_STYLE=STYLES[style], QK_W=wq is not None,
+        V_STYLE=STYLES[v_norm[1]] if v_norm else 0,
+        BLOCK_H=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=1 if head_dim <= 128
+        else 2)
+    return qo

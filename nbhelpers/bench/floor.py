@@ -202,7 +202,8 @@ def cold_gemm_times(config: Any, batch: int, device: str = "cuda", dtype: str = 
     :data:`CUDA_CYCLE_BYTES` on CUDA: L2 holds none). With ``lora`` (projection groups in
     ``lora.targets``): the engine kernels' times, ``lora_shrink_ms`` (fp32 A, ``adapter_dtype``
     float32 only, as the kernel serves), ``lora_expand_ms``, and ``engine_gemm_ms`` /
-    ``lora_gemm_ms`` (``engine/kernels/lora_gemm.py`` without / with LoRA, when importable), each
+    ``lora_gemm_ms`` (``engine/kernels/lora_gemm.py`` without / with LoRA, when importable;
+    ``engine_gemm_ms`` also without ``lora``), each
     ``None`` with a note when not run. Times in ms per call; ``rounds`` medians.
     """
     import torch
@@ -220,6 +221,8 @@ def cold_gemm_times(config: Any, batch: int, device: str = "cuda", dtype: str = 
         del ws
         if lora is not None:
             row.update(_lora_kernel_times(name, s, x, lora, adapter_dtype, device, cycle, rounds))
+        elif s["parts"]:  # the engine's base GEMM alone
+            row.update(_lora_gemm_time(x, s, None, None, None, device, cycle, rounds))
         out[name] = row
     return out
 
@@ -262,7 +265,8 @@ def _lora_gemm_time(x: Any, s: dict, a_s: list[Any], b_s: list[list[Any]], ranks
                     device: str, cycle: int, rounds: int) -> dict[str, Any]:
     """``engine_gemm_ms`` (no LoRA) and ``lora_gemm_ms`` (LoRA fused) of ``engine/kernels/
     lora_gemm.py``'s ``lora_gemm(x, w, sizes, a=, bs=, ranks=, scaling=)`` with cold weights, if
-    that module exists and serves the operands (issue 12 item 2); else ``None`` with a note."""
+    that module exists and serves the operands (issue 12 item 2); else ``None`` with a note.
+    ``a_s=None``: the base GEMM only."""
     import torch
     res: dict[str, Any] = {"engine_gemm_ms": None, "lora_gemm_ms": None}
     try:
@@ -272,10 +276,15 @@ def _lora_gemm_time(x: Any, s: dict, a_s: list[Any], b_s: list[list[Any]], ranks
     sizes = s["parts"]
     copies = max(1, -(-cycle // (s["n"] * s["k"] * x.element_size())))
     ws = [torch.randn(s["n"], s["k"], dtype=x.dtype, device=device) * 0.02 for _ in range(copies)]
-    if not mod.supported(x, ws[0], sizes, a_s[0], b_s[0], ranks):
+    if not mod.supported(x, ws[0], sizes):
         return {**res, "note_lora_gemm": f"lora_gemm.supported is false (x {x.dtype} "
-                f"{tuple(x.shape)}, A {a_s[0].dtype}, device {x.device})"}
+                f"{tuple(x.shape)}, device {x.device})"}
     res["engine_gemm_ms"] = _cold(lambda w: mod.lora_gemm(x, w, sizes), ws, device, rounds) * 1e3
+    if a_s is None:
+        return res
+    if not mod.supported(x, ws[0], sizes, a_s[0], b_s[0], ranks):
+        return {**res, "note_lora_gemm": f"lora_gemm.supported is false with LoRA (A "
+                f"{a_s[0].dtype})"}
     idx = list(range(copies))
     res["lora_gemm_ms"] = _cold(lambda i: mod.lora_gemm(
         x, ws[i], sizes, a=a_s[i % len(a_s)], bs=b_s[i % len(b_s)], ranks=ranks, scaling=2.0),

@@ -89,6 +89,9 @@ def test_cold_gemm_times_cover_every_decode_shape_and_the_engine_kernels(tiny):
         assert rows[name]["lora_shrink_ms"] > 0 and rows[name]["lora_expand_ms"] > 0, rows[name]
         assert rows[name]["lora_gemm_ms"] is None or rows[name]["lora_gemm_ms"] > 0
     assert "no LoRA on lm_head" in rows["lm_head"]["notes"]
+    base = fl.cold_gemm_times(tiny.config, 4, "cpu", "bfloat16", None, cycle_bytes=1, rounds=1)
+    for name in ("qkv", "o", "gate_up", "down"):  # the engine's own base GEMM, if it exists
+        assert base[name].get("engine_gemm_ms") or base[name].get("note_lora_gemm"), base[name]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,12 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbhelpers.engine.lora import LORA_EXPAND_MODES, check_lora_expand
+from nbhelpers.engine.lora import (
+    LORA_EXPAND_MODES,
+    LORA_FUSED_MODES,
+    check_lora_expand,
+    check_lora_fused,
+)
 
 DECODE_ATTENTION = ("auto", "flex", "triton")
 
@@ -28,7 +33,11 @@ class RunnerOptions:
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
     ``engine/kernels/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
     16-bit base also get LoRA A as one kernel, ``engine/kernels/lora_shrink.py``) or ``"auto"``
-    (triton on CUDA with triton, else addmm).
+    (triton on CUDA with triton, else addmm); ``lora_fused``: decode GEMMs (<= 64 rows) as one
+    base + LoRA Triton kernel per projection group, ``engine/kernels/lora_gemm.py``, each shape
+    tuned once against the cuBLAS path and the choice cached on disk
+    (``engine/kernels/lora_gemm_tune.py``): ``"triton"``, ``"off"`` (the default) or ``"auto"``,
+    which resolves to ``"off"`` until the H200 A/B (``scripts/device/ab_lora_gemm.py``) is in.
 
     Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30
     (``executed/phase3_flex/bench/ab_20261130T084802Z``): flex+addmm 5,066 tok/s, triton decode
@@ -49,6 +58,7 @@ class RunnerOptions:
     decode_attention: str = "auto"
     decode_kernel_options: dict | None = None
     lora_expand: str = "auto"
+    lora_fused: str = "off"
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -75,6 +85,11 @@ class RunnerOptions:
                              f"{('auto', *LORA_EXPAND_MODES)}.")
         if self.lora_expand != "auto":
             check_lora_expand(self.lora_expand)
+        if self.lora_fused not in ("auto", *LORA_FUSED_MODES):
+            raise ValueError(f"RunnerOptions.lora_fused={self.lora_fused!r}: must be one of "
+                             f"{('auto', *LORA_FUSED_MODES)}.")
+        if self.lora_fused != "auto":
+            check_lora_fused(self.lora_fused)
 
 
 def option_names() -> frozenset[str]:
@@ -95,6 +110,14 @@ def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
     expand = opt.lora_expand if opt.lora_expand != "auto" else (
         "triton" if triton_ok else "addmm")
     return attn, expand
+
+
+def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
+    """``opt.lora_fused`` with ``"auto"`` resolved to ``"off"`` (kept until the H200 A/B of
+    ``scripts/device/ab_lora_gemm.py`` shows the fused kernel ahead; ``on_cuda`` is where it
+    would then pick ``"triton"``)."""
+    del on_cuda  # auto -> off on every device for now
+    return "off" if opt.lora_fused == "auto" else opt.lora_fused
 
 
 class DecodeState:

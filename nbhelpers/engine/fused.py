@@ -66,20 +66,46 @@ def silu_mul(gate: Any, up: Any) -> Any:
     return F.silu(gate) * up
 
 
+ELEMENTWISE_MODES = ("off", "compile", "triton")
+"""``Elementwise.kind``: eager torch ops, torch.compiled pieces, or the Triton kernels of
+``engine/kernels/fused_norm.py`` / ``qk_rope_cache.py`` (one launch per piece, plus
+:meth:`Elementwise.qk_rope_cache`, which also writes the KV cache)."""
+
+
 class Elementwise:
-    """The functions above, eager or compiled (``compiled=True``: one inductor graph each)."""
+    """The functions above, eager (``kind="off"``), compiled (``"compile"``: one inductor graph
+    each) or as Triton kernels (``"triton"``; ``sample`` compiled iff ``compile_sample``).
+    ``compiled`` is True for any kind but ``"off"`` (the graph capture's eager retry and
+    ``bench.profile`` count each piece as one launch). ``qk_rope_cache`` is ``None`` unless
+    ``kind="triton"``."""
 
     NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul", "sample")
 
-    def __init__(self, compiled: bool = False):
+    def __init__(self, compiled: bool = False, kind: str | None = None,
+                 compile_sample: bool | None = None):
         import torch
 
         from nbhelpers.engine.sampler import sample
-        self.compiled = compiled
+        self.kind = kind or ("compile" if compiled else "off")
+        if self.kind not in ELEMENTWISE_MODES:
+            raise ValueError(f"Elementwise kind={self.kind!r}: use one of {ELEMENTWISE_MODES}.")
+        self.compiled = self.kind != "off"
+        self.qk_rope_cache: Any = None
+        comp = self.kind == "compile"
         for name in self.NAMES:
             fn = sample if name == "sample" else globals()[name]
-            setattr(self, name, torch.compile(fn, dynamic=False, fullgraph=True)
-                    if compiled else fn)
+            on = comp or (name == "sample" and self.kind == "triton" and compile_sample)
+            setattr(self, name, torch.compile(fn, dynamic=False, fullgraph=True) if on else fn)
+        if self.kind == "triton":
+            self._use_triton()
+
+    def _use_triton(self) -> None:
+        """Norms, SwiGLU and q/k norm + RoPE + KV write through the Triton kernels."""
+        from nbhelpers.engine.kernels import fused_elementwise as ft
+        self.rms_norm, self.add_rms_norm, self.silu_mul = ft.rms_norm, ft.add_rms_norm, \
+            ft.silu_mul
+        self.qk_rope_cache = ft.qk_rope_cache
+        self.NAMES = (*Elementwise.NAMES, "qk_rope_cache")
 
 
 def norm_params(module: Any) -> tuple[Any, float] | None:

@@ -106,9 +106,10 @@ class EngineModel:
         """Every projection group (the runner refreshes them and sets their LoRA-B kernel)."""
         return self.qkv + self.o + self.gate_up + self.down
 
-    def compile_elementwise(self) -> None:
-        """Decode uses torch.compiled norm/RoPE/SwiGLU pieces and sampler (see :mod:`.fused`)."""
-        self.fx_decode = Elementwise(compiled=True)
+    def compile_elementwise(self, kind: str = "compile", compile_sample: bool = True) -> None:
+        """Decode uses torch.compiled (``kind="compile"``) or Triton (``"triton"``, sampler
+        compiled iff ``compile_sample``) norm/RoPE/SwiGLU pieces (see :mod:`.fused`)."""
+        self.fx_decode = Elementwise(kind=kind, compile_sample=compile_sample)
 
     @property
     def dtype(self) -> Any:
@@ -159,6 +160,21 @@ class EngineModel:
         x = x + delta
         return x, module(x)
 
+    def _qk_rope_write(self, i: int, layer: Any, q: Any, k: Any, v: Any, qn: Any, kn: Any,
+                       cos: Any, sin: Any, slot_mapping: Any, kv: Any, fx: Elementwise) -> Any:
+        """q/k norm + RoPE and the KV write as torch ops; q ``[1, H, T, D]``."""
+        t = q.shape[1]
+        if self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1]):
+            q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
+            q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
+        else:
+            q, k = fx.qk_norm_rope(q, k, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
+                                   cos, sin)
+        v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        kv.k[i][0].index_copy_(1, slot_mapping, k[0])  # [H_kv, T, D] into physical slots
+        kv.v[i][0].index_copy_(1, slot_mapping, v[0])
+        return q
+
     def logits(self, hidden: Any) -> Any:
         """LM head in fp32, ``[N, vocab]`` (soft-capped when the architecture says so)."""
         out = self.lm_head(hidden).float()
@@ -174,15 +190,13 @@ class EngineModel:
         fx = self.fx_decode if attn.is_decode else self.fx_eager
         qn = norm_params(layer.self_attn.q_norm) if self.spec.has_qk_norm else None
         kn = norm_params(layer.self_attn.k_norm) if self.spec.has_qk_norm else None
-        if self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1]):
-            q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
-            q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
+        hf_norms = self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1])
+        if fx.qk_rope_cache is not None and not hf_norms:  # one kernel, KV written inside
+            q = fx.qk_rope_cache(q, k, v, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
+                                 cos, sin, (kv.k[i], kv.v[i], slot_mapping),
+                                 (self.num_heads, self.num_kv_heads, self.head_dim))
         else:
-            q, k = fx.qk_norm_rope(q, k, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
-                                   cos, sin)
-        v = v.view(1, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        kv.k[i][0].index_copy_(1, slot_mapping, k[0])  # [H_kv, T, D] into physical slots
-        kv.v[i][0].index_copy_(1, slot_mapping, v[0])
+            q = self._qk_rope_write(i, layer, q, k, v, qn, kn, cos, sin, slot_mapping, kv, fx)
         if attn.is_decode and attn.paged_decode is not None:  # Triton split-KV kernel
             out = attn.paged_decode(i, q[0].transpose(0, 1), kv.k[i], kv.v[i], self.scale)
             return self.o[i](out.reshape(1, t, -1))[0]  # out [B, H, D]

@@ -28,6 +28,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     DECODE_ATTENTION,
     DecodeState,
     RunnerOptions,
+    resolve_fused_elementwise,
     resolve_kernels,
     resolve_lora_fused,
 )
@@ -64,8 +65,9 @@ class ModelRunner:
         for group in self.model.live_groups():
             group.set_lora_expand(self.lora_expand)
             group.set_lora_fused(lora_fused)
-        if compile_layers:
-            self.model.compile_elementwise()
+        fused_mode = resolve_fused_elementwise(opt, compile_layers)  # runner_options
+        if fused_mode != "off":
+            self.model.compile_elementwise(fused_mode, compile_sample=compile_layers)
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
         if self.decode_attention == "triton":
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode

@@ -15,6 +15,7 @@ from nbhelpers.engine.lora import (
     check_lora_fused,
 )
 
+FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
 DECODE_ATTENTION = ("auto", "flex", "triton")
 
 
@@ -55,6 +56,12 @@ class RunnerOptions:
     prefill_pad: int = 128
     compile_decode: bool = False
     compile_layers: bool | None = None
+    fused_elementwise: str = "auto"
+    """Decode's norm/RoPE/SwiGLU pieces: ``"compile"`` (torch.compiled, ``engine/fused.py``),
+    ``"triton"`` (``engine/kernels/fused_elementwise.py``: add+RMSNorm, q/k norm + RoPE + KV
+    write and SiLU x up, one launch each; CUDA, or the CPU under ``TRITON_INTERPRET=1``),
+    ``"off"`` (eager) or ``"auto"``: today's path, ``"compile"`` iff ``compile_layers`` resolves
+    on (CUDA) else ``"off"``, kept until the H200 A/B of issue 12 item 4 is measured."""
     decode_attention: str = "auto"
     decode_kernel_options: dict | None = None
     lora_expand: str = "auto"
@@ -90,6 +97,12 @@ class RunnerOptions:
                              f"{('auto', *LORA_FUSED_MODES)}.")
         if self.lora_fused != "auto":
             check_lora_fused(self.lora_fused)
+        if self.fused_elementwise not in FUSED_ELEMENTWISE:
+            raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
+                             f"be one of {FUSED_ELEMENTWISE}.")
+        if self.fused_elementwise == "triton" and importlib.util.find_spec("triton") is None:
+            raise ImportError("RunnerOptions.fused_elementwise='triton' needs triton: pip "
+                              "install triton, or use fused_elementwise='compile'.")
 
 
 def option_names() -> frozenset[str]:
@@ -118,6 +131,15 @@ def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
     would then pick ``"triton"``)."""
     del on_cuda  # auto -> off on every device for now
     return "off" if opt.lora_fused == "auto" else opt.lora_fused
+
+
+def resolve_fused_elementwise(opt: RunnerOptions, compile_layers: bool) -> str:
+    """``opt.fused_elementwise`` with ``"auto"`` resolved to the current path: ``"compile"``
+    when ``compile_layers`` (resolved: on iff CUDA) else ``"off"``; ``"triton"`` only when asked
+    for, until the H200 A/B (issue 12 item 4) shows it ahead."""
+    if opt.fused_elementwise != "auto":
+        return opt.fused_elementwise
+    return "compile" if compile_layers else "off"
 
 
 class DecodeState:

@@ -190,3 +190,39 @@ def test_gpu_qwen3_4b_shapes_match_torch():
     gate, up = _randn(1, t, 2 * 9728, dtype=dtype, scale=3.0).split(9728, -1)
     torch.testing.assert_close(fn.act_mul(gate, up), fused.silu_mul(gate, up), **_tol(dtype))
     test_qk_norm_rope_cache_matches_fused_py(dtype, t, h, hkv, d, True)
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
+cases = [
+    (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
+                               O_STYLE=1, O_W=True, BLOCK=4096)),
+    (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=2, D_W=False, HAS_SCALE=True, STORE_RES=True,
+                               O_STYLE=2, O_W=True, BLOCK=2048)),
+    (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024)),
+    (fn._act_mul_kernel, dict(ACT=1, BLOCK=1024)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=0, QK_W=False, V_STYLE=0, BLOCK_H=64)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=2, QK_W=True, V_STYLE=2, BLOCK_H=256)),
+]
+for dt in ("bf16", "fp32"):
+    for kern, consts in cases:
+        sig = {a: ("*i64" if a == "slot_ptr" else "*" + dt) if a.endswith("_ptr") else
+               "fp32" if a.startswith("eps") else "i32" for a in kern.arg_names}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = ASTSource(kern, signature=sig,
+                        constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert k.asm["cubin"], (kern, consts, dt)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The compiled (non-interpreted) kernels build to sm_90 cubins with triton's bundled ptxas,
+    no GPU needed: every norm style, both activations, bf16 and fp32."""
+    from _kernels import assert_compiles_for_sm90
+    assert_compiles_for_sm90(_AOT)

@@ -114,3 +114,127 @@ def decode_block_mask(p2l: Any, block_table: Any, num_pages_used: Any, pos: Any,
                                     mask_mod=mm, seq_lengths=(1, num_slots),
                                     compute_q_blocks=False)  # forward only; kv_indices is
     # narrower than the page count, which the q-block transpose cannot take
+
+
+# ---------------------------------------------------------------- SDPA path (CPU default)
+class SdpaMask:
+    """One step's attention plan for ``torch.nn.functional.scaled_dot_product_attention``: the
+    paged keys each query may see, gathered through the block table, plus a boolean mask.
+
+    It stands in a layer's ``AttnBatch.block_masks`` slot; :func:`paged_attention` routes a call
+    whose ``block_mask`` is an ``SdpaMask`` here instead of flex_attention, so every model's
+    attention call site is unchanged. Unlike eager flex_attention (which materialises scores over
+    the whole pool, ``S = num_pages * page_size`` slots), it reads only the rows' own pages.
+
+    Fields: ``slots [B, L]`` physical slots gathered per query row group (decode: ``B`` rows, one
+    query each; prefill: one entry per packed request); ``mask [B, 1, Q, L]`` bool or ``None``
+    (causal via ``is_causal``); ``lengths``: prefill keys per request; ``spans``: prefill ``(start, end)`` of each request's queries in
+    the packed sequence (``None`` for decode). Sliding windows (``sliding_window``'s ``.window``)
+    go into ``mask``; flex ``score_mod``s cannot be expressed (:func:`sdpa_supports`).
+    """
+
+    def __init__(self, slots: Any, mask: Any, spans: list[tuple[int, int]] | None = None,
+                 causal: list[bool] | None = None, lengths: list[int] | None = None):
+        self.slots, self.mask, self.spans, self.causal = slots, mask, spans, causal
+        self.lengths = lengths  # prefill: keys per request
+
+    def attend(self, q: Any, k_cache: Any, v_cache: Any, scale: float) -> Any:
+        """``q`` decode ``[B, H, 1, D]`` / prefill ``[1, H, T, D]``; caches ``[1, H_kv, S, D]``.
+        Returns the flex-shaped output (same shape as ``q``)."""
+        if self.spans is None:
+            return _sdpa(q, _gather(k_cache, self.slots), _gather(v_cache, self.slots),
+                         self.mask, scale, False)
+        out = q.new_zeros(q.shape)  # padded packed tokens (if any) stay 0, as flex gives them
+        for r, (s, e) in enumerate(self.spans):
+            slots = self.slots[r:r + 1, :int(self.lengths[r])]
+            mask = None if self.causal[r] else self.mask[r:r + 1, :, :e - s, :slots.shape[1]]
+            out[:, :, s:e] = _sdpa(q[:, :, s:e], _gather(k_cache, slots),
+                                   _gather(v_cache, slots), mask, scale, self.causal[r])
+        return out
+
+
+def _gather(cache: Any, slots: Any) -> Any:
+    """``cache [1, H_kv, S, D]`` at ``slots [B, L]`` -> ``[B, H_kv, L, D]``."""
+    b, n = slots.shape
+    return cache[0].index_select(1, slots.reshape(-1)).view(
+        cache.shape[1], b, n, cache.shape[3]).transpose(0, 1)
+
+
+def _sdpa(q: Any, k: Any, v: Any, mask: Any, scale: float, causal: bool) -> Any:
+    import torch
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def sdpa_supports(score_mod: Any, masks: list[Any]) -> str | None:
+    """``None`` when the SDPA path can run a model with this ``score_mod`` and these per-layer
+    logical masks (``None`` or ``sliding_window``), else the reason it cannot."""
+    if score_mod is not None:
+        return f"score_mod {getattr(score_mod, '__name__', score_mod)!r} (e.g. a logit " \
+               "soft-cap) has no SDPA form"
+    bad = [m for m in masks if m is not None and not hasattr(m, "window")]
+    return f"mask {bad[0]!r} is not a sliding window" if bad else None
+
+
+def _keep(q_pos: Any, kv_pos: Any, extra: LogicalMask | None) -> Any:
+    keep = kv_pos <= q_pos
+    return keep & (q_pos - kv_pos < extra.window) if extra is not None else keep
+
+
+def decode_sdpa_mask(block_table: Any, pos: Any, num_pages: int, page_size: int,
+                     extra: LogicalMask | None = None) -> SdpaMask:
+    """Decode plan: each row's first ``num_pages`` pages (host-sized for the whole decode window,
+    so no device sync), keys at positions ``<= pos[b]`` (and in the window).
+
+    Shapes: ``block_table [B, max_pages]`` (padded rows all null page), ``pos [B]``; plan slots
+    ``[B, num_pages * page_size]``, mask ``[B, 1, 1, L]``.
+    """
+    import torch
+    offs = torch.arange(page_size, device=pos.device)
+    slots = (block_table[:, :num_pages, None] * page_size + offs).reshape(pos.shape[0], -1)
+    kv_pos = torch.arange(slots.shape[1], device=pos.device)
+    mask = _keep(pos[:, None], kv_pos[None, :], extra)
+    return SdpaMask(slots, mask[:, None, None, :])
+
+
+def prefill_sdpa_mask(block_tables: list[list[int]], spans: list[tuple[int, int]],
+                      starts: list[int], page_size: int, device: Any,
+                      extra: LogicalMask | None = None) -> SdpaMask:
+    """Prefill plan: request ``r``'s queries (packed tokens ``spans[r]``, positions from
+    ``starts[r]``) attend to its keys at positions ``0 .. starts[r] + len - 1``, read from the
+    pool through ``block_tables[r]`` (the K/V of this step are written there first).
+    ``is_causal`` where the queries start at 0 and no window cuts in, else a bool mask.
+    """
+    import torch
+    lengths = [st + e - s for (s, e), st in zip(spans, starts)]
+    width = max(lengths)
+    slots = torch.zeros(len(spans), width, dtype=torch.long)
+    for r, (bt, n) in enumerate(zip(block_tables, lengths)):
+        p = torch.arange(n)
+        slots[r, :n] = torch.tensor(bt)[p // page_size] * page_size + p % page_size
+    q_len = max(e - s for s, e in spans)
+    q_pos = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [R, Q]
+    mask = _keep(q_pos[:, :, None], torch.arange(width)[None, None, :], extra)[:, None]
+    window = getattr(extra, "window", None)
+    causal = [st == 0 and (window is None or n <= window) for st, n in zip(starts, lengths)]
+    return SdpaMask(slots.to(device), mask.to(device), spans, causal, lengths)
+
+
+def paged_attention(flex: Callable) -> Callable:
+    """flex_attention's signature over the paged pool, routing ``block_mask=SdpaMask`` plans to
+    SDPA (:meth:`SdpaMask.attend`) and everything else to ``flex``.
+
+    Raises:
+        ValueError: an ``SdpaMask`` with a ``score_mod`` (the runner's auto choice avoids it).
+    """
+    def attention(q: Any, k: Any, v: Any, score_mod: Any = None, block_mask: Any = None,
+                  scale: float | None = None, enable_gqa: bool = False, **kw: Any) -> Any:
+        if isinstance(block_mask, SdpaMask):
+            if score_mod is not None:
+                raise ValueError("SDPA attention cannot apply a score_mod: use "
+                                 "decode_attention='flex' / prefill_attention='flex'.")
+            return block_mask.attend(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                    enable_gqa=enable_gqa, **kw)
+    attention.flex = flex  # type: ignore[attr-defined]
+    return attention

@@ -19,7 +19,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbhelpers.engine.attention import decode_block_mask, prefill_block_mask, prefill_pages
+from nbhelpers.engine.attention import (
+    decode_block_mask,
+    decode_sdpa_mask,
+    paged_attention,
+    prefill_block_mask,
+    prefill_pages,
+    prefill_sdpa_mask,
+    sdpa_supports,
+)
 from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
@@ -31,6 +39,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     resolve_fused_elementwise,
     resolve_kernels,
     resolve_lora_fused,
+    resolve_prefill,
 )
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.sampling_tensors import sampling_tensors, uses_sort
@@ -58,9 +67,9 @@ class ModelRunner:
         self.min_rows = 4 if compile_attn and not on_cuda else 1
         # packed prefill is padded to prefill_pad multiples wherever a shape costs a compile
         self.pad_prefill = on_cuda or bool(compile_attn)
-        self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a, flex_fn=flex)
-        self.decode_attention, self.lora_expand = resolve_kernels(
-            opt, on_cuda, self.model.decode_kernels)
+        self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a,
+                                        flex_fn=paged_attention(flex))
+        self._resolve_attention(on_cuda)
         lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
         for group in self.model.live_groups():
             group.set_lora_expand(self.lora_expand)
@@ -75,6 +84,7 @@ class ModelRunner:
         self.device = self.model.device
         self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1
+        self.window_pages = self.max_pages  # pages an SDPA decode window reads (decode())
         self.states: dict[tuple[int, bool], DecodeState] = {}
         self.graph_pool: Any = None
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0, "decode_steps": 0,
@@ -85,6 +95,27 @@ class ModelRunner:
         self._decode_compiled = (torch.compile(self._decode_compute, dynamic=False)
                                  if opt.compile_decode and compile_attn else None)
         self.allocate_kv()
+
+    def _resolve_attention(self, on_cuda: bool) -> None:
+        """Set ``decode_attention``, ``prefill_attention``, ``lora_expand`` and
+        ``attention_note`` (why ``"auto"`` kept flex on the CPU, else ``None``).
+
+        Raises:
+            ValueError: ``"sdpa"`` asked for a model whose score_mod/masks SDPA cannot express,
+                or SDPA decode with CUDA graphs (its gather width is sized on the host).
+        """
+        spec = self.model.spec
+        why = sdpa_supports(spec.attn_score_mod,
+                            [spec.mask_for_layer(i) for i in range(len(self.model.layers))])
+        self.attention_note = None if why is None or on_cuda else f"flex on the CPU: {why}"
+        self.decode_attention, self.lora_expand = resolve_kernels(
+            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=why is None)
+        self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=why is None)
+        if why is not None and "sdpa" in (self.decode_attention, self.prefill_attention):
+            raise ValueError(f"attention 'sdpa' cannot run this model: {why}; use 'flex'.")
+        if self.decode_attention == "sdpa" and self.use_graphs:
+            raise ValueError("decode_attention='sdpa' sizes its page gather on the host per "
+                             "window: set use_cuda_graphs=False, or use 'triton'/'flex'.")
 
     def allocate_kv(self) -> None:
         self.kv = self.model.allocate_kv(self.opt.num_pages, self.opt.page_size)
@@ -133,6 +164,12 @@ class ModelRunner:
         import torch
         dev, ps, n_rows = self.device, self.opt.page_size, len(seqs)
         tables = [s.block_table for s in seqs]
+        if self.prefill_attention == "sdpa":
+            ends = [sum(s.num_tokens for s in seqs[:i + 1]) for i in range(n_rows)]
+            spans = list(zip([0] + ends[:-1], ends))
+            attn = self._masks(lambda extra: prefill_sdpa_mask(
+                tables, spans, [0] * n_rows, ps, dev, extra), is_decode=False)
+            return self._prefill_run(ids, pos, slots, seqs, attn)
         bt = torch.zeros(n_rows + 1, self.max_pages, dtype=torch.long)
         for r, t in enumerate(tables):
             bt[r, :len(t)] = torch.tensor(t)
@@ -146,6 +183,14 @@ class ModelRunner:
             torch.tensor(lists, dtype=torch.int32, device=dev), ps, self.kv.num_slots, extra),
             is_decode=False, kernel_options=self.opt.prefill_kernel_options if dev.type == "cuda"
             else None)
+        return self._prefill_run(ids, pos, slots, seqs, attn)
+
+    def _prefill_run(self, ids: list[int], pos: list[int], slots: list[int],
+                     seqs: list[Sequence], attn: AttnBatch) -> Any:
+        """Packed forward (K/V into the pool) and fp32 logits of each prompt's last token."""
+        import torch
+        dev, n_rows = self.device, len(seqs)
+        q_pos = torch.tensor(pos, device=dev)
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor(ids, device=dev), q_pos,
                                         torch.tensor(slots, device=dev), attn, self.kv)
@@ -193,6 +238,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.refresh_weights()
         st = self._state(len(seqs), uses_sort(sampling))
+        last = max(s.num_tokens for s in seqs) + steps - 2  # highest position this window
+        self.window_pages = min(self.max_pages, last // self.opt.page_size + 1)
         self._load_state(st, seqs, sampling)
         self._tick("host_s", t0)
         t1 = time.perf_counter()
@@ -271,7 +318,10 @@ class ModelRunner:
         import torch
         ps, m = self.opt.page_size, self.model
         slots = slot_mapping(block_table, pos, ps)
-        if self.paged_decode is not None:  # padded rows: all-null block_table, pos + 1 slots
+        if self.decode_attention == "sdpa":  # the rows' pages only (attention.SdpaMask)
+            attn = self._masks(lambda extra: decode_sdpa_mask(
+                block_table, pos, self.window_pages, ps, extra), is_decode=True)
+        elif self.paged_decode is not None:  # padded rows: all-null block_table, pos + 1 slots
             attn = AttnBatch([None] * len(m.layers), True,
                              paged_decode=self.paged_decode.bind(block_table, pos + 1))
         else:

@@ -16,7 +16,8 @@ from nbhelpers.engine.lora import (
 )
 
 FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
-DECODE_ATTENTION = ("auto", "flex", "triton")
+DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
+PREFILL_ATTENTION = ("auto", "flex", "sdpa")
 
 
 @dataclass
@@ -63,6 +64,13 @@ class RunnerOptions:
     ``"off"`` (eager) or ``"auto"``: today's path, ``"compile"`` iff ``compile_layers`` resolves
     on (CUDA) else ``"off"``, kept until the H200 A/B of issue 12 item 4 is measured."""
     decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
+    the request's own pages, ``attention.prefill_sdpa_mask``) or ``"auto"`` (sdpa on the CPU
+    when the model's score_mod/masks allow it, else flex). Decode ``"sdpa"``: the rows' pages
+    gathered into ``[B, H_kv, L, D]`` + SDPA (CPU; needs ``use_cuda_graphs`` off). Why auto
+    picks sdpa on the CPU: eager flex_attention scores the whole pool (SmolLM2-135M fp32, one
+    69-token prompt, 32 tokens: 140 s vs HF 1.9 s; ``scripts/cpu_speed.py``)."""
     decode_kernel_options: dict | None = None
     lora_expand: str = "auto"
     lora_fused: str = "off"
@@ -84,6 +92,9 @@ class RunnerOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"RunnerOptions.decode_attention={self.decode_attention!r}: must be "
                              f"one of {DECODE_ATTENTION}.")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"RunnerOptions.prefill_attention={self.prefill_attention!r}: must "
+                             f"be one of {PREFILL_ATTENTION}.")
         if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")
@@ -113,16 +124,28 @@ def option_names() -> frozenset[str]:
 
 
 def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
-                    decode_kernels: tuple[str, ...] = ("flex", "triton")) -> tuple[str, str]:
+                    decode_kernels: tuple[str, ...] = ("flex", "triton"),
+                    sdpa_ok: bool = False) -> tuple[str, str]:
     """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA
     when the triton package imports (decode attention only where the model's
-    ``decode_kernels`` lists ``"triton"``: Gemma-4 keeps flex), else ``("flex", "addmm")``."""
+    ``decode_kernels`` lists ``"triton"``: Gemma-4 keeps flex); on the CPU decode ``"sdpa"``
+    when ``sdpa_ok`` (the model's score_mod/masks have an SDPA form,
+    ``attention.sdpa_supports``), else ``"flex"``; LoRA B ``"addmm"`` off CUDA."""
     triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
+    cpu = "sdpa" if sdpa_ok and not on_cuda else "flex"
     attn = opt.decode_attention if opt.decode_attention != "auto" else (
-        "triton" if triton_ok and "triton" in decode_kernels else "flex")
+        "triton" if triton_ok and "triton" in decode_kernels else cpu)
     expand = opt.lora_expand if opt.lora_expand != "auto" else (
         "triton" if triton_ok else "addmm")
     return attn, expand
+
+
+def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
+    """``opt.prefill_attention`` with ``"auto"`` resolved: ``"sdpa"`` on the CPU when
+    ``sdpa_ok`` (see :func:`resolve_kernels`), else ``"flex"``."""
+    if opt.prefill_attention != "auto":
+        return opt.prefill_attention
+    return "sdpa" if sdpa_ok and not on_cuda else "flex"
 
 
 def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:

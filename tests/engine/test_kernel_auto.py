@@ -30,11 +30,12 @@ def test_bad_values_name_the_choices(field, value):
         RunnerOptions(**{field: value})
 
 
-def test_cpu_engine_resolves_auto_to_flex_and_addmm():
+def test_cpu_engine_resolves_auto_to_sdpa_and_addmm():
     from _tiny import skip_if_assets_missing
 
     from nbhelpers.engine import LLM
     from nbhelpers.models import load_model
     model, _ = skip_if_assets_missing("tiny-qwen3", load_model, "tiny-qwen3")
     llm = LLM(model, page_size=16, num_pages=8, max_model_len=64)
-    assert (llm.runner.decode_attention, llm.runner.lora_expand) == ("flex", "addmm")
+    assert (llm.runner.decode_attention, llm.runner.lora_expand) == ("sdpa", "addmm")
+    assert llm.runner.prefill_attention == "sdpa" and llm.runner.attention_note is None

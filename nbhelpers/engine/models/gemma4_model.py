@@ -128,6 +128,8 @@ class Gemma4EngineModel(EngineModel):
         ple = self.per_layer_inputs(input_ids, x)  # once per step  [1, T, L, P]
         rope = {t: self.rotary(x, positions.unsqueeze(0), t)  # once per step per layer type
                 for t in sorted(set(self.layer_types))}
+        if self._fused(attn):
+            return self._decode_fused(x, ple, rope, slot_mapping, attn, kv)
         for i, layer in enumerate(self.layers):
             h = self._attention(i, layer, layer.input_layernorm(x), rope[self.layer_types[i]],
                                 slot_mapping, attn, kv)
@@ -139,6 +141,39 @@ class Gemma4EngineModel(EngineModel):
                 x = x + self._per_layer_branch(i, layer, x, ple[:, :, i])
             x = x * layer.layer_scalar
         return self.norm(x)[0]
+
+    def _fused(self, attn: Any) -> bool:
+        """Decode through the Triton kernels (``fused_elementwise="triton"``): GELU-tanh MLPs
+        and CUDA tensors (or the CPU under the interpreter), else the module path."""
+        fx = self.fx_decode
+        return (attn.is_decode and getattr(fx, "kind", "off") == "triton" and
+                getattr(self.config, "hidden_activation", None) == "gelu_pytorch_tanh" and
+                fx.supported(self.embed.weight))
+
+    def _decode_fused(self, x: Any, ple: Any, rope: dict, slot_mapping: Any, attn: Any,
+                      kv: Any) -> Any:
+        """The decode block of :meth:`forward` with every norm/residual/scale pair in one
+        ``add_norm`` launch (``fused_norm.py``): ``x + post_attn(h)`` with ``pre_ff``;
+        ``x + post_ff(m)`` (with the next ``input_layernorm`` and ``layer_scalar`` when there is
+        no per-layer input); ``(x + post_ple(p)) * layer_scalar`` with the next norm."""
+        fx, n = self.fx_decode, len(self.layers)
+        h = fx.add_norm(x, out_norm=_gnorm(self.layers[0].input_layernorm), store_res=False)[1]
+        for i, layer in enumerate(self.layers):
+            a = self._attention(i, layer, h, rope[self.layer_types[i]], slot_mapping, attn, kv)
+            x, h = fx.add_norm(a, x, out_norm=_gnorm(layer.pre_feedforward_layernorm),
+                               delta_norm=_gnorm(layer.post_attention_layernorm))
+            gate, up = self.gate_up[i](h)
+            m = self.down[i](fx.act_mul(gate, up, "gelu_tanh"))[0]
+            nxt = _gnorm(self.layers[i + 1].input_layernorm if i + 1 < n else self.norm)
+            post_ff, scale = _gnorm(layer.post_feedforward_layernorm), layer.layer_scalar
+            if ple is None:
+                x, h = fx.add_norm(m, x, out_norm=nxt, delta_norm=post_ff, scale=scale)
+                continue
+            x = fx.add_norm(m, x, delta_norm=post_ff)[0]
+            p = fx.act_mul(self.ple[0][i](x)[0], ple[:, :, i], "gelu_tanh")
+            x, h = fx.add_norm(self.ple[1][i](p)[0], x, out_norm=nxt, scale=scale,
+                               delta_norm=_gnorm(layer.post_per_layer_input_norm))
+        return h[0]
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, input_ids: Any, x: Any) -> Any:
@@ -165,9 +200,12 @@ class Gemma4EngineModel(EngineModel):
         sa, t, d = layer.self_attn, h.shape[1], self.head_dims[i]
         cos, sin = cos_sin
         outs = self.qkv[i](h)
-        q = _rope(sa.q_norm(outs[0].view(1, t, -1, d)).transpose(1, 2), cos, sin)  # [1, H, T, D]
-        if self.store_of[i] == i:
-            self._store_kv(i, sa, outs, t, d, cos, sin, slot_mapping, kv)
+        if self._fused(attn):  # q/k/v norms + RoPE + KV write in one launch
+            q = self._qkv_fused(i, sa, outs, d, cos, sin, slot_mapping, kv)
+        else:
+            q = _rope(sa.q_norm(outs[0].view(1, t, -1, d)).transpose(1, 2), cos, sin)
+            if self.store_of[i] == i:
+                self._store_kv(i, sa, outs, t, d, cos, sin, slot_mapping, kv)
         if attn.is_decode:
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         src = self.store_of[i]
@@ -176,6 +214,21 @@ class Gemma4EngineModel(EngineModel):
                         kernel_options=_layer_kernel_options(attn, q, d))
         out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
         return self.o[i](out.reshape(1, t, -1))[0]
+
+    def _qkv_fused(self, i: int, sa: Any, outs: list[Any], d: int, cos: Any, sin: Any,
+                   slot_mapping: Any, kv: Any) -> Any:
+        """``qk_rope_cache.qk_norm_rope_cache`` for one layer: q ``[1, H, T, D]``; a storing
+        layer's k_norm+RoPE K and v_norm V (raw K when ``attention_k_eq_v``) into the pool."""
+        store = self.store_of[i] == i
+        k = outs[1] if store else None
+        v = (outs[2] if len(outs) == 3 else outs[1]) if store else None
+        wk = sa.k_norm.weight if store else sa.q_norm.weight
+        q = self.fx_decode.qk_norm_rope_cache(
+            outs[0], k, v, outs[0].shape[-1] // d, k.shape[-1] // d if store else 0, d, cos,
+            sin, kv.k[i] if store else None, kv.v[i] if store else None, slot_mapping,
+            qk_norm=(sa.q_norm.weight, wk, sa.q_norm.eps, "gemma"),
+            v_norm=(sa.v_norm.eps, "gemma") if store else None)
+        return q.transpose(0, 1).unsqueeze(0)
 
     def _store_kv(self, i: int, sa: Any, outs: list[Any], t: int, d: int, cos: Any, sin: Any,
                   slot_mapping: Any, kv: Any) -> None:
@@ -214,6 +267,11 @@ def _layer_kernel_options(attn: Any, q: Any, head_dim: int) -> dict[str, Any] | 
         return attn.kernel_options
     own = kernel_options(head_dim, is_decode=attn.is_decode)
     return dict(own) if own is not None else attn.kernel_options
+
+
+def _gnorm(module: Any) -> tuple[Any, float, str]:
+    """``(weight | None, eps, "gemma")`` of an HF ``Gemma4RMSNorm`` for ``fused_norm.add_norm``."""
+    return (module.weight if module.with_scale else None), float(module.eps), "gemma"
 
 
 def _store_layers(layers: list[Any]) -> list[int]:

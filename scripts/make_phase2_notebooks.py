@@ -58,6 +58,7 @@ lora_alpha: int = 64  # LoRA alpha
 seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
 compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no-cudagraphs
+compile_dynamic: str = "auto"  # auto (ours: torch's default) | on (the reference's) | off
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
 flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs while training
@@ -81,7 +82,9 @@ settings, thresholds"""
 
 EQ_RUN = """runs = grpo_compare.run_backends(
     list(backends), model, settings, dataset=dataset, n_questions=n_questions,
-    skip_first=skip_first, compile_mode=compile_mode, vllm_sleep_mode=vllm_sleep_mode,
+    skip_first=skip_first, compile_mode=compile_mode,
+    compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
+    vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
     format_warmup_steps=format_warmup_steps, progress=False)
@@ -98,6 +101,13 @@ for name, run in runs.items():
 EQ_GATE = """gates = check_runs(runs, reference_backend, thresholds)
 summary = grpo_compare.summary_frame(runs, gates)
 summary"""
+
+EQ_IS = """display(grpo_compare.is_frame(runs))
+compile_table = grpo_compare.compile_frame(runs)
+if compile_mode != "none":
+    display(compile_table)
+else:
+    print("compile_mode none: nothing compiled by the trainer (compile_dynamic has no effect)")"""
 
 EQ_PLOTS = """steps = grpo_compare.steps_long(runs)
 panels = [("wall_s", "s", "Step time"), ("generate_s", "s", "Generation time per step"),
@@ -127,6 +137,7 @@ def rerun(backends, max_steps):
     got = grpo_compare.run_backends(
         backends, model, replace(settings, max_steps=max_steps), dataset=dataset,
         n_questions=n_questions, skip_first=skip_first, compile_mode=compile_mode,
+        compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
         vllm_sleep_mode=vllm_sleep_mode,
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
         flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
@@ -159,6 +170,14 @@ def equivalence() -> nbformat.NotebookNode:
           "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "
           "`logprob_mismatch_max`: worst per-step mean |engine - trainer| logprob, nats/token."),
          EQ_GATE),
+        (("## Importance sampling and recompiles\nPer backend, means over the run's steps "
+          "(`grpo_compare.is_frame`): `is_ratio_mean`, the per-token ratio exp(trainer - "
+          "engine) logprob; `is_outside_0.9_1.1`, the fraction of tokens outside [0.9, 1.1]; "
+          "`same_support_logp_diff`, mean |engine - trainer| logprob on one support, "
+          "nats/token (flex renormalises the trainer's logprob by the engine's kept mass; vLLM "
+          "returns no kept mass, so none); `is_ratio_applied_mean`, TRL's ratio as the loss "
+          "applies it. Then the compile report (`compile_mode` not none): recompiles and graph "
+          "breaks with `compile_dynamic`."), EQ_IS),
         ("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`).",
          EQ_PLOTS),
         (("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
@@ -213,6 +232,10 @@ for column, label, title in [("wall_s", "s", "Step time"), ("generate_s", "s", "
     if column in steps and steps[column].notna().any():
         display(plots.metric_by_step(steps, column, label, title))"""
 
+CMP_IS = """display(grpo_compare.is_frame(runs))
+compiled = grpo_compare.compile_frame(runs, compiled_only=True)
+display(compiled if len(compiled) else Markdown("No run compiled the trainer (compile_mode none)."))"""
+
 CMP_CROSS = """cross = grpo_compare.gate_latest(runs, reference_backend)
 display(grpo_compare.gate_frame(cross))
 failed = [f"{r.backend}.{c.name}" for r in cross.values() for c in r.checks if c.status == "fail"]
@@ -232,6 +255,11 @@ def compare() -> nbformat.NotebookNode:
     return nbgen.build(CMP_TITLE, CMP_IMPORTS, CMP_PARAMETERS, [
         ("## Runs found\nOne row per backend run (`backend@run_id`).", CMP_LOAD),
         ("## Per-step curves\nLatest run of each backend.", CMP_PLOTS),
+        (("## Importance sampling and recompiles across runs\nPer run (`backend@run_id`): IS "
+          "ratio mean, fraction of tokens outside [0.9, 1.1], mean |engine - trainer| logprob "
+          "on one support (nats/token), TRL's applied ratio; then the runs that compiled the "
+          "trainer, with `compile_dynamic` (None: torch's default) and their recompiles."),
+         CMP_IS),
         (("## Gate across runs\nThe latest run of each backend against the latest "
           "`reference_backend` run, wherever they ran (one device call may hold only some "
           "backends, so a run's own gate can lack the reference)."), CMP_CROSS)],

@@ -6,7 +6,7 @@ memory behind), and returns ``{backend: run}`` where ``run`` is a plain dict: ``
 rows, :func:`~nbhelpers.grpo.result.step_rows`), ``summary``, ``config``, ``wall_s``,
 ``completions`` (a sample), ``error`` (``"<ExceptionType>: message"`` or None). A failed backend
 keeps its row with the error. :func:`backend_sidecar` makes one schema-v1 sidecar per backend
-(phase ``phase2``) with the gate result beside it; :func:`summary_frame` and :func:`steps_long`
+(phase ``phase2``) with the gate result and the IS report (:func:`is_summary`) beside it; :func:`summary_frame` and :func:`steps_long`
 are the notebook's tables. ``29_compare`` reads the sidecars back with :func:`runs_from_sidecars`.
 The tables live in :mod:`~nbhelpers.grpo.compare_tables`, the sidecars and the cross-run gate in
 :mod:`~nbhelpers.grpo.compare_sidecars`; this module is the notebooks' face for all of them.
@@ -34,16 +34,21 @@ from nbhelpers.grpo.compare_sidecars import (
     write_sidecars,
 )
 from nbhelpers.grpo.compare_tables import (
+    compile_frame,
     gate_frame,
     headline,
+    is_frame,
+    is_summary,
     perf_goal,
     result_line,
     steps_long,
     summary_frame,
 )
+from nbhelpers.grpo.compile_report import compile_dynamic_flag
 
-__all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "filter_device",
-           "flex_options", "gate_frame", "gate_latest", "headline", "latest_per_backend",
+__all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dynamic_flag",
+           "compile_frame", "filter_device", "flex_options", "gate_frame", "gate_latest",
+           "headline", "is_frame", "is_summary", "latest_per_backend",
            "perf_goal", "result_line", "run_backends", "run_isolated", "runs_from_sidecars",
            "steps_long", "summary_frame", "write_sidecars"]
 

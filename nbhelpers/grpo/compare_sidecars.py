@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nbhelpers.config import GRPOSettings
-from nbhelpers.grpo.compare_tables import gate_word, headline, summary_frame
+from nbhelpers.grpo.compare_tables import gate_word, headline, is_frame, is_summary, summary_frame
 
 PHASE = "phase2"
 
@@ -62,7 +62,7 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
         extra={"grpo_summary": s, "grpo_steps": steps, "grpo_config": _jsonable(run.get("config")),
                "traceback_tail": (run.get("traceback") or "")[-4000:] or None,
                "grpo_wall_s": run.get("wall_s"), "grpo_completions_sample": run.get("completions"),
-               "gate": gate_d, "headline": {"step_time_s_median": s.get("step_time_s_median"),
+               "gate": gate_d, "importance_sampling": is_summary(run), "headline": {"step_time_s_median": s.get("step_time_s_median"),
                                             "peak_mem_gib": s.get("peak_mem_device_gib"),
                                             "gate": gate_word({name: gate_d}, name)
                                             if gate_d else None}})
@@ -115,6 +115,8 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
     main = make_sidecar(phase=PHASE, backend="all", model=model_info, lora=asdict(settings.lora),
                         run_id=run_id, error=failure,
                         extra={"backends": table, "headline": headline(runs, gates),
+                               "importance_sampling": is_frame(runs).reset_index().to_dict(
+                                   orient="records"),
                                "sidecars": [p.name for p in written]})
     return [write_sidecar(main, path), *written]
 

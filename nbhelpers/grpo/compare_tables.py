@@ -5,7 +5,9 @@
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
 reward, KL, gate word, error), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
 row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
-memory ratios), :func:`result_line` (the notebook's "Result:" sentence). pandas is imported inside.
+memory ratios), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
+:func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
+:func:`compile_frame` (the compile report per run). pandas is imported inside.
 Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
 """
 
@@ -33,6 +35,12 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
                                           for r in steps]),
             "gate": gate_word(gates, name), "error": run.get("error")})
     return pd.DataFrame(rows).set_index("backend")
+
+
+def _mean(vals: list[Any]) -> float | None:
+    from nbhelpers.stats import finite_or_none
+    vals = [v for v in (finite_or_none(v) for v in vals) if v is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def _max(vals: list[Any]) -> float | None:
@@ -104,3 +112,51 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
             parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
                          f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
     return f"**Result** ({device}): " + "; ".join(parts) + "."
+
+
+IS_COLUMNS = {"is_token_ratio_mean": "is_ratio_mean",
+              "is_token_outside_0.9_1.1": "is_outside_0.9_1.1",
+              "same_support_logp_diff_mean": "same_support_logp_diff",
+              "is_ratio_applied_mean": "is_ratio_applied_mean"}
+"""Step-row keys (:data:`nbhelpers.grpo.callbacks.TRL_LOG_KEYS`, from
+:data:`nbhelpers.grpo.flex_rollout.IS_KEYS`) -> :func:`is_summary` names."""
+
+
+def is_summary(run: dict[str, Any]) -> dict[str, Any]:
+    """The IS report of one run from its step rows: for each :data:`IS_COLUMNS` key the mean over
+    the steps that logged it (every step weighs the same; ``None`` when no step did), and
+    ``is_steps``, the number of steps with a token ratio. ``is_ratio_mean``: per-token
+    ``exp(trainer - engine)`` logprob ratio; ``is_outside_0.9_1.1``: fraction of tokens outside
+    [0.9, 1.1]; ``same_support_logp_diff``: mean |engine - trainer| logprob on one support,
+    nats/token (``None`` for vLLM: it returns no kept mass); ``is_ratio_applied_mean``: TRL's
+    ratio as the loss applies it (after its mode and clip)."""
+    rows = run.get("rows") or []
+    out: dict[str, Any] = {name: _mean([r.get(key) for r in rows])
+                           for key, name in IS_COLUMNS.items()}
+    return out | {"is_steps": sum(1 for r in rows if r.get("is_token_ratio_mean") is not None)}
+
+
+def is_frame(runs: dict[str, dict[str, Any]]):
+    """One row per run (index: the ``runs`` key): :func:`is_summary`."""
+    import pandas as pd
+    return pd.DataFrame([{"backend": name, **is_summary(run)} for name, run in runs.items()],
+                        columns=["backend", *IS_COLUMNS.values(), "is_steps"]).set_index("backend")
+
+
+COMPILE_COLUMNS = ("compile_mode", "compile_dynamic", "compiled", "recompiles", "graph_breaks",
+                   "unique_graphs")
+
+
+def compile_frame(runs: dict[str, dict[str, Any]], compiled_only: bool = False):
+    """One row per run: :data:`COMPILE_COLUMNS` of ``config["compile_report"]``
+    (:class:`nbhelpers.grpo.compile_report.CompileWatch`; ``compile_dynamic`` ``None`` = torch's
+    default). ``compiled_only`` keeps the runs whose ``compile_mode`` is not ``none``. The counts
+    cover the whole training block, the flex engine's own ``flex_attention`` compiles included."""
+    import pandas as pd
+    rows = []
+    for name, run in runs.items():
+        rep = (run.get("config") or {}).get("compile_report") or {}
+        if compiled_only and rep.get("compile_mode", "none") == "none":
+            continue
+        rows.append({"backend": name, **{k: rep.get(k) for k in COMPILE_COLUMNS}})
+    return pd.DataFrame(rows, columns=["backend", *COMPILE_COLUMNS]).set_index("backend")

@@ -40,6 +40,10 @@ from typing import Any, Self
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 """``compile_mode`` values: ``none`` = eager; the others are ``torch.compile`` modes."""
+COMPILE_DYNAMIC = {"auto": None, "on": True, "off": False}
+"""Notebook words for ``compile_dynamic`` -> ``torch.compile(dynamic=)``: ``auto`` (our default,
+torch's: static shapes, dynamic after the first recompile), ``on`` (the reference's
+``--compile_dynamic`` default, Unsloth's GRPO notebook), ``off`` (static: one graph per shape)."""
 _RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"
 
 
@@ -49,6 +53,16 @@ def check_compile_mode(mode: str | None) -> str:
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode={mode!r}: use one of {COMPILE_MODES}.")
     return mode
+
+
+def compile_dynamic_flag(word: str | bool | None) -> bool | None:
+    """``torch.compile(dynamic=)`` for a :data:`COMPILE_DYNAMIC` word (a bool or ``None`` passes
+    through). Raises ``ValueError`` naming the words."""
+    if word is None or isinstance(word, bool):
+        return word
+    if word not in COMPILE_DYNAMIC:
+        raise ValueError(f"compile_dynamic={word!r}: use one of {tuple(COMPILE_DYNAMIC)}.")
+    return COMPILE_DYNAMIC[word]
 
 
 def innermost_lm(model: Any) -> Any:

@@ -62,7 +62,7 @@ WARMUP_ADAPTERS = ("continue", "merge")
 def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
           progress: bool = True, skip_first: int = 3, compile_mode: str = "none",
-          vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
+          compile_dynamic: bool | None = None, vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
           callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
@@ -75,7 +75,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     ``n_questions`` questions of ``dataset`` that fit ``settings.max_prompt_length``; ``progress``
     shows the trainer's progress bar; ``skip_first`` warm-up steps are left out of
     ``GRPOResult.summary``'s medians. ``compile_mode``: :data:`nbhelpers.grpo.compile_report.
-    COMPILE_MODES`. The vLLM options and ``flex_options``
+    COMPILE_MODES`; ``compile_dynamic``: ``torch.compile(dynamic=)`` (``None``, the default:
+    torch's own, static then dynamic after a recompile; the reference's ``--compile_dynamic`` is
+    ``True``), in the compile report. The vLLM options and ``flex_options``
     (:class:`~nbhelpers.grpo.flex_rollout.FlexRollout` fields) apply to their backend only (a note
     in ``GRPOResult.config["notes"]`` otherwise). ``reward_funcs`` default to the reference's four;
     ``callbacks`` are extra trainer callbacks; ``config_overrides`` extra ``GRPOConfig`` fields.
@@ -85,7 +87,8 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     and :func:`nbhelpers.grpo.distributed.launch`, which names its own errors.
 
     Raises:
-        ValueError: unknown backend (or a rollout-only one) / dataset / compile mode /
+        ValueError: unknown backend (or a rollout-only one) / dataset / compile mode or
+            ``compile_dynamic`` word /
             ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
             ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap).
         BackendNotInstalled: the backend's engine is missing (message names the extra).
@@ -105,8 +108,9 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     """:func:`train` in this process (``opts``: its keyword arguments). ``hooks`` (per-rank
     probes, :mod:`nbhelpers.grpo.distributed`) gets ``.plan(plan)`` before the trainer is built
     and ``.trainer(trainer)`` after."""
-    from nbhelpers.grpo.compile_report import CompileWatch, check_compile_mode
-    compile_mode = check_compile_mode(opts["compile_mode"])
+    from nbhelpers.grpo import compile_report
+    compile_mode = compile_report.check_compile_mode(opts["compile_mode"])
+    dynamic = compile_report.compile_dynamic_flag(opts.get("compile_dynamic"))
     _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"])
     plan = plan_backend(opts["backend"], settings, vllm_sleep_mode=opts["vllm_sleep_mode"],
                         vllm_gpu_memory_utilization=opts["vllm_gpu_memory_utilization"],
@@ -121,8 +125,8 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                                     opts["callbacks"], config_overrides)
     if hooks is not None:
         hooks.trainer(trainer)
-    watch = CompileWatch(compile_mode)
-    wall_s, compiled = _fit(trainer, watch, compile_mode)
+    watch = compile_report.CompileWatch(compile_mode, dynamic=dynamic)
+    wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic)
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
@@ -141,12 +145,13 @@ def _maybe_warmup(model: Any, tok: Any, peft: Any, settings: GRPOSettings, opts:
                           Path(opts["output_dir"]) / "format_warmup", opts["warmup_adapter"])
 
 
-def _fit(trainer: Any, watch: Any, compile_mode: str) -> tuple[float, Any]:
+def _fit(trainer: Any, watch: Any, compile_mode: str,
+         dynamic: bool | None = None) -> tuple[float, Any]:
     """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``."""
     from nbhelpers.grpo.compile_report import compile_trainer_models
     t0 = time.perf_counter()
     with watch:
-        compiled = compile_trainer_models(trainer, compile_mode)
+        compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic)
         trainer.train()
     return time.perf_counter() - t0, compiled
 

@@ -11,7 +11,8 @@ and the dataclass constructed. So ``num_generations`` must be >= 2 in phases 0 a
 (``GRPOSettings``) and >= 1 in phase 3 (``SamplingParams.n``). Count parameters no dataclass
 holds have their lower bound in :data:`NOTEBOOK_MINIMA`. ``model`` must be a registry name / hub
 id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
-phase, ``n_questions`` <= the GSM8K questions left after a format warm-up.
+phase, ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
+``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`).
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ def _check_backends(params: dict[str, Any], notebook: Path, where: Where) -> Non
                              f"of {GRPO}.")
 
 
+def _check_compile(params: dict[str, Any], where: Where) -> None:
+    from nbhelpers.grpo.compile_report import check_compile_mode, compile_dynamic_flag
+    for name, check in (("compile_mode", check_compile_mode),
+                        ("compile_dynamic", compile_dynamic_flag)):
+        if isinstance(params.get(name), str):
+            try:
+                check(params[name])
+            except ValueError as exc:
+                raise UserInputError(f"{where(name)}: {exc}") from exc
+
+
 def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path) -> None:
     """All the checks of the module docstring, in order; ``sources`` maps a parameter to where its
     value came from.
@@ -174,3 +186,4 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_model_and_dataset(params, where)
     _check_questions(params, where)
     _check_backends(params, notebook, where)
+    _check_compile(params, where)

@@ -347,6 +347,9 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"reference_backend": "nope"},
      "reference_backend='nope': use one of"),
     ("phase2_grpo/20_grpo_equivalence", {"backends": []}, r"backends=\[\]: name at least one"),
+    ("phase2_grpo/20_grpo_equivalence", {"compile_dynamic": "yes"},
+     r"-p compile_dynamic .*compile_dynamic='yes': use one of \('auto', 'on', 'off'\)"),
+    ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "max"}, "compile_mode='max': use one"),
 ])
 def test_values_are_checked_before_anything_runs(nb, over, match):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
@@ -358,6 +361,7 @@ def test_values_are_checked_before_anything_runs(nb, over, match):
     ("phase3_flex/30_engine_walkthrough", {"num_generations": 1}),  # SamplingParams.n >= 1
     ("phase1_rollout/10_lora_rollout", {"lora_rank": 0}),  # phase 1: 0 = no adapter
     ("phase0_reference/00_reference_grpo", {"skip_first": 20}),  # >= max_steps is allowed
+    ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_dynamic": "on"}),
 ])
 def test_values_the_config_dataclasses_accept_pass(nb, over):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"

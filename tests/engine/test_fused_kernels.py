@@ -242,3 +242,38 @@ def test_gemma4_greedy_tokens_match_with_fused_kernels(variant):
     for (bt, blp), (gt, glp) in zip(base, got):
         assert gt == bt
         assert max(abs(a - b) for a, b in zip(blp, glp)) < 1e-4
+
+
+def test_failed_capture_swaps_the_triton_pieces_for_eager(monkeypatch):
+    """A failed graph capture with ``fused_elementwise="triton"`` retries with the eager pieces
+    (``decode_graphs``: ``fx_decode.compiled`` is True for the Triton kind), then decodes without
+    a graph; sampled tokens equal the plain eager engine's (tiny Qwen3, CPU)."""
+    from nbhelpers.engine import LLM, model_runner
+    model = tiny_model("qwen3").to(DEV)
+    params = SamplingParams(temperature=1.0, min_p=0.05, max_new_tokens=6, ignore_eos=True,
+                            seed=7, n=2)
+    prompts, opts = random_prompts(2, 5, 12, seed=4), {"page_size": 16, "num_pages": 24,
+                                                       "max_model_len": 96}
+    want = LLM(model, use_cuda_graphs=False, **opts).generate(prompts, params)
+
+    def fail(*args):
+        raise RuntimeError("simulated capture failure")
+    monkeypatch.setattr(model_runner, "capture_graph", fail)
+    llm = LLM(model, use_cuda_graphs=True, decode_attention="flex", fused_elementwise="triton",
+              compile_layers=False, **opts)
+    assert llm.runner.model.fx_decode.kind == "triton"
+    with pytest.warns(UserWarning):
+        got = llm.generate(prompts, params)
+    assert llm.runner.model.fx_decode is llm.runner.model.fx_eager
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_auto_keeps_todays_path_and_bad_values_are_clear():
+    """``auto`` = compiled pieces iff ``compile_layers`` (CUDA), never Triton until the H200 A/B."""
+    from nbhelpers.engine.runner_options import RunnerOptions, resolve_fused_elementwise
+    assert resolve_fused_elementwise(RunnerOptions(), compile_layers=True) == "compile"
+    assert resolve_fused_elementwise(RunnerOptions(), compile_layers=False) == "off"
+    opt = RunnerOptions(fused_elementwise="triton")
+    assert resolve_fused_elementwise(opt, compile_layers=False) == "triton"
+    with pytest.raises(ValueError, match="fused_elementwise='fast'"):
+        RunnerOptions(fused_elementwise="fast")

@@ -27,7 +27,8 @@ and the code differ, the code wins and the entry says so:
    ``kv > q - window`` (masking_utils.py 100), the engine's ``sliding_window(w)`` factory. The
    paged pool keeps every token (no ring buffer) and the decode BlockMask still visits all of a
    row's pages, the mask hiding those behind the window: at <= 1024 tokens that is <= 8 pages of
-   128 instead of <= 5, a cost only long contexts would notice.
+   128 instead of <= 5, a cost only long contexts would notice. With ``decode_attention="triton"``
+   (``kernels/paged_decode.py``) decode skips the pages wholly behind the window instead.
 5. Attention scale 1.0, not head_dim^-0.5 (M 1177): q_norm and k_norm (RMSNorm per head, M 1229,
    1245) set the logit scale. V is RMS-normalised too, without a weight (``v_norm``, M 1197, 1249).
    With ``attention_k_eq_v`` (not on E2B) V is the raw K projection (M 1175, 1243).

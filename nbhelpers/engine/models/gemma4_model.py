@@ -82,7 +82,7 @@ class Gemma4EngineModel(EngineModel):
             (``use_bidirectional_attention='all'``) or a KV-shared layer without a store layer.
     """
 
-    decode_kernels = ("flex",)  # per-layer head dims and KV sharing: flex only (no Triton decode)
+    decode_kernels = ("flex", "triton")  # Triton: per-layer D (256/512), window, store layer's KV
 
     def __init__(self, model: Any, spec: Any, fuse_lora_a: bool = True, flex_fn: Any = None):
         _check_supported(base_causal_lm(model).config)
@@ -206,9 +206,12 @@ class Gemma4EngineModel(EngineModel):
             q = _rope(sa.q_norm(outs[0].view(1, t, -1, d)).transpose(1, 2), cos, sin)
             if self.store_of[i] == i:
                 self._store_kv(i, sa, outs, t, d, cos, sin, slot_mapping, kv)
+        src = self.store_of[i]
+        if attn.is_decode and attn.paged_decode is not None:  # Triton kernel, store layer's pages
+            out = attn.paged_decode(i, q[0].transpose(0, 1), kv.k[src], kv.v[src], self.scales[i])
+            return self.o[i](out.reshape(1, t, -1))[0]  # out [B, H, D]
         if attn.is_decode:
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        src = self.store_of[i]
         out = self.flex(q, kv.k[src], kv.v[src], block_mask=attn.block_masks[i],
                         scale=self.scales[i], enable_gqa=True,
                         kernel_options=_layer_kernel_options(attn, q, d))

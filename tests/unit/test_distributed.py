@@ -108,6 +108,16 @@ def test_rank_args_carry_server_mode_and_reward_paths(tmp_path):
         distributed.rank_args("m", settings, dict(opts, reward_funcs=[lambda **k: [0.0]]), {})
 
 
+def test_rank_args_carry_compile_dynamic(tmp_path):
+    """train(compile_dynamic=...) reaches every rank's opts (a train keyword, not GRPOConfig)."""
+    opts, overrides = distributed._train_opts(backend="flex", output_dir=tmp_path,
+                                              compile_mode="default", compile_dynamic=True)
+    args = json.loads(json.dumps(distributed.rank_args("tiny-llama", GRPOSettings(), opts,
+                                                       overrides)))
+    assert args["opts"]["compile_dynamic"] is True and args["opts"]["compile_mode"] == "default"
+    assert "compile_dynamic" not in args["config_overrides"]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_processes": 0}, "int >= 1"),
     ({"num_processes": 3, "gpus": 2}, "needs 3 GPUs but 2 are visible"),

@@ -66,6 +66,60 @@ def silu_mul(gate: Any, up: Any) -> Any:
     return F.silu(gate) * up
 
 
+# ---------------------------------------------------------------- Triton twins (kind="triton")
+# Each has its torch twin's signature and result (same shapes and dtype order, equal up to
+# rounding: kernels/fused_norm.py, kernels/qk_rope_cache.py) and falls back to the twin where the
+# kernel cannot serve the operands. Per Llama/Qwen3 decode layer: 1 triton_qk_rope_cache (q/k
+# norm + RoPE + both KV writes) + 2 triton_add_rms_norm + 1 triton_silu_mul.
+
+
+def triton_rms_norm(x: Any, weight: Any, eps: float) -> Any:
+    """:func:`rms_norm` in one launch (``kernels/fused_norm.py``)."""
+    from nbhelpers.engine.kernels import fused_norm as fn
+    if not (fn.supported(x, weight) and weight.dtype == x.dtype):
+        return rms_norm(x, weight, eps)
+    return fn.add_norm(x, out_norm=(weight, eps, "llama"), store_res=False)[1]
+
+
+def triton_add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    """:func:`add_rms_norm` (``(x + delta, norm(x + delta))``) in one launch."""
+    from nbhelpers.engine.kernels import fused_norm as fn
+    if not (fn.supported(x, delta, weight) and weight.dtype == x.dtype == delta.dtype):
+        return add_rms_norm(x, delta, weight, eps)
+    return fn.add_norm(delta, x, out_norm=(weight, eps, "llama"))
+
+
+def triton_silu_mul(gate: Any, up: Any) -> Any:
+    """:func:`silu_mul` in one launch."""
+    from nbhelpers.engine.kernels import fused_norm as fn
+    if not (fn.supported(gate, up) and gate.dtype == up.dtype):
+        return silu_mul(gate, up)
+    return fn.act_mul(gate, up, "silu")
+
+
+def triton_qk_rope_cache(q: Any, k: Any, v: Any, wq: Any, wk: Any, eps: float, cos: Any,
+                         sin: Any, kv: tuple[Any, Any, Any], heads: tuple[int, int, int]) -> Any:
+    """q/k RMSNorm (skipped when ``wq`` is ``None``) + RoPE + KV write; returns q ``[1, H, T, D]``.
+
+    Args: ``q, k, v`` the q/k/v projections ``[1, T, *]``; ``cos/sin [1, T, D]``; ``kv =
+    (k_cache, v_cache, slot_mapping)`` with caches ``[1, H_kv, S, D]`` and ``slot_mapping [T]``;
+    ``heads = (H, H_kv, D)``. Writes ``k_cache[0, :, slot_mapping]`` and ``v_cache[...]`` as
+    ``layers.EngineModel._attention``'s ``index_copy_`` did (``kernels/qk_rope_cache.py``).
+    """
+    from nbhelpers.engine.kernels import qk_rope_cache as qrc
+    kc, vc, slots = kv
+    h, hkv, d = heads
+    t = q.shape[1]
+    if not qrc.supported(q, cos, kc, d) or (wq is not None and wq.dtype != q.dtype):
+        qr, kr = qk_norm_rope(q.view(1, t, h, d), k.view(1, t, hkv, d), wq, wk, eps, cos, sin)
+        kc[0].index_copy_(1, slots, kr[0])
+        vc[0].index_copy_(1, slots, v.view(1, t, hkv, d).transpose(1, 2)[0])
+        return qr
+    out = qrc.qk_norm_rope_cache(q, k, v, h, hkv, d, cos, sin, kc, vc, slots,
+                                 qk_norm=None if wq is None else (wq, wk, eps, "llama"))
+    return out.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D] (a view)
+
+
 ELEMENTWISE_MODES = ("off", "compile", "triton")
 """``Elementwise.kind``: eager torch ops, torch.compiled pieces, or the Triton kernels of
 ``engine/kernels/fused_norm.py`` / ``qk_rope_cache.py`` (one launch per piece, plus
@@ -101,14 +155,13 @@ class Elementwise:
 
     def _use_triton(self) -> None:
         """Norms, SwiGLU and q/k norm + RoPE + KV write through the Triton kernels."""
-        from nbhelpers.engine.kernels import fused_elementwise as ft
-        self.rms_norm, self.add_rms_norm, self.silu_mul = ft.rms_norm, ft.add_rms_norm, \
-            ft.silu_mul
-        self.qk_rope_cache = ft.qk_rope_cache
+        from nbhelpers.engine.kernels import fused_norm as fn
+        from nbhelpers.engine.kernels import qk_rope_cache as qrc
+        self.rms_norm, self.add_rms_norm = triton_rms_norm, triton_add_rms_norm
+        self.silu_mul, self.qk_rope_cache = triton_silu_mul, triton_qk_rope_cache
         # the raw kernels, for Gemma-4's decode (gemma-style norms, layer_scalar, GELU-tanh)
-        self.add_norm, self.act_mul, self.qk_norm_rope_cache = ft.fn.add_norm, ft.fn.act_mul, \
-            ft.qrc.qk_norm_rope_cache
-        self.supported = ft.fn.supported
+        self.add_norm, self.act_mul = fn.add_norm, fn.act_mul
+        self.qk_norm_rope_cache, self.supported = qrc.qk_norm_rope_cache, fn.supported
         self.NAMES = (*Elementwise.NAMES, "qk_rope_cache", "add_norm", "act_mul",
                       "qk_norm_rope_cache")
 

@@ -59,7 +59,8 @@ class RunnerOptions:
     compile_layers: bool | None = None
     fused_elementwise: str = "auto"
     """Decode's norm/RoPE/SwiGLU pieces: ``"compile"`` (torch.compiled, ``engine/fused.py``),
-    ``"triton"`` (``engine/kernels/fused_elementwise.py``: add+RMSNorm, q/k norm + RoPE + KV
+    ``"triton"`` (``engine/fused.py`` ``triton_*`` over ``engine/kernels/fused_norm.py`` and
+    ``qk_rope_cache.py``: add+RMSNorm, q/k norm + RoPE + KV
     write and SiLU x up, one launch each; CUDA, or the CPU under ``TRITON_INTERPRET=1``),
     ``"off"`` (eager) or ``"auto"``: today's path, ``"compile"`` iff ``compile_layers`` resolves
     on (CUDA) else ``"off"``, kept until the H200 A/B of issue 12 item 4 is measured."""

@@ -4,7 +4,8 @@ What: SmolLM2-135M-Instruct fp32 (real weights), GSM8K prompts (chat template, f
 questions of ``nbhelpers.data.load_gsm8k``), 32 greedy new tokens, at batch 1 and batch 8:
 ``LLM(model).generate`` with no options (or the ``--option`` ones) against HF
 ``model.generate(do_sample=False)`` (left-padded batch, sdpa attention). Each point is timed
-``--repeats`` times after one warm-up call (same process, same threads); the JSON keeps every
+``--repeats`` times, engine and HF interleaved, after one warm-up call each (same process, same
+threads); the JSON keeps every
 sample, the medians and whether the engine's tokens equal HF's (HF pads the batch, so its
 batch-8 tokens may differ in the last ulp-sensitive places; batch 1 is the exact check).
 
@@ -55,14 +56,17 @@ def engine_generate(llm, batch_prompts: list[list[int]], new: int) -> list[list[
     return [o.token_ids for o in llm.generate(batch_prompts, sp)]
 
 
-def timed(fn, repeats: int) -> tuple[list[float], list[list[int]]]:
-    out = fn()  # warm-up (first-call allocations, page pool, lazy imports)
-    samples = []
+def timed_pair(fa, fb, repeats: int) -> tuple[list[float], list[float], list, list]:
+    """Seconds of ``repeats`` calls of each, interleaved (a, b, a, b, ...) after one warm-up
+    call each, so load from other processes on a shared host hits both alike."""
+    out_a, out_b = fa(), fb()  # warm-up (first-call allocations, page pool, lazy imports)
+    sa, sb = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return samples, out
+        for fn, samples in ((fa, sa), (fb, sb)):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return sa, sb, out_a, out_b
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -85,8 +89,9 @@ def run(batches: list[int], new: int, repeats: int, options: dict) -> dict:
     points = []
     for b in batches:
         ps = prompts(tok, b)
-        eng_s, eng_tok = timed(lambda: engine_generate(llm, ps, new), repeats)
-        hf_s, hf_tok = timed(lambda: hf_generate(model, tok, ps, new), repeats)
+        eng_s, hf_s, eng_tok, hf_tok = timed_pair(lambda ps=ps: engine_generate(llm, ps, new),
+                                                  lambda ps=ps: hf_generate(model, tok, ps, new),
+                                                  repeats)
         points.append({"batch": b, "prompt_tokens": [len(p) for p in ps], "new_tokens": new,
                        "engine_s": eng_s, "hf_s": hf_s,
                        "engine_median_s": statistics.median(eng_s),

@@ -69,7 +69,7 @@ class ModelRunner:
         self.pad_prefill = on_cuda or bool(compile_attn)
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a,
                                         flex_fn=paged_attention(flex))
-        self._resolve_attention(on_cuda)
+        self._resolve_attention(on_cuda, bool(compile_attn))
         lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
         for group in self.model.live_groups():
             group.set_lora_expand(self.lora_expand)
@@ -96,9 +96,10 @@ class ModelRunner:
                                  if opt.compile_decode and compile_attn else None)
         self.allocate_kv()
 
-    def _resolve_attention(self, on_cuda: bool) -> None:
+    def _resolve_attention(self, on_cuda: bool, compiled: bool) -> None:
         """Set ``decode_attention``, ``prefill_attention``, ``lora_expand`` and
-        ``attention_note`` (why ``"auto"`` kept flex on the CPU, else ``None``).
+        ``attention_note`` (why ``"auto"`` kept flex on the CPU, else ``None``). Asking for
+        ``compile_attention=True`` keeps compiled flex under ``"auto"``.
 
         Raises:
             ValueError: ``"sdpa"`` asked for a model whose score_mod/masks SDPA cannot express,
@@ -108,9 +109,10 @@ class ModelRunner:
         why = sdpa_supports(spec.attn_score_mod,
                             [spec.mask_for_layer(i) for i in range(len(self.model.layers))])
         self.attention_note = None if why is None or on_cuda else f"flex on the CPU: {why}"
+        ok = why is None and not compiled
         self.decode_attention, self.lora_expand = resolve_kernels(
-            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=why is None)
-        self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=why is None)
+            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=ok)
+        self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=ok)
         if why is not None and "sdpa" in (self.decode_attention, self.prefill_attention):
             raise ValueError(f"attention 'sdpa' cannot run this model: {why}; use 'flex'.")
         if self.decode_attention == "sdpa" and self.use_graphs:

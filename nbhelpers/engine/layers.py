@@ -24,7 +24,9 @@ from nbhelpers.engine.lora import LiveGroup, storage_signature
 class AttnBatch:
     """Per-step attention metadata: one BlockMask per layer and whether queries are one per row.
 
-    ``block_masks[i]`` is layer ``i``'s mask (layers with the same mask factory share one object).
+    ``block_masks[i]`` is layer ``i``'s mask (layers with the same mask factory share one object):
+    a flex ``BlockMask``, or an ``attention.SdpaMask`` plan (CPU default ``"sdpa"`` kernels), which
+    the model's attention function (``attention.paged_attention``) routes to SDPA.
     ``paged_decode``: when set (decode with ``decode_attention="triton"``), models that list
     ``"triton"`` in ``decode_kernels`` call ``paged_decode(i, q [B, H, D], k_cache, v_cache,
     scale) -> [B, H, D]`` instead of flex (``block_masks`` are then ``None``).

@@ -116,7 +116,8 @@ def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
 
 
 @triton.jit
-def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, scale, soft_cap, window,
+def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, scale, soft_cap,
+            window,
             stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
             stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -202,7 +203,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
 
 def plan_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                    waves: float = TARGET_WAVES, min_split_tokens: int = MIN_SPLIT_TOKENS_V2) -> int:
+                    waves: float = TARGET_WAVES,
+                    min_split_tokens: int = MIN_SPLIT_TOKENS_V2) -> int:
     """Kernel "v2" grid splits: ``batch * num_kv_heads * S >= waves * num_sms`` programs.
 
     ``S = ceil(waves * num_sms / (batch * num_kv_heads))`` clipped to ``[1, min(MAX_SPLITS,

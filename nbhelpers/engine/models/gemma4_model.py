@@ -170,7 +170,9 @@ class Gemma4EngineModel(EngineModel):
                 x, h = fx.add_norm(m, x, out_norm=nxt, delta_norm=post_ff, scale=scale)
                 continue
             x = fx.add_norm(m, x, delta_norm=post_ff)[0]
-            p = fx.act_mul(self.ple[0][i](x)[0], ple[:, :, i], "gelu_tanh")
+            g, ple_i = self.ple[0][i](x)[0], ple[:, :, i]
+            p = fx.act_mul(g, ple_i, "gelu_tanh") if g.dtype == ple_i.dtype else \
+                layer.act_fn(g) * ple_i  # HF's promotion when the dtypes differ
             x, h = fx.add_norm(self.ple[1][i](p)[0], x, out_norm=nxt, scale=scale,
                                delta_norm=_gnorm(layer.post_per_layer_input_norm))
         return h[0]

@@ -176,7 +176,8 @@ def equivalence() -> nbformat.NotebookNode:
           "`same_support_logp_diff`, mean |engine - trainer| logprob on one support, "
           "nats/token (flex renormalises the trainer's logprob by the engine's kept mass; vLLM "
           "returns no kept mass, so none); `is_ratio_applied_mean`, TRL's ratio as the loss "
-          "applies it. Then the compile report (`compile_mode` not none): recompiles and graph "
+          "applies it; `filtered_*` (flex only): the vLLM-style ratio against the engine's "
+          "filtered logprobs, not on one support (reported, not applied). Then the compile report (`compile_mode` not none): recompiles and graph "
           "breaks with `compile_dynamic`."), EQ_IS),
         ("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`).",
          EQ_PLOTS),

@@ -41,6 +41,8 @@ TRL_LOG_KEYS: dict[str, str] = {
     "sampling/token_is_ratio/mean": "is_token_ratio_mean",
     "sampling/token_is_ratio/outside_0.9_1.1": "is_token_outside_0.9_1.1",
     "sampling/same_support_logp_difference/mean": "same_support_logp_diff_mean",
+    "sampling/token_is_ratio_filtered/mean": "is_filtered_ratio_mean",  # flex: vLLM-style
+    "sampling/token_is_ratio_filtered/outside_0.9_1.1": "is_filtered_outside_0.9_1.1",
 }
 REWARD_PREFIX, REWARD_SUFFIX = "rewards/", "/mean"
 RewardFunc = Callable[..., list[float]]

@@ -117,7 +117,9 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
 IS_COLUMNS = {"is_token_ratio_mean": "is_ratio_mean",
               "is_token_outside_0.9_1.1": "is_outside_0.9_1.1",
               "same_support_logp_diff_mean": "same_support_logp_diff",
-              "is_ratio_applied_mean": "is_ratio_applied_mean"}
+              "is_ratio_applied_mean": "is_ratio_applied_mean",
+              "is_filtered_ratio_mean": "filtered_ratio_mean",
+              "is_filtered_outside_0.9_1.1": "filtered_outside_0.9_1.1"}
 """Step-row keys (:data:`nbhelpers.grpo.callbacks.TRL_LOG_KEYS`, from
 :data:`nbhelpers.grpo.flex_rollout.IS_KEYS`) -> :func:`is_summary` names."""
 
@@ -129,7 +131,9 @@ def is_summary(run: dict[str, Any]) -> dict[str, Any]:
     ``exp(trainer - engine)`` logprob ratio; ``is_outside_0.9_1.1``: fraction of tokens outside
     [0.9, 1.1]; ``same_support_logp_diff``: mean |engine - trainer| logprob on one support,
     nats/token (``None`` for vLLM: it returns no kept mass); ``is_ratio_applied_mean``: TRL's
-    ratio as the loss applies it (after its mode and clip)."""
+    ratio as the loss applies it (after its mode and clip); ``filtered_*``: flex only, the same
+    ratio against the engine's filtered logprob (vLLM-style, not on one support: carries the
+    kept mass, :mod:`nbhelpers.grpo.flex_rollout`)."""
     rows = run.get("rows") or []
     out: dict[str, Any] = {name: _mean([r.get(key) for r in rows])
                            for key, name in IS_COLUMNS.items()}

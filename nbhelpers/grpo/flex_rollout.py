@@ -38,7 +38,8 @@ engine's full logprobs as ``sampling_per_token_logps``, and applies it in the lo
 vLLM; (2) logs ``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL's key names) from the
 loss's own logprobs (no extra forward); (3) logs :data:`IS_KEYS` per step, for flex and for vLLM
 (``plans``: vLLM runs through it too, its path is TRL's own; its "same support" gap is ``None``:
-vLLM 0.26 returns no kept mass).
+vLLM 0.26 returns no kept mass), and for flex :data:`FILTERED_IS_KEYS`, the vLLM-style ratio
+against its filtered logprobs (the bias the fix removes).
 
 Run: ``pytest tests/unit/test_grpo_flex.py``.
 """
@@ -61,6 +62,10 @@ IS_KEYS = {"ratio_mean": "sampling/token_is_ratio/mean",
            "same_support": "sampling/same_support_logp_difference/mean"}
 """Per-step IS report: token ratio ``exp(trainer - engine)`` mean, fraction of tokens outside
 [0.9, 1.1], mean |engine - trainer| logprob on one support (nats/token)."""
+FILTERED_IS_KEYS = {"ratio_mean": "sampling/token_is_ratio_filtered/mean",
+                    "outside": "sampling/token_is_ratio_filtered/outside_0.9_1.1"}
+"""Flex only, for comparison: the same two numbers against the engine's *filtered* logprob
+``log q_S`` (what TRL's vLLM path uses, not renormalised to one support); reported, not applied."""
 IS_APPLIED_MEAN = "sampling/importance_sampling_ratio/mean"
 """TRL's key: mean of the ratio as the loss applies it (after its mode and clip)."""
 
@@ -229,7 +234,10 @@ class FlexGRPOTrainer(GRPOTrainer):
         mask = out["completion_mask"]
         mode = "train" if self.model.training else "eval"
         if self.flex_is:
+            filtered = out.get("sampling_per_token_logps")  # TRL's: the rollout's "logprobs"
             self._flex_importance_sampling(out, inputs)
+            if filtered is not None:
+                self._log_filtered_is(out["old_per_token_logps"], filtered, mask, mode)
             ratio = out["importance_sampling_ratio"]  # TRL's metric of the ratio as applied
             flat = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask.bool()]
             self._metrics[mode][IS_APPLIED_MEAN].append(float(flat.mean()) if flat.numel() else 0.0)
@@ -240,6 +248,15 @@ class FlexGRPOTrainer(GRPOTrainer):
                 if value is not None:
                     self._metrics[mode][key].append(value)
         return out
+
+    def _log_filtered_is(self, trainer_logps: Any, filtered: Any, mask: Any, mode: str) -> None:
+        """:data:`FILTERED_IS_KEYS`: :func:`token_is_stats` against the engine's filtered
+        logprobs ``[B, T]`` (vLLM-style, not renormalised)."""
+        stats = token_is_stats(trainer_logps, filtered, mask, same_support=False)
+        for name, key in FILTERED_IS_KEYS.items():
+            value = stats[IS_KEYS[name]]
+            if value is not None:
+                self._metrics[mode][key].append(value)
 
     def _flex_importance_sampling(self, out: dict[str, Any], inputs: list[dict]) -> None:
         """Trainer logprobs, engine full logprobs and TRL's ratio into ``out`` (in place).

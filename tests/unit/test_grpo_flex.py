@@ -161,6 +161,10 @@ def test_mismatch_metric_and_gate_on_the_real_run(flex_run):
     limit = 1e-4 if device == "cpu" else 0.05
     assert len(rows) == 2 and all(r[MISMATCH_MEAN] < limit for r in rows)
     assert all(r["generate_s"] > 0 for r in rows)
+    # IS on by default: one support (and min_p 0 here, so the filtered ratio is the same number)
+    for key in ("is_token_ratio_mean", "is_filtered_ratio_mean", "is_ratio_applied_mean"):
+        assert all(abs(r[key] - 1) < (1e-4 if device == "cpu" else 0.05) for r in rows), key
+    assert all(r["is_token_outside_0.9_1.1"] == 0.0 for r in rows if device == "cpu")
     th = thresholds_for("random", reward_range=(0.0, 8.0))  # letter_e_reward: 0..8 per 8 tokens
     assert check_run("flex", rows, th).passed
     rows[1]["loss"] = math.nan  # injected NaN loss

@@ -99,7 +99,8 @@ class ModelRunner:
     def _resolve_attention(self, on_cuda: bool, compiled: bool) -> None:
         """Set ``decode_attention``, ``prefill_attention``, ``lora_expand`` and
         ``attention_note`` (why ``"auto"`` kept flex on the CPU, else ``None``). Asking for
-        ``compile_attention=True`` keeps compiled flex under ``"auto"``.
+        ``compile_attention=True`` keeps compiled flex under ``"auto"``; ``use_cuda_graphs=True``
+        keeps flex decode.
 
         Raises:
             ValueError: ``"sdpa"`` asked for a model whose score_mod/masks SDPA cannot express,
@@ -110,8 +111,8 @@ class ModelRunner:
                             [spec.mask_for_layer(i) for i in range(len(self.model.layers))])
         self.attention_note = None if why is None or on_cuda else f"flex on the CPU: {why}"
         ok = why is None and not compiled
-        self.decode_attention, self.lora_expand = resolve_kernels(
-            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=ok)
+        self.decode_attention, self.lora_expand = resolve_kernels(  # graphs: not sdpa (below)
+            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=ok and not self.use_graphs)
         self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=ok)
         if why is not None and "sdpa" in (self.decode_attention, self.prefill_attention):
             raise ValueError(f"attention 'sdpa' cannot run this model: {why}; use 'flex'.")

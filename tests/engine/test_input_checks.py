@@ -18,7 +18,7 @@ def test_bad_runner_options_name_the_field(option, value):
 
 def test_decode_attention_names_the_accepted_values():
     with pytest.raises(ValueError, match=r"decode_attention='fa3': must be one of \('auto', "
-                       r"'flex', 'triton'\)"):
+                       r"'flex', 'triton', 'sdpa'\)"):
         LLM(tiny_model(), decode_attention="fa3")
 
 

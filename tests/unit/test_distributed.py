@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from nbhelpers.config import GRPOSettings, LoraSpec
-from nbhelpers.grpo import GRPOResult, distributed, train
+from nbhelpers.grpo import GRPOResult, distributed, scaling, train
 
 
 def char_count_reward(prompts=None, completions=(), **kwargs):
@@ -28,7 +28,7 @@ def two_rank_run(tmp_path_factory):
                             max_completion_length=4, max_prompt_length=256, learning_rate=2e-2,
                             warmup_ratio=0.0, lr_scheduler_type="constant", min_p=0.0,
                             lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
-    return distributed.run_scaling("tiny-llama", settings, "flex", 2, n_questions=4,
+    return scaling.run_scaling("tiny-llama", settings, "flex", 2, n_questions=4,
                                    output_dir=tmp_path_factory.mktemp("grpo_ddp"), skip_first=0,
                                    progress=False, reward_funcs=[char_count_reward])
 
@@ -110,7 +110,7 @@ def test_rank_args_carry_server_mode_and_reward_paths(tmp_path):
 
 def test_rank_args_carry_compile_dynamic(tmp_path):
     """train(compile_dynamic=...) reaches every rank's opts (a train keyword, not GRPOConfig)."""
-    opts, overrides = distributed._train_opts(backend="flex", output_dir=tmp_path,
+    opts, overrides = scaling._train_opts(backend="flex", output_dir=tmp_path,
                                               compile_mode="default", compile_dynamic=True)
     args = json.loads(json.dumps(distributed.rank_args("tiny-llama", GRPOSettings(), opts,
                                                        overrides)))
@@ -163,14 +163,14 @@ def test_scaling_record_is_step_time_ratio_at_fixed_per_gpu_batch():
                           config={"per_device_train_batch_size": 64} | config)
     ranks = [{"rank": i, "generate_s": [1.0, 3.0, 2.0 + i], "peak_mem_allocated_gib": 10.0 + i}
              for i in range(2)]
-    rec = distributed.scaling_record(result(8.0, {}),
+    rec = scaling.scaling_record(result(8.0, {}),
                                      result(10.0, {"world_size": 2, "per_rank": ranks}))
     assert rec["scaling_efficiency"] == pytest.approx(0.8)
     assert rec["world_size"] == 2 and rec["per_device_train_batch_size"] == 64
     assert [r["generate_s_median"] for r in rec["per_rank"]] == [2.0, 3.0]
     assert [r["peak_mem_allocated_gib"] for r in rec["per_rank"]] == [10.0, 11.0]
     with pytest.raises(ValueError, match="per_rank"):
-        distributed.scaling_record(result(8.0, {}), result(10.0, {}))
+        scaling.scaling_record(result(8.0, {}), result(10.0, {}))
 
 
 def test_flex_refuses_sharded_parameters_naming_the_fix():

@@ -85,6 +85,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "fp32), one process per point and variant; the stages above are skipped")
     ap.add_argument("--variants", default="", help='A/B mode: \'{"name": "old", "options": '
                     '{...}};{"name": "new", "options": {}}\' (RunnerOptions fields)')
+    ap.add_argument("--no-floor-gemms", action="store_true",
+                    help="A/B mode: skip the cold-weight GEMM times (bandwidth + bytes still)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one A/B child
     return ap.parse_args(argv)
 
@@ -171,7 +173,8 @@ def run_points(args, out: Path) -> None:
     """A/B mode: every ``--points`` x ``--variants`` in its own process (module docstring)."""
     points, variants = ab.parse_points(args.points), ab.parse_variants(args.variants)
     settings = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
-                "rounds": args.rounds, "sync_every": args.sync_every}
+                "rounds": args.rounds, "sync_every": args.sync_every,
+                "floor_gemms": not args.no_floor_gemms}
     run_id = utc_stamp()
     log(f"A/B run {run_id}: {len(points)} points x {len(variants)} variants")
     sides = ab.run_ab(points, variants, settings, run_id, out, str(Path(__file__).resolve()))

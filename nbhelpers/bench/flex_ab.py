@@ -100,7 +100,8 @@ def run_config(point: Point, variant: dict[str, Any], settings: dict[str, Any], 
                                else "model")
     res = eb.run_flex_point(model, point.batch, settings["prompt_tokens"],
                             settings["max_new_tokens"], rounds=settings["rounds"],
-                            sync_every=settings["sync_every"], profile=True, floor_gemms=True,
+                            sync_every=settings["sync_every"], profile=True,
+                            floor_gemms=settings.get("floor_gemms", True),
                             **variant["options"])
     side = eb.flex_sidecar(f"{point.tag}_{variant['name']}", info, lora, point.batch,
                            settings["prompt_tokens"], settings["max_new_tokens"], res,

@@ -29,10 +29,12 @@ SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit
 AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
 AB_ATTN = "scripts/device/ab_paged_decode.py"  # grouped vs per-head paged decode attention
 # engine A/B at the GRPO rollout shape and W (one process per point x variant, floor + profile)
-K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --points "
-            "qwen3-4b:fp32:4,qwen3-4b:bf16:4,qwen3-4b:fp32:32,qwen3-4b:none:32 --variants "
+K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --no-floor-gemms --points "
+            "qwen3-4b:fp32:4,qwen3-4b:bf16:32,qwen3-4b:none:32 --variants "
             "'{\"name\": \"default\", \"options\": {}};"
-            "{\"name\": \"fused\", \"options\": {\"lora_fused\": \"triton\"}}'")
+            "{\"name\": \"new\", \"options\": {\"lora_fused\": \"triton\", "
+            "\"fused_elementwise\": \"triton\", \"decode_kernel_options\": "
+            "{\"kernel\": \"v2\"}}}'")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -118,9 +120,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "k1": (["notebooks", "trl"], ["tok", "gguf0"], [
         (SUITE, {"args": ""}, 300, 420, 0)]),
     "k2": ([], ["gguf1", "gsm8k"], [
-        (AB_LORA_GEMM, {"args": "--out $OUT"}, 200, 240, 0),
-        (AB_ATTN, {"args": "--out $OUT"}, 100, 150, 0),
-        (BENCH, {"args": K2_BENCH}, 250, 300, 0)]),
+        (AB_LORA_GEMM, {"args": "--out $OUT --rows 4,32 --budget-s 110"}, 130, 170, 0),
+        (AB_ATTN, {"args": "--out $OUT --rounds 10"}, 60, 110, 0),
+        (BENCH, {"args": K2_BENCH}, 240, 330, 0)]),
     "k3": ([], ["gguf2"], [
         (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate, flex, hf_cb]",
               "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 420, 540, 0)]),

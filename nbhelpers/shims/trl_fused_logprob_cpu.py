@@ -11,8 +11,8 @@ What it does: :func:`install` puts :class:`TorchLogProb` in that slot only when 
 computes the same five per-token outputs as the kernel's forward (``log_probs``, ``entropy``,
 ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; same logit transform: ``logit_scale``, optional
 soft-cap, ``1/temperature``) from the full ``[N, V]`` fp32 logits and lets autograd do the
-backward. Fine for the CPU smoke sizes (N x V = a few hundred tokens x 49k vocab); on a GPU with
-Triton nothing is replaced. A CPU host with Triton installed (the test venv installs it for the
+backward. Fine for the CPU smoke sizes (N x V = a few hundred tokens x 49k vocab); on a GPU host
+TRL's kernel stays for CUDA tensors (:class:`DeviceDispatch`). A CPU host with Triton installed (the test venv installs it for the
 engine's interpreted kernel tests) gets the stand-in too: TRL's kernel cannot run on CPU tensors.
 
 Link: TRL source ``trl/kernels/chunked_logprob.py`` and ``trl/trainer/utils.py``
@@ -58,22 +58,41 @@ class TorchLogProb:
         return target_logp, entropy, sq, mean, top1
 
 
+class DeviceDispatch:
+    """TRL's Triton kernel for CUDA inputs, :class:`TorchLogProb` for CPU inputs (a CPU-trained
+    policy on a host that also has a GPU: TRL's kernel raises "Pointer argument (at 0) cannot be
+    accessed from Triton (cpu tensor?)", seen on the H200 with torch 2.11 / triton 3.6)."""
+
+    kernel: Any = None  # TRL's ChunkedLogProbFunction, set by install()
+
+    @classmethod
+    def apply(cls, hidden, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        impl = cls.kernel if hidden.is_cuda else TorchLogProb
+        return impl.apply(hidden, *args, **kwargs)
+
+
 def is_needed() -> bool:
-    """True when TRL's slot is ``None`` (Triton could not be imported), or when it holds TRL's
-    Triton kernel but no CUDA device exists (Triton installed on a CPU host: the kernel cannot
-    take CPU tensors; seen with triton 3.6/3.9 and TRL 1.15: "0 active drivers")."""
-    import torch
+    """True when TRL's slot is ``None`` (Triton could not be imported) or still holds TRL's own
+    Triton kernel, which cannot take CPU tensors (no CUDA device: triton 3.6/3.9 with TRL 1.15
+    says "0 active drivers"; with one, a CPU-trained policy fails as :class:`DeviceDispatch`
+    says)."""
     import trl.trainer.utils as trl_utils
     slot = getattr(trl_utils, "_ChunkedLogProbFunction", "absent")
-    if slot is None:
-        return True
-    return slot not in ("absent", TorchLogProb) and not torch.cuda.is_available()
+    return slot is None or slot not in ("absent", TorchLogProb, DeviceDispatch)
 
 
 def install() -> bool:
-    """Put :class:`TorchLogProb` in TRL's kernel slot when :func:`is_needed`; True when it did."""
+    """Fill TRL's kernel slot when :func:`is_needed`: :class:`TorchLogProb` when it is ``None``
+    or no CUDA device exists, else :class:`DeviceDispatch` around TRL's kernel (CUDA calls keep
+    it). True when it changed the slot."""
+    import torch
     import trl.trainer.utils as trl_utils
     if not is_needed():
         return False
-    trl_utils._ChunkedLogProbFunction = TorchLogProb
+    slot = trl_utils._ChunkedLogProbFunction
+    if slot is None or not torch.cuda.is_available():
+        trl_utils._ChunkedLogProbFunction = TorchLogProb
+        return True
+    DeviceDispatch.kernel = slot
+    trl_utils._ChunkedLogProbFunction = DeviceDispatch
     return True

@@ -152,7 +152,8 @@ def test_gemma_qkv_norms_match_hf(dtype, shared):
 
 def _greedy(model, prompts, **options):
     from nbhelpers.engine import LLM
-    llm = LLM(model, page_size=8, num_pages=64, max_model_len=256, **options)
+    # page_size 64: one the CUDA flex kernels serve too (kv_cache.check_page_size)
+    llm = LLM(model, page_size=64, num_pages=16, max_model_len=256, **options)
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts, params)
     return llm, [(o.token_ids, o.logprobs) for o in outs]

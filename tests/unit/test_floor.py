@@ -78,6 +78,9 @@ def test_pct_of_floor_arithmetic():
 
 
 def test_cold_gemm_times_cover_every_decode_shape_and_the_engine_kernels(tiny):
+    if torch.cuda.is_available():
+        pytest.skip("CPU path through Triton's interpreter (off on a CUDA host); the GPU test "
+                    "below times the same kernels on the device")
     rows = fl.cold_gemm_times(tiny.config, 4, "cpu", "bfloat16", LoraSpec(rank=16, alpha=32),
                               "float32", cycle_bytes=1, rounds=1)
     assert set(rows) == {"qkv", "o", "gate_up", "down", "lm_head"}

@@ -62,14 +62,34 @@ def test_canary_trl_still_lacks_a_cpu_path_without_triton():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
-def test_install_leaves_an_existing_kernel_alone_on_cuda(monkeypatch):
+def test_install_keeps_the_kernel_for_cuda_and_routes_cpu_tensors_to_torch(monkeypatch):
+    """A GPU host training a CPU policy (the tests' forced-CPU runs on the H200): CUDA inputs go
+    to TRL's kernel, CPU inputs to the torch stand-in."""
     import trl.trainer.utils as trl_utils
 
-    sentinel = object()
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", sentinel)
+    calls = []
+
+    class Kernel:
+        @staticmethod
+        def apply(hidden, *args, **kwargs):
+            calls.append(hidden)
+            return "kernel"
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Kernel)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert shim.is_needed() and shim.install()
+    assert trl_utils._ChunkedLogProbFunction is shim.DeviceDispatch
     assert not shim.is_needed() and not shim.install()
-    assert trl_utils._ChunkedLogProbFunction is sentinel
+
+    class FakeCuda:
+        is_cuda = True
+    assert shim.DeviceDispatch.apply(FakeCuda(), None) == "kernel" and len(calls) == 1
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 8, generator=g), torch.randn(11, 8, generator=g)
+    targets = torch.tensor([1, 5, 10])
+    got = shim.DeviceDispatch.apply(hidden, weight, None, targets, 1.0, 4)
+    want = shim.TorchLogProb.apply(hidden, weight, None, targets, 1.0, 4)
+    assert torch.equal(got[0], want[0]) and len(calls) == 1
 
 
 def test_install_replaces_the_triton_kernel_without_cuda(monkeypatch):

@@ -61,8 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def git_sha(given: str | None) -> str:
-    if given:
-        return given
+    """``--sha``, else ``NBHELPERS_GIT_SHA`` (run_step.py sets it; the device copy's ``.git`` is
+    not this checkout's), else ``git rev-parse``."""
+    if given or os.environ.get("NBHELPERS_GIT_SHA"):
+        return given or os.environ["NBHELPERS_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                               capture_output=True, check=True).stdout.strip()

@@ -207,6 +207,10 @@ def _print(rows, read_tb_s, out):
 
 
 def _sha():
+    """``NBHELPERS_GIT_SHA`` first (run_step.py sets it: the device copy's ``.git``, if any, is
+    not this checkout's: it recorded 3ae45ee on 2026-12-01 for a run of 2c76cc9)."""
+    if os.environ.get("NBHELPERS_GIT_SHA"):
+        return os.environ["NBHELPERS_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10).stdout.strip() or None

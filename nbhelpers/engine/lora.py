@@ -15,7 +15,8 @@ scaling folded into ``addmm_`` (see the class docstring), or, with ``lora_expand
 one Triton launch for all parts (:mod:`nbhelpers.engine.kernels.lora_expand`). With
 ``lora_fused="triton"`` decode calls (at most ``lora_gemm.MAX_ROWS`` rows) run the base GEMM and
 its LoRA as one kernel (:mod:`nbhelpers.engine.kernels.lora_gemm`) where the per-shape tuner
-(:mod:`nbhelpers.engine.kernels.lora_gemm_tune`) found it faster than that path.
+(:mod:`nbhelpers.engine.kernels.lora_gemm_tune`) found it faster than that path; that path lives
+in :mod:`nbhelpers.engine.lora_fused` (:class:`LoraFusedGemm`, one per group).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).
@@ -25,24 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public names)
+    LORA_FUSED_MODES,
+    LoraFusedGemm,
+    check_lora_fused,
+)
+
 LORA_EXPAND_MODES = ("addmm", "triton")
 """How LiveGroup adds LoRA B: one ``addmm_`` per part, or one Triton kernel per group."""
-
-
-LORA_FUSED_MODES = ("off", "triton")
-"""Whether decode GEMMs may run as one base + LoRA Triton kernel (``lora_gemm``)."""
-
-
-def check_lora_fused(mode: str) -> str:
-    """``mode`` if valid. Raises ``ValueError``: not in :data:`LORA_FUSED_MODES`, or
-    ``"triton"`` without an importable ``triton`` package."""
-    import importlib.util
-    if mode not in LORA_FUSED_MODES:
-        raise ValueError(f"lora_fused={mode!r}: use one of {LORA_FUSED_MODES}.")
-    if mode == "triton" and importlib.util.find_spec("triton") is None:
-        raise ValueError("lora_fused='triton' needs the triton package (pip install triton); "
-                         "use lora_fused='off'.")
-    return mode
 
 
 def check_lora_expand(mode: str) -> str:
@@ -144,9 +135,8 @@ class LiveGroup:
         self._fused: dict[str, Any] | None = None
         self._state: tuple = ()
         self._expand: Any = None
-        self._gemm = self._tune = None
+        self._lora_gemm = LoraFusedGemm()  # lora_fused="triton" path (lora_fused.py)
         self.lora_fused = "off"
-        self._choices: dict[str, Any] = {}
         self.set_lora_expand(lora_expand)
         self.refresh()
 
@@ -163,11 +153,7 @@ class LiveGroup:
     def set_lora_fused(self, mode: str) -> None:
         """``"off"`` or ``"triton"`` (module docstring); raises ``ValueError`` as
         :func:`check_lora_fused`."""
-        self.lora_fused = check_lora_fused(mode)
-        self._gemm = self._tune = None
-        if mode == "triton":
-            from nbhelpers.engine.kernels import lora_gemm, lora_gemm_tune
-            self._gemm, self._tune = lora_gemm, lora_gemm_tune
+        self.lora_fused = self._lora_gemm.set_mode(mode)
 
     def _lora_fusable(self) -> bool:
         if not all(p.has_lora for p in self.parts):
@@ -233,7 +219,8 @@ class LiveGroup:
         if f is None:
             return [p(x) for p in self.parts]
         x2 = x.reshape(-1, x.shape[-1])
-        y = self._fused_gemm(x2, f) if self._gemm is not None else None
+        fused = self._lora_gemm
+        y = fused(x2, f, self.sizes, self._ranks, self._cublas_path) if fused.enabled else None
         if y is None:
             y = self._cublas_path(x2, f)
         y = y.view(*x.shape[:-1], y.shape[-1])
@@ -256,53 +243,6 @@ class LiveGroup:
                     y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place
                 y = acc.to(y.dtype)
         return y
-
-    def _gemm_operands(self, x2: Any, f: dict[str, Any]) -> tuple | None:
-        """``(W, A, Bs, ranks)`` for :func:`lora_gemm.lora_gemm` (A and Bs ``None`` without
-        LoRA; with ``ext`` A is W's last rows), or ``None`` when it does not serve them."""
-        n = f["n_out"]
-        w = f["W"][:n] if f["ext"] else f["W"]
-        a = (f["W"][n:] if f["ext"] else f["A"]) if f["lora"] else None
-        bs, ranks = (f["B"], self._ranks()) if f["lora"] else (None, None)
-        ok = self._gemm.supported(x2, w, self.sizes, a, bs, ranks)
-        return (w, a, bs, ranks) if ok else None
-
-    def _fused_gemm(self, x2: Any, f: dict[str, Any]) -> Any:
-        """``y [N, sum(out)]`` from one :mod:`lora_gemm` launch, or ``None``: unsupported operands
-        (e.g. more than ``MAX_ROWS`` rows: prefill) or the tuner picked cuBLAS for this shape."""
-        ops = self._gemm_operands(x2, f)
-        if ops is None:
-            return None
-        w, a, bs, ranks = ops
-        cfg = self._fused_config(x2, f, ops)
-        if cfg is None:
-            return None
-        return self._gemm.lora_gemm(x2, w, self.sizes, f["bias"], a, bs, ranks,
-                                    f.get("scaling", 1.0), cfg)
-
-    def _fused_config(self, x2: Any, f: dict[str, Any], ops: tuple) -> Any:
-        """The tuned :class:`lora_gemm.Config` for this shape, ``None`` for cuBLAS. Tunes at the
-        shape's first eager CUDA call (module :mod:`lora_gemm_tune`); on the CPU, while capturing
-        or tracing: ``default_config`` (not recorded, so a later eager call still tunes)."""
-        import torch
-        w, a, bs, ranks = ops
-        lg, tune = self._gemm, self._tune
-        key = tune.shape_key(x2.device, x2.shape[0], self.sizes, x2.shape[1], w.dtype,
-                             None if a is None else a.dtype, ranks, f["bias"] is not None)
-        if key in self._choices:
-            return self._choices[key]
-        default = lg.default_config(x2.shape[0], w.shape[0], x2.shape[1], self.sizes)
-        if (not x2.is_cuda or torch.compiler.is_compiling()
-                or torch.cuda.is_current_stream_capturing()):
-            return default
-        cfgs = {tune.config_name(c): c for c in (default, *lg.CONFIGS)
-                if lg.block_ok(self.sizes, c.block_n)}
-        launch = {n: (lambda c=c: lg.lora_gemm(x2, w, self.sizes, f["bias"], a, bs, ranks,
-                                               f.get("scaling", 1.0), c)) for n, c in cfgs.items()}
-        launch[tune.CUBLAS] = lambda: self._cublas_path(x2, f)
-        choice = tune.tuner().choose(key, launch)
-        self._choices[key] = cfgs.get(choice)  # None: cuBLAS
-        return self._choices[key]
 
     def _lora_a(self, x2: Any, a: Any) -> Any:
         """``x2.to(A.dtype) @ A^T`` ``[N, sum(r)]``: one Triton launch for fp32 A on a 16-bit

@@ -23,15 +23,17 @@ from nbhelpers.engine.attention import (
     decode_block_mask,
     decode_sdpa_mask,
     paged_attention,
-    prefill_block_mask,
-    prefill_pages,
-    prefill_sdpa_mask,
     sdpa_supports,
 )
 from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
 from nbhelpers.engine.models import build_engine_model
+from nbhelpers.engine.runner_batches import (
+    layer_masks,
+    pack_prefill,
+    prefill_attention_batch,
+)
 from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public names)
     DECODE_ATTENTION,
     DecodeState,
@@ -139,8 +141,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.refresh_weights()
         leaders = [g[0] for g in groups]
-        ids, pos, rows, slots = self._pack(leaders)
-        logits = self._prefill_forward(ids, pos, rows, slots, leaders)
+        ids, pos, rows, slots = pack_prefill(leaders, self.opt, self.pad_prefill)
+        attn = prefill_attention_batch(self.model, self.opt, leaders, rows, pos,
+                                       self.prefill_attention, self.max_pages, self.kv)
+        logits = self._prefill_run(ids, pos, slots, leaders, attn)
         members = [s for g in groups for s in g]
         rep = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         self._fork(groups)
@@ -149,44 +153,6 @@ class ModelRunner:
             seq.append(t, lp)
         self.timings["prefill_tokens"] += len(ids)
         self._tick("prefill_s", t0)
-
-    def _pack(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[int], list[int]]:
-        ids, pos, rows, slots, ps = [], [], [], [], self.opt.page_size
-        for r, seq in enumerate(seqs):
-            n = seq.num_tokens
-            ids += seq.tokens
-            pos += list(range(n))
-            rows += [r] * n
-            slots += [seq.block_table[p // ps] * ps + p % ps for p in range(n)]
-        unit = self.opt.prefill_pad if len(ids) <= 8 * self.opt.prefill_pad else 1024
-        pad = (-len(ids)) % unit if self.pad_prefill else 0  # few compiled shapes
-        return ids + [0] * pad, pos + [0] * pad, rows + [-1] * pad, slots + [0] * pad
-
-    def _prefill_forward(self, ids: list[int], pos: list[int], rows: list[int],
-                         slots: list[int], seqs: list[Sequence]) -> Any:
-        import torch
-        dev, ps, n_rows = self.device, self.opt.page_size, len(seqs)
-        tables = [s.block_table for s in seqs]
-        if self.prefill_attention == "sdpa":
-            ends = [sum(s.num_tokens for s in seqs[:i + 1]) for i in range(n_rows)]
-            spans = list(zip([0] + ends[:-1], ends))
-            attn = self._masks(lambda extra: prefill_sdpa_mask(
-                tables, spans, [0] * n_rows, ps, dev, extra), is_decode=False)
-            return self._prefill_run(ids, pos, slots, seqs, attn)
-        bt = torch.zeros(n_rows + 1, self.max_pages, dtype=torch.long)
-        for r, t in enumerate(tables):
-            bt[r, :len(t)] = torch.tensor(t)
-        used = torch.tensor([len(t) for t in tables] + [0])
-        p2l = phys_to_logical(bt, used, self.opt.num_pages).to(dev)
-        counts, lists = prefill_pages(rows, pos, tables, ps, self.opt.num_pages)
-        q_row = torch.tensor([r if r >= 0 else n_rows for r in rows], device=dev)
-        q_pos = torch.tensor(pos, device=dev)
-        attn = self._masks(lambda extra: prefill_block_mask(
-            p2l, q_row, q_pos, torch.tensor(counts, dtype=torch.int32, device=dev),
-            torch.tensor(lists, dtype=torch.int32, device=dev), ps, self.kv.num_slots, extra),
-            is_decode=False, kernel_options=self.opt.prefill_kernel_options if dev.type == "cuda"
-            else None)
-        return self._prefill_run(ids, pos, slots, seqs, attn)
 
     def _prefill_run(self, ids: list[int], pos: list[int], slots: list[int],
                      seqs: list[Sequence], attn: AttnBatch) -> Any:
@@ -200,16 +166,6 @@ class ModelRunner:
             last = torch.tensor([sum(s.num_tokens for s in seqs[:i + 1]) - 1
                                  for i in range(n_rows)], device=dev)
             return self.model.logits(hidden[last])
-
-    def _masks(self, build: Any, is_decode: bool, kernel_options: Any = None) -> AttnBatch:
-        cache: dict[int, Any] = {}
-        masks = []
-        for i in range(len(self.model.layers)):
-            extra = self.model.spec.mask_for_layer(i)
-            if id(extra) not in cache:
-                cache[id(extra)] = build(extra)
-            masks.append(cache[id(extra)])
-        return AttnBatch(masks, is_decode, kernel_options)
 
     def _fork(self, groups: list[list[Sequence]]) -> None:
         """Copy-on-write: followers copy the leader's partly filled last page."""
@@ -322,7 +278,7 @@ class ModelRunner:
         ps, m = self.opt.page_size, self.model
         slots = slot_mapping(block_table, pos, ps)
         if self.decode_attention == "sdpa":  # the rows' pages only (attention.SdpaMask)
-            attn = self._masks(lambda extra: decode_sdpa_mask(
+            attn = layer_masks(m, lambda extra: decode_sdpa_mask(
                 block_table, pos, self.window_pages, ps, extra), is_decode=True)
         elif self.paged_decode is not None:  # padded rows: all-null block_table, pos + 1 slots
             attn = AttnBatch([None] * len(m.layers), True,
@@ -331,7 +287,7 @@ class ModelRunner:
             used = pos // ps + 1
             p2l = phys_to_logical(block_table, used, self.opt.num_pages)
             p2l[:, 0] = torch.where(is_pad, 0, -1)  # padded rows read only the null page
-            attn = self._masks(lambda extra: decode_block_mask(
+            attn = layer_masks(m, lambda extra: decode_block_mask(
                 p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
                 kernel_options=self.opt.decode_kernel_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)

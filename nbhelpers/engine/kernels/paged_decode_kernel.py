@@ -1,0 +1,241 @@
+"""Triton programs and host launcher of the paged split-KV decode attention.
+
+The design, layouts and split policies are documented in :mod:`.paged_decode` (the public module,
+which re-exports :func:`paged_decode_attention` and :func:`new_workspace` from here); the split
+planning lives in :mod:`.paged_decode_plan`. Requires ``triton`` (imported at module import).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from nbhelpers.engine.kernels.paged_decode_plan import (
+    KERNELS,
+    MIN_SPLIT_TOKENS_V2,
+    default_block_n,
+)
+
+
+@triton.jit
+def _tanh(x):
+    return 2 * tl.sigmoid(2 * x) - 1  # tanh via sigmoid, as vLLM's kernel (portable to HIP)
+
+
+@triton.jit
+def _split_tiles(seq_len, window, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """``(lo, s_lo, s_hi)``: first visible position and this split's ``BLOCK_N`` tiles.
+
+    Tiles wholly behind the window are never visited. ``MIN_SPLIT_TILES > 0`` (kernel "v2"): no
+    split of this row gets fewer tiles, so short rows use fewer of the ``NUM_SPLITS`` programs
+    (the rest exit at once); SGLang's per-request ``num_kv_splits`` with ``MIN_BLOCK_KV``."""
+    lo = seq_len * 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    t_lo = lo // BLOCK_N  # tiles are aligned to absolute positions
+    t_hi = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(t_hi - t_lo, NUM_SPLITS)
+    if MIN_SPLIT_TILES > 0:
+        per_split = tl.maximum(per_split, MIN_SPLIT_TILES)
+    s_lo = t_lo + split * per_split
+    return lo, s_lo, tl.minimum(s_lo + per_split, t_hi)
+
+
+@triton.jit
+def _tile_slots(bt_row, start, offs_n, valid, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Physical slots ``[BLOCK_N]`` of logical positions ``offs_n`` through the block table."""
+    if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one scalar page lookup
+        page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+        slots = page * PAGE_SIZE + start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        slots = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    return slots
+
+
+@triton.jit
+def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
+                         USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: ``q [BLOCK_H, D]``, ``k [D, BLOCK_N]``, ``v [BLOCK_N, D]``;
+    returns the updated ``(m_i, l_i, acc)`` (running max, denominator, unnormalised output)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    if USE_SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # every tile has a visible key: m_new is finite
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, scale, soft_cap,
+            window,
+            stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
+            stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+            GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DIRECT: tl.constexpr):
+    """Stage 1: one program per ``(row, kv head, split)``, all ``GROUP`` q heads of the kv head
+    as the ``BLOCK_H`` rows of the ``tl.dot`` tiles (each K/V tile is read once per kv head).
+    ``DIRECT``: ``Out`` (strides ``stride_mb/mh`` then) gets the final output."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)  # positions in int32, slots in int64
+    lo, s_lo, s_hi = _split_tiles(seq_len, window, split, BLOCK_N, NUM_SPLITS, USE_WINDOW,
+                                  MIN_SPLIT_TILES)
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = BlockTable + b * stride_bt
+    for t in range(s_lo, s_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (offs_n < seq_len) & (offs_n >= lo)
+        slots = _tile_slots(bt_row, t * BLOCK_N, offs_n, valid, BLOCK_N, PAGE_SIZE)
+        k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_ks + offs_d[:, None],
+                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vs + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
+                                             USE_SOFT_CAP, DOT_PRECISION)
+    has = l_i > 0  # False for an empty split (more splits than tiles)
+    l_safe = tl.where(has, l_i, 1.0)
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    if DIRECT:  # one split (kernel "v2"): the normalised output is final, no stage 2
+        out = Out + b * stride_mb + heads * stride_mh
+        tl.store(out[:, None] + offs_d[None, :], (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+                 mask=mask_hd)
+    else:
+        mid = MidO + b * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(mid[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=mask_hd)
+        lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _paged_attention_stage2(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+            stride_ob, stride_oh,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    base = b * stride_mb + h * stride_mh
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))  # empty splits: exp(-inf) = 0
+    o = tl.load(MidO + base + offs_s[:, None] * stride_ms + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=mask_d)
+
+
+def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any,
+                           scale: float, page_size: int, num_splits: int,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           workspace: tuple[Any, Any] | None = None, block_n: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2, kernel: str = "v1",
+                           min_split_tokens: int = MIN_SPLIT_TOKENS_V2) -> Any:
+    """Decode attention of ``q [B, H, D]`` over the paged pool; returns ``[B, H, D]``.
+
+    Args:
+        k_cache, v_cache: ``[1, H_kv, num_slots, D]`` (unit stride on D); ``H % H_kv == 0``.
+            A KV-shared layer (Gemma-4) passes its store layer's tensors.
+        block_table: ``[B, max_pages]`` int32/int64 physical page ids (logical page order).
+        seq_lens: ``[B]`` int, tokens visible to the query (``pos + 1``), each ``>= 1``.
+        workspace: ``(mid_o [B, H, S, D], mid_lse [B, H, S])`` fp32, contiguous; ``None`` =
+            allocate here (fine under CUDA-graph capture: the shape is static).
+        block_n: keys per tile (power of 2, >= 16); default :func:`default_block_n`.
+        kernel: ``"v1"`` (each row's tiles split evenly over all ``num_splits``, stage 2 always)
+            or ``"v2"`` (splits of at least ``min_split_tokens`` per row; ``num_splits == 1``
+            writes the output from stage 1, one launch). Same math, same stage-1 program.
+    Raises:
+        ValueError: shapes or dtypes that do not fit (heads, head dim, workspace, block_n), an
+            unknown ``kernel``.
+    """
+    bsz, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    block_n = block_n or default_block_n(dim)
+    _check(q, k_cache, v_cache, heads, kv_heads, block_n, kernel)
+    direct = kernel == "v2" and num_splits == 1
+    out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
+    mid_o, mid_lse = _mid_buffers(out, workspace, num_splits, direct)
+    block_d = triton.next_power_of_2(max(dim, 16))
+    min_tiles = max(1, min_split_tokens // block_n) if kernel == "v2" else 0
+    _paged_attention_stage1[(bsz, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse, out, scale, soft_cap or 1.0,
+        sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(1), v_cache.stride(2), block_table.stride(0), mid_o.stride(0),
+        mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MIN_SPLIT_TILES=min_tiles, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+    if not direct:
+        _merge_splits(mid_o, mid_lse, out, block_d)
+    return out
+
+
+def _mid_buffers(out: Any, workspace: tuple[Any, Any] | None, num_splits: int,
+                 direct: bool) -> tuple[Any, Any]:
+    """Stage-1 targets: ``out`` itself when ``direct`` (``mid_lse`` unused), else the checked
+    ``(mid_o [B, H, S, D], mid_lse [B, H, S])`` workspace (allocated when ``None``)."""
+    bsz, heads, dim = out.shape
+    if direct:
+        return out.unsqueeze(2), out  # strides of out; mid_lse unused
+    mid_o, mid_lse = workspace or new_workspace(bsz, heads, num_splits, dim, out.device)
+    if mid_o.shape != (bsz, heads, num_splits, dim) or not mid_o.is_contiguous():
+        raise ValueError(f"paged decode: workspace {tuple(mid_o.shape)} != "
+                         f"{(bsz, heads, num_splits, dim)} (contiguous fp32).")
+    return mid_o, mid_lse
+
+
+def _merge_splits(mid_o: Any, mid_lse: Any, out: Any, block_d: int) -> None:
+    """Stage 2: merge the ``S`` partial outputs of each ``(row, head)`` into ``out [B, H, D]``."""
+    bsz, heads, num_splits, dim = mid_o.shape
+    _paged_attention_stage2[(bsz, heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim,
+        BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4)
+
+
+def new_workspace(batch: int, heads: int, num_splits: int, dim: int,
+                  device: Any) -> tuple[Any, Any]:
+    """``(mid_o [B, H, S, D], mid_lse [B, H, S])`` fp32 partial outputs and log-sum-exps."""
+    return (torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device))
+
+
+def _check(q: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int, block_n: int,
+           kernel: str = "v1") -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"paged decode: kernel={kernel!r}; choose one of {list(KERNELS)}.")
+    if (heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1]
+            or not q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"paged decode: q {tuple(q.shape)} {q.dtype} vs k/v pool "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}: need H % H_kv == 0 and equal "
+                         "head dims and dtypes.")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged decode: q and the k/v pools need unit stride on the head dim.")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"paged decode: BLOCK_N={block_n} must be a power of 2 >= 16.")

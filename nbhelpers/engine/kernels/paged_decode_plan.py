@@ -1,0 +1,63 @@
+"""Split planning of the paged decode kernel (:mod:`.paged_decode`): pure host-side policy.
+
+Constants and the ``num_splits`` / ``BLOCK_N`` heuristics of kernels "v1" and "v2"; no torch or
+triton import, so the planners can be called (and tested) without them.
+"""
+
+from __future__ import annotations
+
+PROGRAMS_PER_SM = 4
+"""Stage-1 programs per SM the split heuristic aims at (a guess to measure on the H200)."""
+MIN_SPLIT_TOKENS = 64
+"""Split count upper bound: no split shorter than this many tokens of ``max_model_len``."""
+MAX_SPLITS = 16
+TARGET_WAVES = 2.0
+"""Kernel "v2": stage-1 programs per SM the grid aims at (``B * H_kv * S >= 2 * num_SMs``)."""
+MIN_SPLIT_TOKENS_V2 = 128
+"""Kernel "v2": fewest tokens per split of a row (2 pages of 64 on the H200 configs)."""
+KERNELS = ("v1", "v2")
+DEFAULT_KERNEL = "v1"
+"""The engine's kernel until the H200 A/B (``scripts/device/ab_paged_decode.py``) says "v2"."""
+KERNEL_OPTIONS = ("kernel", "num_splits", "BLOCK_N", "num_warps", "num_stages",
+                  "programs_per_sm", "waves", "min_split_tokens")
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Kernel "v1" splits per row: enough stage-1 programs to fill the GPU, none under 64 tokens.
+
+    ``ceil(programs_per_sm * num_sms / (batch * num_kv_heads))``, clipped to
+    ``[1, min(MAX_SPLITS, ceil(max_seq_len / MIN_SPLIT_TOKENS))]``. Qwen3-4B (8 KV heads) on the
+    H200 (132 SMs) at batch 32: 3 splits (768 programs); batch 1, 1024 tokens: 16.
+    """
+    want = -(-programs_per_sm * num_sms // max(1, batch * num_kv_heads))
+    return max(1, min(want, MAX_SPLITS, -(-max_seq_len // MIN_SPLIT_TOKENS)))
+
+
+def plan_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                    waves: float = TARGET_WAVES,
+                    min_split_tokens: int = MIN_SPLIT_TOKENS_V2) -> int:
+    """Kernel "v2" grid splits: ``batch * num_kv_heads * S >= waves * num_sms`` programs.
+
+    ``S = ceil(waves * num_sms / (batch * num_kv_heads))`` clipped to ``[1, min(MAX_SPLITS,
+    ceil(max_seq_len / min_split_tokens))]``; ``S == 1`` runs without stage 2. The grid is static
+    (CUDA graphs), the work is not: each row spreads its visible tiles over at most
+    ``ceil(L_b / min_split_tokens)`` of the ``S`` splits (``MIN_SPLIT_TILES`` in the kernel), so
+    a short row leaves its other programs empty. Follows SGLang's ``get_num_kv_splits`` (splits
+    from batch x heads vs the device's SM count, per request from its length). H200 (132 SMs):
+    Qwen3-4B (8 KV heads) at ``max_seq_len`` 1024: batch 32 -> 2, batch 64 -> 1, batch 4 -> 8
+    (9 wanted, 1024 / 128 caps it); Gemma-4 E2B (1 KV head) batch 32 -> 8.
+    """
+    if batch < 1 or num_kv_heads < 1 or max_seq_len < 1 or num_sms < 1 or min_split_tokens < 1:
+        raise ValueError(f"plan_num_splits: batch={batch}, num_kv_heads={num_kv_heads}, "
+                         f"max_seq_len={max_seq_len}, num_sms={num_sms}, min_split_tokens="
+                         f"{min_split_tokens}: all must be >= 1.")
+    want = int(-(-waves * num_sms // (batch * num_kv_heads)))
+    return max(1, min(want, MAX_SPLITS, -(-max_seq_len // min_split_tokens)))
+
+
+def default_block_n(head_dim: int) -> int:
+    """Keys per tile: 64 up to D 128, 32 at D 256, 16 above (shared memory per stage: K and V
+    tiles ``2 * BLOCK_N * BLOCK_D * 2`` bytes = 32 KiB at bf16 for all three, so 2 stages fit
+    the H200's 227 KiB with room for q and the layout conversions)."""
+    return 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16

@@ -285,9 +285,12 @@ def result_line(table: Any) -> str:
     parts = []
     for lora, group in ok.groupby("lora"):
         best = group.loc[group["decode_tok_per_s"].idxmax()]
+        vllm = best.get("pct_of_vllm")
+        share = ("no vLLM row in this run" if vllm is None or vllm != vllm
+                 else f"{vllm:.0f} % of vLLM")  # NaN when vLLM did not run or failed
         parts.append(f"{'with' if lora else 'without'} LoRA, {best['backend']} is fastest at "
                      f"{best['decode_tok_per_s']:,.0f} tok/s ({best['pct_of_limit']:.1f} % of "
-                     f"the bandwidth limit, {best['pct_of_vllm']:.0f} % of vLLM)")
+                     f"the bandwidth limit, {share})")
     failed = table[table["decode_tok_per_s"].isna()]["backend"].tolist()
     return "**Result:** " + "; ".join(parts) + (f". Failed: {failed}." if failed else ".")
 

@@ -99,3 +99,12 @@ def test_comparison_table_percentages():
     assert math.isnan(table["pct_of_limit"].iloc[2])
     fig = bench.bar_figure(table, ["decode_tok_per_s"], "tok/s", "decode")
     assert len(fig.axes[0].patches) == 4
+
+
+def test_result_line_names_a_missing_vllm_row_instead_of_nan():
+    frame = pd.DataFrame({"backend": ["hf_generate_lora", "hf_cb_lora"],
+                          "engine": ["hf_generate", "hf_cb"], "lora": [True, True],
+                          "decode_tok_per_s": [20.0, 47.0]})
+    line = bench.result_line(bench.comparison_table(frame, {True: 4700.0}))
+    assert "hf_cb_lora is fastest at 47 tok/s" in line and "no vLLM row in this run" in line
+    assert "nan" not in line

@@ -252,8 +252,8 @@ class Workload:
     def __post_init__(self) -> None:
         check_field_types(self)
         _require(self.n_prompts >= 1, f"Workload.n_prompts={self.n_prompts}: must be >= 1.")
-        _require(self.prompt_tokens >= 1, f"Workload.prompt_tokens={self.prompt_tokens}: >= 1.")
-        _require(self.max_new_tokens >= 1, f"Workload.max_new_tokens={self.max_new_tokens}: >= 1.")
+        _require(self.prompt_tokens >= 1, f"Workload.prompt_tokens={self.prompt_tokens}: must be >= 1.")
+        _require(self.max_new_tokens >= 1, f"Workload.max_new_tokens={self.max_new_tokens}: must be >= 1.")
         _require(self.sampling in SAMPLING_PRESETS, f"Workload.sampling={self.sampling!r}: use one "
                  f"of {sorted(SAMPLING_PRESETS)}.")
         _require(self.rounds >= 1, f"Workload.rounds={self.rounds}: must be >= 1.")
@@ -302,11 +302,11 @@ class GRPOSettings:
         _require(self.max_steps >= 1, f"GRPOSettings.max_steps={self.max_steps}: must be >= 1.")
         _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
                  f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")
-        _require(self.per_device_train_batch_size >= 1, "GRPOSettings.per_device_train_batch_size"
-                 " must be >= 1.")
-        _require(self.max_completion_length >= 1, "GRPOSettings.max_completion_length >= 1.")
-        _require(self.max_prompt_length >= 1, "GRPOSettings.max_prompt_length >= 1.")
-        _require(self.learning_rate > 0, f"GRPOSettings.learning_rate={self.learning_rate}: > 0.")
+        _require(self.per_device_train_batch_size >= 1, "GRPOSettings.per_device_train_batch_size="
+                 f"{self.per_device_train_batch_size}: must be >= 1.")
+        _require(self.max_completion_length >= 1, f"GRPOSettings.max_completion_length={self.max_completion_length}: must be >= 1.")
+        _require(self.max_prompt_length >= 1, f"GRPOSettings.max_prompt_length={self.max_prompt_length}: must be >= 1.")
+        _require(self.learning_rate > 0, f"GRPOSettings.learning_rate={self.learning_rate}: must be > 0.")
         _require(self.beta >= 0, f"GRPOSettings.beta={self.beta}: must be >= 0.")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        min_p=self.min_p)

@@ -141,7 +141,10 @@ class LLM:
             raise TypeError("LLM.generate(sampling=...) takes nbhelpers.config.SamplingParams.")
         limit, vocab = self.opt.max_model_len, self.runner.model.config.vocab_size
         for i, p in enumerate(prompts):
-            if not p or len(p) + sampling.max_new_tokens > limit:
+            if not p:
+                raise ValueError(f"prompt {i} is empty: every prompt needs >= 1 token id (a chat "
+                                 "prompt has at least the template's tokens).")
+            if len(p) + sampling.max_new_tokens > limit:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens="
                                  f"{sampling.max_new_tokens} must be in [1, max_model_len="
                                  f"{limit}]: raise max_model_len or shorten it.")

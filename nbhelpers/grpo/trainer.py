@@ -48,8 +48,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nbhelpers.config import GRPOSettings
-from nbhelpers.grpo.plans import BackendPlan, WARMUP_BACKENDS, instrument_generation, load_policy
-from nbhelpers.grpo.plans import plan_backend
+from nbhelpers.grpo.plans import (
+    WARMUP_BACKENDS,
+    BackendPlan,
+    instrument_generation,
+    load_policy,
+    plan_backend,
+)
 from nbhelpers.grpo.result import _CONFIG_KEYS, GRPOResult
 from nbhelpers.grpo.setup import build_config, build_dataset, peft_config
 
@@ -90,11 +95,15 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         ValueError: unknown backend (or a rollout-only one) / dataset / compile mode or
             ``compile_dynamic`` word /
             ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
-            ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap).
+            ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap),
+            ``skip_first`` < 0 (all checked before any step runs).
+        TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`.
         BackendNotInstalled: the backend's engine is missing (message names the extra).
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
     """
+    if not isinstance(settings, GRPOSettings):
+        raise TypeError(f"settings={settings!r}: pass nbhelpers.config.GRPOSettings(...).")
     opts = {k: v for k, v in locals().items()
             if k not in ("model_name", "settings", "config_overrides")}
     if num_processes != 1 or vllm_mode != "colocate":
@@ -111,7 +120,8 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     from nbhelpers.grpo import compile_report
     compile_mode = compile_report.check_compile_mode(opts["compile_mode"])
     dynamic = compile_report.compile_dynamic_flag(opts.get("compile_dynamic"))
-    _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"])
+    _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"],
+                  opts["skip_first"])
     plan = plan_backend(opts["backend"], settings, vllm_sleep_mode=opts["vllm_sleep_mode"],
                         vllm_gpu_memory_utilization=opts["vllm_gpu_memory_utilization"],
                         flex_options=dict(opts["flex_options"] or {}))
@@ -156,7 +166,10 @@ def _fit(trainer: Any, watch: Any, compile_mode: str,
     return time.perf_counter() - t0, compiled
 
 
-def _check_warmup(steps: int, adapter: str, backend: str) -> None:
+def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -> None:
+    if not isinstance(skip_first, int) or skip_first < 0:  # checked before any step runs
+        raise ValueError(f"skip_first={skip_first!r}: must be an int >= 0 (warm-up steps left "
+                         "out of the summary's medians).")
     if steps < 0:
         raise ValueError(f"format_warmup_steps={steps}: must be >= 0.")
     if adapter not in WARMUP_ADAPTERS:

@@ -104,12 +104,17 @@ def write_site(executed: Path, out: Path) -> list[Path]:
         The written files, ``out/index.html`` first.
     Raises:
         FileNotFoundError: ``executed`` is not a folder.
-        ValueError: ``out`` is ``executed`` or inside it (the site would land in the archive).
+        ValueError: ``out`` is an existing file, or ``executed`` or inside it (the site would
+            land in the archive).
     """
     executed, out = Path(executed).resolve(), Path(out).resolve()
     if not executed.is_dir():
-        raise FileNotFoundError(f"--executed {executed}: no such folder; run a notebook first "
-                                "(python -m nbhelpers run phase0 --profile cpu).")
+        what = "is a file, not a folder" if executed.exists() else "no such folder"
+        raise FileNotFoundError(f"--executed {executed}: {what}; pass the archive folder (default "
+                                "executed/; run a notebook first: python -m nbhelpers run phase0 "
+                                "--profile cpu).")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file: pick a folder (it is created).")
     if out == executed or executed in out.parents:
         raise ValueError(f"--out {out} is inside the archive {executed}: pick a folder outside.")
     rows, exporter, written = index_rows(executed), _exporter(), []

@@ -88,3 +88,9 @@ def test_unknown_engine_option_names_the_close_match():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['page_sz'\].*did you mean "
                                         r"'page_size'"):
         LLM(tiny_model("llama"), page_sz=16)
+
+
+def test_an_empty_prompt_says_so():
+    llm = LLM(tiny_model(), page_size=16, num_pages=16, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt 0 is empty: every prompt needs >= 1 token id"):
+        llm.generate([[]], SamplingParams(temperature=0, max_new_tokens=2))

@@ -145,3 +145,12 @@ def test_completion_recorder_keeps_names_and_scores():
     rec.on_step_begin(None, SimpleNamespace(global_step=2), None)
     wrapped[0](prompts=prompts, completions=comps, answer=["4", "4"])
     assert len(rec.rows) == 4 and {r["step"] for r in rec.rows} == {1, 2}
+
+
+def test_train_checks_its_arguments_before_any_step(tmp_path):
+    """Bad arguments fail before the model loads (a run is never lost at its end)."""
+    from nbhelpers.grpo import train
+    with pytest.raises(ValueError, match="skip_first=-1: must be an int >= 0"):
+        train("tiny-llama", GRPOSettings(max_steps=1), output_dir=tmp_path, skip_first=-1)
+    with pytest.raises(TypeError, match="pass nbhelpers.config.GRPOSettings"):
+        train("tiny-llama", {"max_steps": 1}, output_dir=tmp_path)

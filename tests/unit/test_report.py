@@ -145,3 +145,13 @@ def test_cli_report_writes_the_site_and_refuses_an_out_inside_the_archive(site, 
     assert "inside the archive" in capsys.readouterr().err
     missing = os.fspath(tmp_path / "nope")
     assert main(["report", "--executed", missing, "--out", str(tmp_path / "t")]) == 2
+
+
+def test_cli_report_names_files_where_folders_are_needed(site, tmp_path, capsys):
+    executed, _, _ = site
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert main(["report", "--executed", str(executed), "--out", str(a_file)]) == 2
+    assert "is an existing file" in capsys.readouterr().err
+    assert main(["report", "--executed", str(a_file), "--out", str(tmp_path / "t")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

@@ -325,7 +325,7 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"num_generations": 1},
      r"GRPOSettings\.num_generations=1: GRPO needs >= 2"),
     ("phase0_reference/00_reference_grpo", {"learning_rate": 0.0},
-     r"GRPOSettings\.learning_rate=0\.0: > 0"),
+     r"GRPOSettings\.learning_rate=0\.0: must be > 0"),
     ("phase0_reference/00_reference_grpo", {"lora_rank": 0},
      r"LoraSpec\.rank=0: must be a positive int .*\(lora_rank is LoraSpec\.rank\)"),
     ("phase1_rollout/10_lora_rollout", {"sampling": "grpo2"},

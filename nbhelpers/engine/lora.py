@@ -29,6 +29,7 @@ from typing import Any
 from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public names)
     LORA_FUSED_MODES,
     LoraFusedGemm,
+    check_kernel_mode,
     check_lora_fused,
 )
 
@@ -37,15 +38,9 @@ LORA_EXPAND_MODES = ("addmm", "triton")
 
 
 def check_lora_expand(mode: str) -> str:
-    """``mode`` if valid. Raises ``ValueError``: not in :data:`LORA_EXPAND_MODES`, or
-    ``"triton"`` without an importable ``triton`` package."""
-    import importlib.util
-    if mode not in LORA_EXPAND_MODES:
-        raise ValueError(f"lora_expand={mode!r}: use one of {LORA_EXPAND_MODES}.")
-    if mode == "triton" and importlib.util.find_spec("triton") is None:
-        raise ValueError("lora_expand='triton' needs the triton package (pip install triton); "
-                         "use lora_expand='addmm'.")
-    return mode
+    """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
+    :data:`LORA_EXPAND_MODES`)."""
+    return check_kernel_mode("lora_expand", mode, LORA_EXPAND_MODES)
 
 
 def _adapter_of(module: Any) -> str | None:

@@ -16,16 +16,21 @@ LORA_FUSED_MODES = ("off", "triton")
 """Whether decode GEMMs may run as one base + LoRA Triton kernel (``lora_gemm``)."""
 
 
-def check_lora_fused(mode: str) -> str:
-    """``mode`` if valid. Raises ``ValueError``: not in :data:`LORA_FUSED_MODES`, or
-    ``"triton"`` without an importable ``triton`` package."""
+def check_kernel_mode(option: str, mode: str, modes: tuple[str, ...]) -> str:
+    """``mode`` if it is one of ``modes`` (``modes[0]`` is the torch path, ``"triton"`` needs
+    the triton package). Raises ``ValueError`` naming the accepted values or the install."""
     import importlib.util
-    if mode not in LORA_FUSED_MODES:
-        raise ValueError(f"lora_fused={mode!r}: use one of {LORA_FUSED_MODES}.")
+    if mode not in modes:
+        raise ValueError(f"{option}={mode!r}: use one of {modes}.")
     if mode == "triton" and importlib.util.find_spec("triton") is None:
-        raise ValueError("lora_fused='triton' needs the triton package (pip install triton); "
-                         "use lora_fused='off'.")
+        raise ValueError(f"{option}='triton' needs the triton package (pip install triton); "
+                         f"use {option}={modes[0]!r}.")
     return mode
+
+
+def check_lora_fused(mode: str) -> str:
+    """``mode`` if valid (:func:`check_kernel_mode` over :data:`LORA_FUSED_MODES`)."""
+    return check_kernel_mode("lora_fused", mode, LORA_FUSED_MODES)
 
 
 class LoraFusedGemm:

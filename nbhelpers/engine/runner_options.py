@@ -99,16 +99,14 @@ class RunnerOptions:
         if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")
-        if self.lora_expand not in ("auto", *LORA_EXPAND_MODES):
-            raise ValueError(f"RunnerOptions.lora_expand={self.lora_expand!r}: must be one of "
-                             f"{('auto', *LORA_EXPAND_MODES)}.")
-        if self.lora_expand != "auto":
-            check_lora_expand(self.lora_expand)
-        if self.lora_fused not in ("auto", *LORA_FUSED_MODES):
-            raise ValueError(f"RunnerOptions.lora_fused={self.lora_fused!r}: must be one of "
-                             f"{('auto', *LORA_FUSED_MODES)}.")
-        if self.lora_fused != "auto":
-            check_lora_fused(self.lora_fused)
+        for name, modes, check in (("lora_expand", LORA_EXPAND_MODES, check_lora_expand),
+                                   ("lora_fused", LORA_FUSED_MODES, check_lora_fused)):
+            value = getattr(self, name)
+            if value not in ("auto", *modes):
+                raise ValueError(f"RunnerOptions.{name}={value!r}: must be one of "
+                                 f"{('auto', *modes)}.")
+            if value != "auto":
+                check(value)
         if self.fused_elementwise not in FUSED_ELEMENTWISE:
             raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
                              f"be one of {FUSED_ELEMENTWISE}.")

@@ -105,8 +105,10 @@ NOTEBOOKS = BundleSet(
           "stack_data==0.6.3", "asttokens==3.0.2", "executing==2.3.0", "pure_eval==0.2.4",
           "ipython_pygments_lexers==1.1.1", "platformdirs==4.14.8", "fastjsonschema==2.22.3",
           "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0",
-          "rpds-py==2026.9.1", "entrypoints==0.4.2", "tenacity==9.2.1"),
-    imports=("import papermill, nbclient, nbformat, jupyter_client",
+          "rpds-py==2026.9.1", "entrypoints==0.4.2", "tenacity==9.2.1",
+          # the suite on the GPU host runs in parallel workers (scripts/device/suite.py)
+          "pytest-xdist==3.8.0", "execnet==2.1.2"),
+    imports=("import papermill, nbclient, nbformat, jupyter_client, xdist, execnet",
              "import ipykernel.kernelapp",
              ("from jupyter_client.kernelspec import KernelSpecManager as K; "
               "assert 'python3' in K().find_kernel_specs()")),

@@ -35,6 +35,11 @@ K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --no-floor-gemm
             "{\"name\": \"new\", \"options\": {\"lora_fused\": \"triton\", "
             "\"fused_elementwise\": \"triton\", \"decode_kernel_options\": "
             "{\"kernel\": \"v2\"}}}'")
+M1_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+            "qwen3-4b:fp32:4,qwen3-4b:bf16:32,qwen3-4b:none:64 --variants "
+            "'{\"name\": \"default\", \"options\": {}};"
+            "{\"name\": \"elem_v2\", \"options\": {\"fused_elementwise\": \"triton\", "
+            "\"decode_kernel_options\": {\"kernel\": \"v2\"}}}'")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -126,6 +131,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "k3": ([], ["gguf2"], [
         (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate, flex, hf_cb]",
               "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 420, 540, 0)]),
+    # session 5 (one nvidia-h200; docs/h200_runbook.md section 9): m1 the whole suite in 8 xdist
+    # workers, then the A/B of the triton elementwise fusions + decode v2 against today's default.
+    "m1": (["notebooks", "trl"], ["tok", "gguf0"], [
+        (SUITE, {"args": "--tb=long --durations=40"}, 280, 330, 0),
+        (BENCH, {"args": M1_BENCH}, 200, 240, 0)]),
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),

@@ -32,6 +32,11 @@ from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public nam
     check_kernel_mode,
     check_lora_fused,
 )
+from nbhelpers.engine.lora_shadow import fuse_shadow, lora_versions, refresh_shadow
+
+LORA_DTYPES = ("adapter", "model")
+"""What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
+from shadow copies refreshed per weight version (:meth:`LiveGroup.set_lora_dtype`)."""
 
 LORA_EXPAND_MODES = ("addmm", "triton")
 """How LiveGroup adds LoRA B: one ``addmm_`` per part, or one Triton kernel per group."""
@@ -132,7 +137,21 @@ class LiveGroup:
         self._expand: Any = None
         self._lora_gemm = LoraFusedGemm()  # lora_fused="triton" path (lora_fused.py)
         self.lora_fused = "off"
+        self.lora_dtype = "adapter"
+        self._versions: tuple = ()
         self.set_lora_expand(lora_expand)
+        self.refresh()
+
+    def set_lora_dtype(self, mode: str) -> None:
+        """``"adapter"`` (PEFT's dtype order on the adapter's own tensors) or ``"model"``: fp32
+        adapters on a 16-bit base are computed in the base dtype from shadow copies (A's rows
+        joined to the base weight buffer, B beside it) that :meth:`refresh` re-copies whenever
+        the trainer's tensors changed (their ``_version`` counter: an optimizer step in place),
+        so the next rollout still sees every update with no user call; one cast per weight
+        version instead of an fp32 GEMM per decode step. Raises ``ValueError`` for another mode.
+        """
+        self.lora_dtype = check_kernel_mode("lora_dtype", mode, LORA_DTYPES)
+        self._state = ()  # fuse again under the new mode
         self.refresh()
 
     def set_lora_expand(self, mode: str) -> None:
@@ -169,6 +188,8 @@ class LiveGroup:
             return None  # mixed parts: per-part path
         lora = self._lora_fusable()
         a_list = [p.lora_tensors()[0] for p in self.parts] if lora else []
+        if lora and bs[0] is None and self._wants_shadow(ws[0], a_list[0]):
+            return self._fuse_shadow(ws, a_list)
         ext = lora and bs[0] is None and a_list[0].dtype == ws[0].dtype
         if len(self.parts) == 1 and not ext:
             return None  # nothing to fuse: the live-tensor path
@@ -181,6 +202,19 @@ class LiveGroup:
             fused["scaling"] = self.parts[0].lora_tensors()[2]
         return fused
 
+    def _wants_shadow(self, w: Any, a: Any) -> bool:
+        import torch
+        return (self.lora_dtype == "model" and a.dtype == torch.float32
+                and w.dtype in (torch.bfloat16, torch.float16))
+
+    def _fuse_shadow(self, ws: list[Any], a_list: list[Any]) -> dict[str, Any]:
+        fused = fuse_shadow(self.parts, ws, a_list)  # lora_shadow.py
+        self._versions = lora_versions(self.parts)
+        return fused
+
+    def _refresh_shadow(self) -> None:
+        self._versions = refresh_shadow(self._fused, self.parts, self._versions)
+
     def _current_state(self) -> tuple:
         return (tuple(t.data_ptr() for t in self.tensors()),
                 tuple(p.has_lora for p in self.parts))
@@ -191,6 +225,8 @@ class LiveGroup:
         if self.fuse_lora_a and self._current_state() != self._state:
             self._fused = self._fuse_storage()
             self._state = self._current_state()
+        if self._fused is not None and "shadow" in self._fused:
+            self._refresh_shadow()
 
     def _buffers(self) -> dict[str, Any] | None:
         """Fused (or single-part live) tensors for the GEMM path, or ``None`` for per-part."""

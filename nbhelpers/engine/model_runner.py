@@ -40,6 +40,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     RunnerOptions,
     resolve_fused_elementwise,
     resolve_kernels,
+    resolve_lora_dtype,
     resolve_lora_fused,
     resolve_prefill,
 )
@@ -73,10 +74,12 @@ class ModelRunner:
                                         flex_fn=paged_attention(flex))
         self._resolve_attention(on_cuda, bool(compile_attn))
         lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
+        lora_dtype = resolve_lora_dtype(opt, on_cuda)
         for group in self.model.live_groups():
             group.set_lora_expand(self.lora_expand)
             group.set_lora_fused(lora_fused)
-        fused_mode = resolve_fused_elementwise(opt, compile_layers)  # runner_options
+            group.set_lora_dtype(lora_dtype)
+        fused_mode = resolve_fused_elementwise(opt, compile_layers, on_cuda)  # runner_options
         if fused_mode != "off":
             self.model.compile_elementwise(fused_mode, compile_sample=compile_layers)
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"

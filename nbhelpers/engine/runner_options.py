@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbhelpers.engine.lora import (
+    LORA_DTYPES,
     LORA_EXPAND_MODES,
     LORA_FUSED_MODES,
     check_lora_expand,
@@ -62,8 +63,14 @@ class RunnerOptions:
     ``"triton"`` (``engine/fused.py`` ``triton_*`` over ``engine/kernels/fused_norm.py`` and
     ``qk_rope_cache.py``: add+RMSNorm, q/k norm + RoPE + KV
     write and SiLU x up, one launch each; CUDA, or the CPU under ``TRITON_INTERPRET=1``),
-    ``"off"`` (eager) or ``"auto"``: today's path, ``"compile"`` iff ``compile_layers`` resolves
-    on (CUDA) else ``"off"``, kept until the H200 A/B of issue 12 item 4 is measured."""
+    ``"off"`` (eager) or ``"auto"``: ``"triton"`` on CUDA when triton imports, else
+    ``"compile"`` iff ``compile_layers`` resolves on, else ``"off"``. Why triton on CUDA: H200
+    A/B, 2026-12-01, Qwen3-4B random bf16 weights, 256 new tokens, triton elementwise + decode
+    v2 against compile + decode v1 (``scripts/bench_flex.py``, step ``m1`` of
+    ``scripts/device/step_table.py``): batch 4 fp32 adapters 5.93 -> 5.63 ms a step (elementwise
+    0.72 -> 0.41 ms, 1,020 -> 912 kernels), batch 32 bf16 adapters 4.89 -> 4.49 ms, batch 64 no
+    LoRA 4.92 -> 4.39 ms; greedy tokens identical to eager for Qwen3, Llama and Gemma-4 on the
+    GPU (``tests/engine/test_fused_kernels.py``)."""
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
@@ -75,6 +82,15 @@ class RunnerOptions:
     decode_kernel_options: dict | None = None
     lora_expand: str = "auto"
     lora_fused: str = "off"
+    lora_dtype: str = "auto"
+    """What LoRA is computed in (``engine/lora.py`` ``LiveGroup.set_lora_dtype``): ``"adapter"``
+    (PEFT's dtype order on the trainer's own tensors: TRL's fp32 adapters read as fp32 every
+    decode step), ``"model"`` (fp32 adapters on a 16-bit base computed in the base dtype from
+    shadow copies re-copied whenever the trainer's tensors changed: vLLM likewise runs LoRA in
+    the model dtype) or ``"auto"``: ``"model"`` on CUDA, ``"adapter"`` elsewhere (CPU models are
+    fp32, nothing to shadow). Why: fp32 adapters cost +2.1 ms a decode step over cuBLAS alone at
+    batch 4 on the H200 against +0.5 ms for bf16 ones (``scripts/device/ab_lora_gemm.py``,
+    2026-12-01)."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -107,6 +123,9 @@ class RunnerOptions:
                                  f"{('auto', *modes)}.")
             if value != "auto":
                 check(value)
+        if self.lora_dtype not in ("auto", *LORA_DTYPES):
+            raise ValueError(f"RunnerOptions.lora_dtype={self.lora_dtype!r}: must be one of "
+                             f"{('auto', *LORA_DTYPES)}.")
         if self.fused_elementwise not in FUSED_ELEMENTWISE:
             raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
                              f"be one of {FUSED_ELEMENTWISE}.")
@@ -155,12 +174,22 @@ def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
     return "off" if opt.lora_fused == "auto" else opt.lora_fused
 
 
-def resolve_fused_elementwise(opt: RunnerOptions, compile_layers: bool) -> str:
-    """``opt.fused_elementwise`` with ``"auto"`` resolved to the current path: ``"compile"``
-    when ``compile_layers`` (resolved: on iff CUDA) else ``"off"``; ``"triton"`` only when asked
-    for, until the H200 A/B (issue 12 item 4) shows it ahead."""
+def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:
+    """``opt.lora_dtype`` with ``"auto"`` resolved: ``"model"`` on CUDA, else ``"adapter"``."""
+    if opt.lora_dtype != "auto":
+        return opt.lora_dtype
+    return "model" if on_cuda else "adapter"
+
+
+def resolve_fused_elementwise(opt: RunnerOptions, compile_layers: bool,
+                              on_cuda: bool = False) -> str:
+    """``opt.fused_elementwise`` with ``"auto"`` resolved: ``"triton"`` on CUDA when the triton
+    package imports (the H200 A/B is in :attr:`RunnerOptions.fused_elementwise`), else
+    ``"compile"`` when ``compile_layers`` (resolved) else ``"off"``."""
     if opt.fused_elementwise != "auto":
         return opt.fused_elementwise
+    if on_cuda and importlib.util.find_spec("triton") is not None:
+        return "triton"
     return "compile" if compile_layers else "off"
 
 

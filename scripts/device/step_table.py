@@ -136,6 +136,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "m1": (["notebooks", "trl"], ["tok", "gguf0"], [
         (SUITE, {"args": "--tb=long --durations=40"}, 280, 330, 0),
         (BENCH, {"args": M1_BENCH}, 200, 240, 0)]),
+    "k3b": ([], [], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[flex, hf_cb]",
+              "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 300, 520, 0)]),
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),

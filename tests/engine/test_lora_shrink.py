@@ -96,6 +96,9 @@ def test_engine_with_fp32_adapters_matches_the_torch_path_and_sees_live_updates(
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     # page_size 64: one the CUDA flex kernels serve too (kv_cache.check_page_size)
     kw = {"page_size": 64, "num_pages": 4, "max_model_len": 32}
+    # lora_dtype="adapter": the fp32 adapters read directly (on CUDA "auto" computes them in
+    # bf16 from shadow copies, tests/engine/test_lora_dtype.py, and the kernel would not run)
+    kw["lora_dtype"] = "adapter"
     kernel, torch_path = LLM(model, lora_expand="triton", **kw), LLM(model, lora_expand="addmm",
                                                                       **kw)
 

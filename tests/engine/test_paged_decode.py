@@ -21,8 +21,11 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from nbhelpers.engine.kernels import paged_decode
-from nbhelpers.engine.kernels.paged_decode import (choose_num_splits, paged_decode_attention,
-                                                   plan_num_splits)
+from nbhelpers.engine.kernels.paged_decode import (
+    choose_num_splits,
+    paged_decode_attention,
+    plan_num_splits,
+)
 
 if INTERPRET and type(paged_decode._paged_attention_stage1).__name__ != "InterpretedFunction":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
@@ -202,6 +205,26 @@ def test_v2_bf16_gqa4_window(splits):
     assert out.dtype == torch.bfloat16
     ref = reference(q, k, v, bt, seq_lens, 0.125, 16, 30)
     torch.testing.assert_close(out.cpu().float(), ref, atol=2e-2, rtol=0)
+
+
+def test_auto_kernel_picks_v1_for_small_batches_and_v2_from_16():
+    """``kernel="auto"`` (the default): v1 under ``V2_MIN_BATCH`` rows, v2 from there, and the
+    split count of a bucket follows the kernel it picked."""
+    from types import SimpleNamespace
+
+    from nbhelpers.engine.kernels.paged_decode import V2_MIN_BATCH, PagedDecode, pick_kernel
+    assert paged_decode.DEFAULT_KERNEL == "auto" and V2_MIN_BATCH == 16
+    assert [pick_kernel("auto", b) for b in (1, 4, 15, 16, 64)] == ["v1"] * 3 + ["v2"] * 2
+    assert pick_kernel("v1", 64) == "v1" and pick_kernel("v2", 1) == "v2"
+    with pytest.raises(ValueError, match=r"\['kernel'\]='v3'.*'auto'"):
+        pick_kernel("v3", 4)
+    spec = SimpleNamespace(mask_for_layer=lambda i: None, attn_score_mod=None)
+    pd = PagedDecode(spec, 1, 8, 64, 1024, "cpu", {"kernel": "auto"})
+    pd.num_sms = 132  # the H200's SM count, so the planners give their documented numbers
+    assert pd.splits_for(4) == choose_num_splits(4, 8, 1024, num_sms=132)
+    assert pd.splits_for(32) == plan_num_splits(32, 8, 1024, num_sms=132)
+    with pytest.raises(ValueError, match=r"\['kernel'\]='v9'"):
+        PagedDecode(spec, 1, 8, 64, 1024, "cpu", {"kernel": "v9"})
 
 
 def test_unknown_kernel_is_a_value_error():

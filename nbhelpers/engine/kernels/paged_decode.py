@@ -22,8 +22,8 @@ stage 2; ``"v2"`` sizes the grid to the SMs (:func:`plan_num_splits`: ``B * H_kv
 SMs``), gives every split of a row at least ``min_split_tokens`` (short rows use fewer splits, as
 SGLang's ``python/sglang/srt/layers/attention/triton_ops/decode_attention.py`` with per-request
 ``num_kv_splits`` and ``MIN_BLOCK_KV``) and, at ``S == 1``, writes the output from stage 1 (no
-stage 2, no workspace). Default :data:`DEFAULT_KERNEL` = "v1" until the H200 A/B
-(``scripts/device/ab_paged_decode.py``) measures v2. Head dims up to 512 (Gemma-4 full layers):
+stage 2, no workspace). Default :data:`DEFAULT_KERNEL` = "auto": v1 for small batch buckets, v2
+from :data:`V2_MIN_BATCH` rows (:func:`pick_kernel`; the H200 numbers are in its docstring). Head dims up to 512 (Gemma-4 full layers):
 ``BLOCK_D`` = next power of two, ``BLOCK_N`` from :func:`default_block_n`.
 
 CUDA graphs: no host sync; shapes (hence grid and workspace) depend only on ``B``, ``H``, ``D`` and
@@ -63,8 +63,10 @@ from nbhelpers.engine.kernels.paged_decode_plan import (  # noqa: F401 (re-expor
     MIN_SPLIT_TOKENS_V2,
     PROGRAMS_PER_SM,
     TARGET_WAVES,
+    V2_MIN_BATCH,
     choose_num_splits,
     default_block_n,
+    pick_kernel,
     plan_num_splits,
 )
 
@@ -119,13 +121,11 @@ class PagedDecode:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if torch.device(device).type == "cuda" else 1)
         self.kernel = opts.pop("kernel", DEFAULT_KERNEL)
-        if self.kernel not in KERNELS:
-            raise ValueError(f"decode_kernel_options['kernel']={self.kernel!r}: choose one of "
-                             f"{list(KERNELS)}.")
+        pick_kernel(self.kernel, 1)  # ValueError for an unknown kernel, before any launch
         self.num_splits = opts.pop("num_splits", None)
         self.programs_per_sm = opts.pop("programs_per_sm", PROGRAMS_PER_SM)
         self.waves = opts.pop("waves", TARGET_WAVES)
-        self.launch = {"block_n": opts.pop("BLOCK_N", None), "kernel": self.kernel, **opts}
+        self.launch = {"block_n": opts.pop("BLOCK_N", None), **opts}
         self.workspaces: dict[tuple, tuple[Any, Any]] = {}
 
     def splits_for(self, batch: int, num_kv_heads: int | None = None) -> int:
@@ -133,7 +133,7 @@ class PagedDecode:
         kv_heads = num_kv_heads or self.num_kv_heads
         if self.num_splits:
             return self.num_splits
-        if self.kernel == "v1":
+        if pick_kernel(self.kernel, batch) == "v1":
             return choose_num_splits(batch, kv_heads, self.max_model_len, self.num_sms,
                                      self.programs_per_sm)
         return plan_num_splits(batch, kv_heads, self.max_model_len, self.num_sms, self.waves,
@@ -147,12 +147,13 @@ class PagedDecode:
                v_cache: Any, scale: float) -> Any:
         bsz, heads, dim = q.shape
         splits = self.splits_for(bsz, k_cache.shape[1])
+        kernel = pick_kernel(self.kernel, bsz)
         key = (bsz, heads, splits, dim, str(q.device))
-        if key not in self.workspaces and not (self.kernel == "v2" and splits == 1):
+        if key not in self.workspaces and not (kernel == "v2" and splits == 1):
             self.workspaces[key] = new_workspace(bsz, heads, splits, dim, q.device)
         return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                                       self.page_size, splits, self.windows[i], self.soft_cap,
-                                      self.workspaces.get(key), **self.launch)
+                                      self.workspaces.get(key), kernel=kernel, **self.launch)
 
 
 def _window(mask: Any, layer: int) -> int | None:

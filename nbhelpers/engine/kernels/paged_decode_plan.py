@@ -16,10 +16,33 @@ TARGET_WAVES = 2.0
 MIN_SPLIT_TOKENS_V2 = 128
 """Kernel "v2": fewest tokens per split of a row (2 pages of 64 on the H200 configs)."""
 KERNELS = ("v1", "v2")
-DEFAULT_KERNEL = "v1"
-"""The engine's kernel until the H200 A/B (``scripts/device/ab_paged_decode.py``) says "v2"."""
+DEFAULT_KERNEL = "auto"
+"""The engine's choice per batch bucket (:func:`pick_kernel`): "v1" under
+:data:`V2_MIN_BATCH` rows, "v2" from there."""
+V2_MIN_BATCH = 16
+"""Smallest batch bucket that gets kernel "v2" under ``kernel="auto"``. H200, 2026-12-01,
+Qwen3-4B shapes, context ~400: ``scripts/device/ab_paged_decode.py`` gave v2 11 % faster at
+batch 32-64 (20.7 vs 23.2 us a layer) and 7 % slower at batch 4; in the whole decode step
+(``scripts/bench_flex.py``, profile) attention took 0.26 ms (v1) vs 0.30 (v2) at batch 4, 0.80 vs
+0.73 at batch 32 and 1.24 vs 1.12 at batch 64. Batches 8 and 16 were not measured: 16 is the
+midpoint, to be checked."""
 KERNEL_OPTIONS = ("kernel", "num_splits", "BLOCK_N", "num_warps", "num_stages",
                   "programs_per_sm", "waves", "min_split_tokens")
+
+
+def pick_kernel(kernel: str, batch: int) -> str:
+    """``"v1"`` or ``"v2"`` for one batch bucket: ``kernel`` itself unless it is ``"auto"``,
+    which gives ``"v2"`` iff ``batch >= V2_MIN_BATCH``.
+
+    Raises:
+        ValueError: ``kernel`` is none of ``"auto"``, ``"v1"``, ``"v2"``.
+    """
+    if kernel == "auto":
+        return "v2" if batch >= V2_MIN_BATCH else "v1"
+    if kernel not in KERNELS:
+        raise ValueError(f"decode_kernel_options['kernel']={kernel!r}: choose one of "
+                         f"{['auto', *KERNELS]}.")
+    return kernel
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

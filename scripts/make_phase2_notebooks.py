@@ -66,6 +66,7 @@ flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
 cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest; 0: default)
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
 format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged (not vllm/unsloth)
+reuse_runs: dict = {}  # backend -> earlier <run>__<backend>.json, read not trained (same setup)
 sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it); empty: none"""
 
 EQ_DERIVED = """settings = GRPOSettings(
@@ -87,9 +88,11 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
-    format_warmup_steps=format_warmup_steps, progress=False)
+    format_warmup_steps=format_warmup_steps, progress=False,
+    sidecar_path=sidecar_path, model_info=model_info, reuse_runs=reuse_runs)
 for name, run in runs.items():
-    print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}")
+    print(f"{name}: {'ok' if run['error'] is None else run['error'][:300]}"
+          f" ({grpo_compare.source_word(run)})")
     warm = (run["config"] or {}).get("format_warmup")
     if warm:
         losses = warm["losses"] or [float("nan")]
@@ -163,8 +166,12 @@ def equivalence() -> nbformat.NotebookNode:
     """20_grpo_equivalence: every backend on one GRPO setup, per-step plots, gate, sidecars."""
     return nbgen.build(EQ_TITLE, EQ_IMPORTS, EQ_PARAMETERS, [
         ("Derived values: the GRPO settings and the gate's thresholds.", EQ_DERIVED),
-        ("## Run every backend\nOne spawned process per backend; a failure keeps its row.",
-         EQ_RUN),
+        (("## Run every backend\nOne spawned process per backend; a failure keeps its row. "
+          "Each finished backend is written at once to `<run>__<backend>.json` beside "
+          "`sidecar_path` (`partial: true`; the last cell's write replaces it), so a run killed "
+          "later keeps it. A backend in `reuse_runs` is read from that earlier sidecar instead "
+          "(its settings, model, seed and device must match this run's, else a ValueError "
+          "names the field) and labelled with its file and date."), EQ_RUN),
         (("## Summary and gate verdict\n`wall_s`: trainer construction to end of training; "
           "`step_time_s_median` / `generate_s_median`: seconds, median after `skip_first` "
           "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "

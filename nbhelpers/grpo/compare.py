@@ -5,7 +5,9 @@ a fresh spawned process (DESIGN.md rule 6: one backend per process; vLLM and CUD
 memory behind), and returns ``{backend: run}`` where ``run`` is a plain dict: ``rows`` (per-step
 rows, :func:`~nbhelpers.grpo.result.step_rows`), ``summary``, ``config``, ``wall_s``,
 ``completions`` (a sample), ``error`` (``"<ExceptionType>: message"`` or None). A failed backend
-keeps its row with the error. :func:`backend_sidecar` makes one schema-v1 sidecar per backend
+keeps its row with the error. Each finished backend is written to disk at once and earlier
+runs can be reused instead of trained (:mod:`~nbhelpers.grpo.compare_records`: ``sidecar_path``,
+``reuse_runs``). :func:`backend_sidecar` makes one schema-v1 sidecar per backend
 (phase ``phase2``) with the gate result and the IS report (:func:`is_summary`) beside it; :func:`summary_frame` and :func:`steps_long`
 are the notebook's tables. ``29_compare`` reads the sidecars back with :func:`runs_from_sidecars`.
 The tables live in :mod:`~nbhelpers.grpo.compare_tables`, the sidecars and the cross-run gate in
@@ -21,9 +23,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
 from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo import compare_records as records
 from nbhelpers.grpo.compare_sidecars import (
     PHASE,
     backend_sidecar,
@@ -41,16 +45,18 @@ from nbhelpers.grpo.compare_tables import (
     is_summary,
     perf_goal,
     result_line,
+    source_word,
     steps_long,
     summary_frame,
 )
 from nbhelpers.grpo.compile_report import compile_dynamic_flag
+from nbhelpers.stats import gpu_name
 
 __all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dynamic_flag",
            "compile_frame", "filter_device", "flex_options", "gate_frame", "gate_latest",
            "headline", "is_frame", "is_summary", "latest_per_backend",
            "perf_goal", "result_line", "run_backends", "run_isolated", "runs_from_sidecars",
-           "steps_long", "summary_frame", "write_sidecars"]
+           "source_word", "steps_long", "summary_frame", "write_sidecars"]
 
 WARMUP_ADAPTER = "merge"
 """Phase 2 merges a format warm-up into the base (``train(warmup_adapter=...)``): every backend of
@@ -118,16 +124,48 @@ def flex_options(sleep_between_rollouts: bool = False,
     return out or None
 
 
-def run_backends(backends: list[str], model: str, settings: GRPOSettings,
+def run_backends(backends: list[str], model: str, settings: GRPOSettings, *,
+                 sidecar_path: str | Path = "", model_info: dict[str, Any] | None = None,
+                 reuse_runs: dict[str, str | Path] | None = None,
                  **kwargs: Any) -> dict[str, dict[str, Any]]:
-    """:func:`run_isolated` for each backend in order; ``kwargs`` go to every run.
+    """:func:`run_isolated` for each backend in order; ``kwargs`` go to every run. Each run
+    carries ``request`` (:func:`~nbhelpers.grpo.compare_records.run_request`).
+
+    ``sidecar_path`` (non-empty): each backend's run is written as it finishes
+    (:func:`~nbhelpers.grpo.compare_records.write_partial`, ``<stem>__<backend>.json``), so a
+    notebook killed later keeps it. ``reuse_runs`` ``{backend: sidecar path}``: those backends
+    are read from earlier sidecars (:func:`~nbhelpers.grpo.compare_records.load_reused`: same
+    request, model and device) instead of trained, in ``backends``' order, the ones not in
+    ``backends`` first; each is labelled ``reused_from``. ``model_info``: the sidecars' model
+    block (default :func:`nbhelpers.models.describe` of ``model``). Reused runs are read and
+    checked before anything trains.
 
     Raises:
-        ValueError: empty or repeated backends, or an unknown backend name.
+        ValueError: empty or repeated backends, an unknown backend name, an unwritable
+            ``sidecar_path`` folder, or a reused sidecar that is missing, failed or does not
+            match this run (the message names the field).
     """
     from nbhelpers.grpo.setup import check_backend
     if not backends or len(set(backends)) != len(backends):
         raise ValueError(f"backends={backends}: give each backend once, at least one.")
-    for b in backends:
+    reuse_runs = dict(reuse_runs or {})
+    for b in [*backends, *reuse_runs]:
         check_backend(b)
-    return {b: run_isolated(b, model, settings, **kwargs) for b in backends}
+    if model_info is None and (sidecar_path or reuse_runs):
+        from nbhelpers.models import describe
+        model_info = describe(model)
+    reused = records.load_reused(reuse_runs, model, settings, kwargs, model_info or {},
+                                 gpu_name()) if reuse_runs else {}
+    if sidecar_path:
+        records.check_writable(sidecar_path)
+    order = [b for b in reuse_runs if b not in backends] + list(backends)
+    runs = {}
+    for b in order:
+        if b in reused:
+            runs[b] = reused[b]
+            continue
+        runs[b] = run_isolated(b, model, settings, **kwargs) | {
+            "request": records.run_request(model, settings, kwargs)}
+        if sidecar_path:
+            records.write_partial(b, runs[b], settings, model_info, sidecar_path)
+    return runs

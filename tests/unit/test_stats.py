@@ -5,6 +5,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from nbhelpers import stats
 
@@ -84,7 +85,12 @@ def test_labels_and_timer():
     with stats.timer() as t:
         sum(range(1000))
     assert t["s"] >= 0
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:  # the CUDA peak counts this process's tensors only: make sure there is one
+        keep = torch.ones(1024, device="cuda")  # noqa: F841
     mem = stats.peak_memory_gib()
     assert mem["allocated"] > 0 and math.isfinite(mem["device"])
     info = stats.env_info()
-    assert info["gpu"] == "cpu" and info["torch"] and info["git_sha"]
+    assert info["gpu"] == (torch.cuda.get_device_name(0) if on_gpu else "cpu")
+    assert stats.device_tag() == stats.device_tag(info["gpu"])
+    assert info["torch"] and info["git_sha"]

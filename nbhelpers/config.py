@@ -3,7 +3,8 @@
 Contract: each dataclass is immutable and checks itself in ``__post_init__``: first every field's
 type (:func:`check_field_types`: an ``int`` field takes an int but not a bool or float, a
 ``float`` field an int or float, ``str`` a str, ``tuple[str, ...]`` a tuple of str, ``X | None``
-also ``None``), then its range; a bad value raises ``ValueError`` whose message names the field,
+also ``None``; ``SamplingParams.stop_token_ids`` alone also takes a list or any sequence of ints,
+as vLLM does, stored as a tuple), then its range; a bad value raises ``ValueError`` whose message names the field,
 and the type expected or the fix. Notebook ``parameters`` cells map one to one onto these fields.
 
 Reference values (``GRPOSettings`` defaults) come from the public Unsloth notebook
@@ -19,6 +20,7 @@ import math
 import numbers
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -136,17 +138,45 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def _token_ids(owner: str, value: Any) -> tuple[int, ...]:
+    """``value`` (any sequence of ints: list, tuple, range, 1-D array/tensor; ``None`` = none)
+    as a tuple of ints.
+
+    Raises:
+        ValueError: a bare id, text, a mapping, or ids that are not ints (the message names the
+            fix).
+    """
+    if value is None:
+        return ()
+    ids = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        _require(False, f"{owner}={value!r}: a list of token ids is expected; wrap one id as "
+                 f"[{int(ids)}].")
+    _require(isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)),
+             f"{owner}={value!r}: expected a sequence of token ids (ints), got "
+             f"{type(value).__name__}: pass e.g. [tokenizer.eos_token_id].")
+    ids = list(ids)
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
+               None)
+    _require(bad is None, f"{owner}={value!r}: token ids must be ints, got "
+             f"{type(bad).__name__} {bad!r}: pass int ids, e.g. [tokenizer.eos_token_id].")
+    return tuple(int(t) for t in ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings with vLLM's meaning (vllm/sampling_params.py).
 
     ``top_k`` of -1 or 0 disables top-k (vLLM convention; transformers wants ``None``/0, which each
     backend translates). ``temperature == 0`` means greedy. ``seed`` makes a request reproducible.
-    ``n`` is the number of samples per prompt (TRL's ``num_generations``).
+    ``n`` is the number of samples per prompt (TRL's ``num_generations``). ``stop_token_ids``
+    takes any sequence of ints, as vLLM's ``list[int]`` does (``None``: none), and is stored as a
+    tuple (the object stays hashable).
 
     Raises:
         ValueError: temperature < 0 or not finite, top_p not in (0, 1], top_k < -1, min_p not in
-            [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id.
+            [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id, or
+            ``stop_token_ids`` that is not a sequence of ints.
     """
 
     temperature: float = 1.0
@@ -160,6 +190,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids",
+                           _token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
         check_field_types(self)
         _require(0.0 <= self.temperature < math.inf, f"SamplingParams.temperature="
                  f"{self.temperature}: must be finite and >= 0 (0 = greedy).")

@@ -26,7 +26,7 @@ from typing import Any
 
 from nbhelpers.config import Completion, SamplingParams
 from nbhelpers.engine.kv_cache import PagePool
-from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
+from nbhelpers.engine.model_runner import BUCKETS, ModelRunner, RunnerOptions
 from nbhelpers.engine.runner_options import option_names
 from nbhelpers.engine.scheduler import Scheduler, Sequence
 
@@ -64,19 +64,65 @@ def normalize_prompts(prompts: Any) -> list[list[int]]:
     return out
 
 
+def check_options(options: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for an ``LLM(**options)`` name that is no RunnerOptions field (the
+    message names the closest field and lists them all)."""
+    known = option_names()
+    if unknown := sorted(set(options) - known):
+        close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
+                        f". Options: max_num_seqs, max_prefill_tokens, share_prefix and the "
+                        f"RunnerOptions fields {sorted(known)}.")
+
+
+def check_limits(max_num_seqs: Any, max_prefill_tokens: Any) -> None:
+    """Raise ``ValueError`` unless ``max_num_seqs`` is an int in ``[1, BUCKETS[-1]]`` (sequences
+    decoding at once; the largest decode batch bucket is 512) and ``max_prefill_tokens`` an
+    int >= 1 (tokens per prefill step; a longer prompt still prefills alone)."""
+    for name, value, high, what in (
+            ("max_num_seqs", max_num_seqs, BUCKETS[-1],
+             f"sequences decoding at once; {BUCKETS[-1]} is the largest decode batch"),
+            ("max_prefill_tokens", max_prefill_tokens, None, "prompt tokens per prefill step")):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        if not ok or (high is not None and value > high):
+            span = f"in [1, {high}]" if high is not None else ">= 1"
+            raise ValueError(f"LLM({name}={value!r}): pass an int {span} ({what}).")
+
+
+def check_cuda_graphs(model: Any, use_cuda_graphs: Any) -> None:
+    """Raise ``ValueError`` for ``use_cuda_graphs=True`` when ``model``'s parameters are not on a
+    CUDA device (graphs cannot be captured there; ``None`` already means on iff CUDA)."""
+    if use_cuda_graphs is not True:
+        return
+    param = next(iter(model.parameters()), None)
+    if param is None or not param.is_cuda:
+        where = "no parameters" if param is None else f"parameters on {param.device}"
+        raise ValueError(f"LLM(use_cuda_graphs=True): CUDA graphs need the model on a CUDA "
+                         f"device, this one has {where}: leave use_cuda_graphs=None (on iff "
+                         "CUDA) or pass use_cuda_graphs=False on the CPU, or move the model to "
+                         "CUDA first (model.to('cuda')).")
+
+
 class LLM:
     """Flex engine over an HF causal LM (see module docstring).
 
     Args:
         model: a ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (optionally PEFT-wrapped), on its device.
         eos_token_id: ends a sequence unless ``ignore_eos``; default ``model.config.eos_token_id``.
-        max_num_seqs: most sequences decoding at once; max_prefill_tokens: tokens per prefill.
+        max_num_seqs: most sequences decoding at once, 1..512; max_prefill_tokens: prompt tokens
+            per prefill step, >= 1 (the first waiting group is admitted even when longer).
         share_prefix: prefill the ``n`` samples of a prompt once (GRPO group prefix sharing).
         **options: :class:`~nbhelpers.engine.model_runner.RunnerOptions` fields.
     Raises:
+        TypeError: ``model`` is not a loaded HF model, or an unknown option (the message names
+            the closest valid one).
         ValueError: unsupported architecture, bad options (e.g. a ``page_size`` the CUDA kernels
             cannot serve: :func:`~nbhelpers.engine.kv_cache.check_page_size` names the valid
-            sizes), or a prompt longer than max_model_len.
+            sizes), ``max_num_seqs`` not an int in [1, 512] (the largest decode batch),
+            ``max_prefill_tokens`` not an int >= 1, ``use_cuda_graphs=True`` for a model that is
+            not on a CUDA device (all checked at construction), or, at ``generate``, a prompt
+            longer than max_model_len.
     """
 
     def __init__(self, model: Any, eos_token_id: int | list[int] | None = None,
@@ -85,13 +131,9 @@ class LLM:
         if not hasattr(model, "parameters") or not hasattr(model, "config"):
             raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
                             "e.g. nbhelpers.models.load_model(name)[0].")
-        known = option_names()
-        if unknown := sorted(set(options) - known):
-            close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
-            hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
-            raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
-                            f". Options: max_num_seqs, max_prefill_tokens, share_prefix and the "
-                            f"RunnerOptions fields {sorted(known)}.")
+        check_options(options)
+        check_limits(max_num_seqs, max_prefill_tokens)
+        check_cuda_graphs(model, options.get("use_cuda_graphs"))
         self.runner = ModelRunner(model, RunnerOptions(**options))
         self.opt = self.runner.opt
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id

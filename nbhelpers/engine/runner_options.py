@@ -23,7 +23,8 @@ PREFILL_ATTENTION = ("auto", "flex", "sdpa")
 
 @dataclass
 class RunnerOptions:
-    """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA.
+    """Engine options. ``use_cuda_graphs``/``compile_attention``: ``None`` = on iff CUDA
+    (``use_cuda_graphs=True`` for a model off CUDA: ``LLM`` raises ValueError at construction).
 
     ``compile_decode``: torch.compile the whole decode step (needs ``compile_attention``);
     ``decode_attention``: ``"flex"`` (flex_attention over a paged BlockMask), ``"triton"``

@@ -97,19 +97,64 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
             ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
             ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap),
             ``skip_first`` < 0 (all checked before any step runs).
-        TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`.
+        TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`, or a keyword
+            that is neither one of train's nor a ``GRPOConfig`` field
+            (:func:`check_config_overrides`, before anything loads).
         BackendNotInstalled: the backend's engine is missing (message names the extra).
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
     """
     if not isinstance(settings, GRPOSettings):
         raise TypeError(f"settings={settings!r}: pass nbhelpers.config.GRPOSettings(...).")
+    check_config_overrides(config_overrides)
     opts = {k: v for k, v in locals().items()
             if k not in ("model_name", "settings", "config_overrides")}
     if num_processes != 1 or vllm_mode != "colocate":
         from nbhelpers.grpo import distributed
         return distributed.launch(model_name, settings, opts, config_overrides)
     return _train_local(model_name, settings, opts, config_overrides)
+
+
+def check_config_overrides(config_overrides: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for a :func:`train` keyword that is no ``trl.GRPOConfig`` field, before
+    anything loads; the message names the closest name and where it goes (a keyword of
+    :func:`train`, a :class:`~nbhelpers.config.GRPOSettings` field, or a ``GRPOConfig`` field).
+    Without trl installed nothing is checked (the run then fails on the import itself)."""
+    if not config_overrides:
+        return
+    try:
+        from trl import GRPOConfig
+    except ImportError:
+        return
+    import dataclasses
+    import inspect
+    config = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+    if not (unknown := sorted(set(config_overrides) - config)):
+        return
+    own = [n for n, p in inspect.signature(train).parameters.items()
+           if p.kind is p.KEYWORD_ONLY]
+    groups = ((own, "a keyword of train(): train(..., {}=...)"),
+              ([f.name for f in dataclasses.fields(GRPOSettings)],
+               "a GRPOSettings field: settings=GRPOSettings(..., {}=...)"),
+              (sorted(config), "a trl.GRPOConfig field: train(..., {}=...)"))
+    hints = "".join(f" {h}" for h in (_closest(n, groups) for n in unknown) if h)
+    raise TypeError(f"train: unknown keyword(s) {unknown}.{hints} train() takes its own keywords "
+                    f"{own}; run settings go in GRPOSettings(...); any other keyword must be a "
+                    "trl.GRPOConfig field (dataclasses.fields(trl.GRPOConfig)), passed on to "
+                    "GRPOConfig as an override.")
+
+
+def _closest(name: str, groups: tuple[tuple[list[str], str], ...]) -> str:
+    """Where ``name`` (or its closest match, ``difflib``) belongs, first group first; ``""`` if
+    nowhere."""
+    import difflib
+    for names, where in groups:
+        if name in names:
+            return f"{name!r} is {where.format(name)}."
+    for names, where in groups:
+        if close := difflib.get_close_matches(name, names, n=1, cutoff=0.75):
+            return f"{name!r}: did you mean {close[0]!r}, {where.format(close[0])}?"
+    return ""
 
 
 def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],

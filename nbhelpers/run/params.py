@@ -135,10 +135,8 @@ def check_parameters(notebook: Path, params: dict[str, Any], sources: dict[str, 
     for name in given:
         where = sources.get(name, "parameter")
         if name not in declared:
-            close = difflib.get_close_matches(name, list(declared), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UserInputError(f"{where}: {notebook.name} has no parameter {name!r}.{hint} "
-                                 f"Valid names: {', '.join(declared)}.")
+            raise UserInputError(f"{where}: {notebook.name} has no parameter {name!r}."
+                                 f"{_valid_names(name, list(declared))}")
         check_value(name, declared[name], params[name], f"{where} ({notebook.name})")
 
 
@@ -211,17 +209,17 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
     Raises:
         UserInputError: unknown profile, missing config (single notebook, or none in the phase),
             unknown parameter name, a value of the wrong type (see ``run_params``), or a ``-p``
-            for a runner-set parameter (``sidecar_path``).
+            or config value for a runner-set parameter (``sidecar_path``; the runner sets it,
+            and the valid names listed for an unknown one leave it out).
     """
     configs = (repo or Path(__file__).resolve().parents[2]) / "configs"
-    if set(overrides) & set(RUNNER_PARAMETERS):
-        raise UserInputError("-p sidecar_path: the runner writes the sidecar beside the executed "
-                             "notebook (<executed>/<phase>/<notebook>/<run>.json); choose the "
-                             "folder with --executed DIR instead.")
+    _refuse_runner_parameters(overrides, "-p")
     if profile not in (known := profiles(configs)):
         raise UserInputError(f"unknown profile {profile!r}: use one of {known} "
                              "(configs/<stem>.<profile>.yaml).")
     planned = _load_all(notebooks, profile, configs)
+    for nb, params in planned:
+        _refuse_runner_parameters(params, f"configs/{nb.stem}.{profile}.yaml:")
     declared = {nb: notebook_parameters(nb) for nb, _ in planned}
     if len(planned) > 1:
         _check_phase_overrides(overrides, declared)
@@ -236,6 +234,16 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
         check_values(params, sources, nb)
         out.append((nb, params))
     return out
+
+
+def _refuse_runner_parameters(params: dict[str, Any], source: str) -> None:
+    """Raise :class:`UserInputError` when ``params`` (from ``source``: ``-p`` or a config file)
+    sets a :data:`RUNNER_PARAMETERS` name; the runner sets those itself."""
+    if given := [n for n in RUNNER_PARAMETERS if n in params]:
+        raise UserInputError(f"{source} {given[0]}: the runner writes the sidecar beside the "
+                             "executed notebook (<executed>/<phase>/<notebook>/<run>.json); "
+                             f"choose the folder with --executed DIR instead"
+                             f"{'' if source == '-p' else ' (remove it from the file)'}.")
 
 
 def _load_all(notebooks: list[Path], profile: str,
@@ -261,7 +269,18 @@ def _check_phase_overrides(overrides: dict[str, Any],
     names = list(dict.fromkeys(n for d in declared.values() for n in d or {}))
     for name in overrides:
         if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise UserInputError(f"-p {name}: no notebook of this phase has this parameter."
-                                 f"{hint} Valid names: {', '.join(names)}.")
+                                 f"{_valid_names(name, names)}")
+
+
+def _valid_names(name: str, declared: list[str]) -> str:
+    """`` Did you mean X? Valid names: ...`` for an unknown ``name``: the declared names a
+    ``-p`` or config may set, so without :data:`RUNNER_PARAMETERS` (which the runner sets and
+    :func:`plan_parameters` refuses), those named apart."""
+    settable = [n for n in declared if n not in RUNNER_PARAMETERS]
+    close = difflib.get_close_matches(name, settable, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    runner = [n for n in declared if n in RUNNER_PARAMETERS]
+    note = (f" ({', '.join(runner)}: set by the runner; choose the folder with --executed DIR.)"
+            if runner else "")
+    return f"{hint} Valid names: {', '.join(settable) or 'none'}.{note}"

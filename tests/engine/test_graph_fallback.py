@@ -14,6 +14,7 @@ from _tiny import random_prompts, tiny_model
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM, model_runner
+from nbhelpers.engine import llm as llm_module
 from nbhelpers.engine.models import list_architectures
 
 SAMPLED = SamplingParams(temperature=1.0, min_p=0.05, top_k=20, max_new_tokens=6,
@@ -42,6 +43,8 @@ def test_failed_capture_decodes_eagerly_with_the_same_tokens(monkeypatch, arch):
         calls.append(args)
         raise RuntimeError("simulated capture failure")
     monkeypatch.setattr(model_runner, "capture_graph", fail)
+    # the capture is simulated, so LLM's CUDA-device check of use_cuda_graphs=True is lifted
+    monkeypatch.setattr(llm_module, "check_cuda_graphs", lambda *args: None)
     graphs = LLM(model, use_cuda_graphs=True, compile_layers=True, **OPTIONS)
     assert graphs.runner.model.fx_decode.compiled  # the compiled pieces are in use ...
     with pytest.warns(UserWarning) as record:

@@ -97,7 +97,8 @@ def test_environment_yml_mirrors_pyproject_gpu_extras():
     (SamplingParams, {"seed": 1.0}, r"SamplingParams\.seed=1\.0: expected int \| None"),
     (SamplingParams, {"top_p": None}, r"top_p=None: expected float, got NoneType"),
     (SamplingParams, {"ignore_eos": 1}, r"ignore_eos=1: expected bool, got int"),
-    (SamplingParams, {"stop_token_ids": [7]}, r"stop_token_ids=\[7\]: expected tuple\[int"),
+    (SamplingParams, {"stop_token_ids": [7, "x"]}, (r"stop_token_ids=\[7, 'x'\]: token ids "
+                                                   r"must be ints, got str 'x'")),
     (Workload, {"max_new_tokens": 512.0}, r"Workload\.max_new_tokens=512\.0: expected int"),
     (Workload, {"sampling": None}, r"Workload\.sampling=None: expected str"),
     (GRPOSettings, {"learning_rate": "5e-6"}, r"learning_rate='5e-6': expected float, got str"),

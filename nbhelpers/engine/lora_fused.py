@@ -87,8 +87,9 @@ class LoraFusedGemm:
     def config(self, x2: Any, f: dict[str, Any], ops: tuple, sizes: list[int],
                cublas: Callable[[Any, dict], Any]) -> Any:
         """The tuned :class:`lora_gemm.Config` for this shape, ``None`` for cuBLAS. Tunes at the
-        shape's first eager CUDA call (module :mod:`lora_gemm_tune`); on the CPU, while capturing
-        or tracing: ``default_config`` (not recorded, so a later eager call still tunes)."""
+        shape's first eager CUDA call (module :mod:`lora_gemm_tune`) over the configs that fit
+        the device's shared memory (``lora_gemm.configs_for``); on the CPU, while capturing or
+        tracing: ``default_config`` (not recorded, so a later eager call still tunes)."""
         import torch
         w, a, bs, ranks = ops
         lg, tune = self.gemm, self.tune
@@ -96,12 +97,13 @@ class LoraFusedGemm:
                              None if a is None else a.dtype, ranks, f["bias"] is not None)
         if key in self.choices:
             return self.choices[key]
-        default = lg.default_config(x2.shape[0], w.shape[0], x2.shape[1], sizes)
+        fit = lg.fit_args(x2, a, ranks)  # candidates within the device's shared memory
+        default = lg.default_config(x2.shape[0], w.shape[0], x2.shape[1], sizes, **fit)
         if (not x2.is_cuda or torch.compiler.is_compiling()
                 or torch.cuda.is_current_stream_capturing()):
             return default
-        cfgs = {tune.config_name(c): c for c in (default, *lg.CONFIGS)
-                if lg.block_ok(sizes, c.block_n)}
+        cfgs = {tune.config_name(c): c
+                for c in (default, *lg.configs_for(x2.shape[0], sizes, **fit))}
         launch = {n: (lambda c=c: lg.lora_gemm(x2, w, sizes, f["bias"], a, bs, ranks,
                                                f.get("scaling", 1.0), c)) for n, c in cfgs.items()}
         launch[tune.CUBLAS] = lambda: cublas(x2, f)

@@ -167,7 +167,7 @@ def test_engine_greedy_tokens_match_with_fused_kernels(arch):
     from nbhelpers.bench.profile import count_decode_ops
     model = tiny_model(arch).to(DEV)
     prompts = random_prompts(3, 5, 17, seed=2)
-    base_llm, base = _greedy(model, prompts)
+    base_llm, base = _greedy(model, prompts, fused_elementwise="off")  # auto: triton on CUDA
     fused_llm, got = _greedy(model, prompts, fused_elementwise="triton")
     assert fused_llm.runner.model.fx_decode.kind == "triton"
     for (bt, blp), (gt, glp) in zip(base, got):
@@ -233,13 +233,19 @@ def test_kernels_compile_for_sm90():
 def test_gemma4_greedy_tokens_match_with_fused_kernels(variant):
     """Tiny fp32 Gemma-4 (randomised norms and layer_scalar; KV sharing, per-layer inputs, V = K
     on full layers): the fused decode (one ``add_norm`` per norm/residual pair, one q/k/v norm +
-    RoPE + KV-write launch per layer) gives the module path's greedy tokens and logprobs."""
+    RoPE + KV-write launch per layer) gives the module path's greedy tokens and logprobs.
+    The fused run takes the Triton paged decode, as ``decode_attention="auto"`` does on CUDA
+    (the H200 run: it read ``config.num_key_value_heads``, which raises for ``k_eq_v``)."""
     from test_gemma4 import tiny_gemma4
     model = tiny_gemma4(variant).to(DEV)
     prompts = random_prompts(3, 5, 17, seed=4, vocab=model.config.vocab_size)
-    _, base = _greedy(model, prompts)
-    llm, got = _greedy(model, prompts, fused_elementwise="triton")
-    assert llm.runner.model.fx_decode.kind == "triton"
+    _, base = _greedy(model, prompts, fused_elementwise="off")  # auto: triton on CUDA
+    llm, got = _greedy(model, prompts, fused_elementwise="triton", decode_attention="triton")
+    engine = llm.runner.model
+    assert engine.fx_decode.kind == "triton" and llm.runner.paged_decode is not None
+    assert engine.kv_heads == [engine.allocate_kv(1, 64).k[i].shape[1]
+                               for i in range(len(engine.layers))]
+    assert llm.runner.paged_decode.num_kv_heads == max(engine.kv_heads)
     for (bt, blp), (gt, glp) in zip(base, got):
         assert gt == bt
         assert max(abs(a - b) for a, b in zip(blp, glp)) < 1e-4
@@ -248,20 +254,28 @@ def test_gemma4_greedy_tokens_match_with_fused_kernels(variant):
 def test_failed_capture_swaps_the_triton_pieces_for_eager(monkeypatch):
     """A failed graph capture with ``fused_elementwise="triton"`` retries with the eager pieces
     (``decode_graphs``: ``fx_decode.compiled`` is True for the Triton kind), then decodes without
-    a graph; sampled tokens equal the plain eager engine's (tiny Qwen3, CPU)."""
+    a graph; sampled tokens equal those of the engine it falls back to: eager pieces, flex
+    decode, no graph (tiny Qwen3; on the CPU the capture is simulated, so LLM's CUDA-device
+    check of ``use_cuda_graphs=True`` is lifted there)."""
     from nbhelpers.engine import LLM, model_runner
+    from nbhelpers.engine import llm as llm_module
     model = tiny_model("qwen3").to(DEV)
     params = SamplingParams(temperature=1.0, min_p=0.05, max_new_tokens=6, ignore_eos=True,
                             seed=7, n=2)
-    prompts, opts = random_prompts(2, 5, 12, seed=4), {"page_size": 16, "num_pages": 24,
-                                                       "max_model_len": 96}
-    want = LLM(model, use_cuda_graphs=False, **opts).generate(prompts, params)
+    # page_size 64: one the CUDA flex kernels serve too (kv_cache.check_page_size)
+    prompts, opts = random_prompts(2, 5, 12, seed=4), {"page_size": 64, "num_pages": 6,
+                                                       "max_model_len": 96,
+                                                       "decode_attention": "flex",
+                                                       "compile_layers": False}
+    want = LLM(model, use_cuda_graphs=False, fused_elementwise="off", **opts).generate(
+        prompts, params)
 
     def fail(*args):
         raise RuntimeError("simulated capture failure")
     monkeypatch.setattr(model_runner, "capture_graph", fail)
-    llm = LLM(model, use_cuda_graphs=True, decode_attention="flex", fused_elementwise="triton",
-              compile_layers=False, **opts)
+    if DEV == "cpu":
+        monkeypatch.setattr(llm_module, "check_cuda_graphs", lambda *args: None, raising=False)
+    llm = LLM(model, use_cuda_graphs=True, fused_elementwise="triton", **opts)
     assert llm.runner.model.fx_decode.kind == "triton"
     with pytest.warns(UserWarning):
         got = llm.generate(prompts, params)

@@ -29,7 +29,10 @@ Bytes: each N-tile program reads A's ``r_i`` rows over its K chunk, so A is read
 against ``BLOCK_N * K * 2`` of W, ratio ``r * a_bytes / (2 * BLOCK_N)``: r=32 fp32 adapters,
 BLOCK_N=128: 50 % of W's bytes on top (L2 traffic; DRAM reads A once, 0.3 MB of qkv's 31 MB);
 BLOCK_N=256: 25 %; bf16 adapters half that. B is read once (each tile its own rows). Hence
-:data:`CONFIGS` favour wide N tiles with split-K to fill the 132 SMs.
+:data:`CONFIGS` favour wide N tiles with split-K to fill the 132 SMs. Shared memory per program
+(:func:`smem_bytes`) grows with BLOCK_M, the stages and the LoRA rank: the tuner's candidates
+(:func:`configs_for`) and :func:`default_config` stay within the device's limit
+(:func:`shared_memory_limit`; 227 KiB on an H200, which config 4 and 5 exceed at 64 rows).
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tests): 16-bit ``tl.dot`` operands are upcast first (its
 bf16 dot returned garbage, see :mod:`.lora_expand`) and the bf16 store rounds by bit arithmetic.
@@ -64,8 +67,9 @@ class Config(NamedTuple):
 CONFIGS = (Config(64, 128, 1), Config(128, 128, 1), Config(128, 128, 2), Config(256, 64, 4),
            Config(128, 256, 4, 4, 2), Config(256, 128, 8, 8), Config(128, 64, 8),
            Config(64, 256, 16, 4, 2))
-"""Candidates the tuner (:mod:`.lora_gemm_tune`) times per (M bucket, N, K); ``split_k`` is
-clamped so every split has at least one K tile."""
+"""Candidates the tuner (:mod:`.lora_gemm_tune`) times per (M bucket, N, K) among those that fit
+the device's shared memory (:func:`configs_for`); ``split_k`` is clamped so every split has at
+least one K tile."""
 
 
 @triton.jit
@@ -185,12 +189,99 @@ def supported(x: Any, w: Any, sizes: list[int], a: Any = None, bs: list[Any] | N
                     and b.device == x.device for b, o, r in zip(bs, sizes, ranks)))
 
 
-def default_config(m: int, n: int, k: int, sizes: list[int]) -> Config:
-    """Untuned choice: the widest legal N tile with ~128 programs (split-K fills the rest)."""
+def block_m_for(m: int) -> int:
+    """The row tile (BLOCK_M) of a launch with ``m`` rows: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def block_r_for(ranks: list[int] | None) -> int:
+    """The rank tile (BLOCK_R) for these LoRA ranks (16 without LoRA)."""
+    return max(16, triton.next_power_of_2(max(ranks))) if ranks else 16
+
+
+def smem_bytes(cfg: Config, m: int, x_bytes: int = 2, a_bytes: int = 0, max_rank: int = 0) -> int:
+    """Shared memory (bytes) one program of ``_lora_gemm`` allocates with ``cfg`` for ``m`` rows.
+
+    ``x_bytes``: base element size (2 bf16/fp16, 4 fp32); ``a_bytes``: LoRA A's (2 or 4; 0 without
+    LoRA); ``max_rank``: the largest part rank. Terms (BM, BN, BK, BR the tiles, S num_stages):
+    x and W tiles, ``S`` buffers with 16-bit operands at BM >= 64 (wgmma) else ``S - 1``;
+    with LoRA the A^T tile's ``S - 1`` buffers (``BK * BR * a_bytes`` each), its fp32 copy for
+    the IEEE dot when A is 16-bit, and x's copy for that dot (``BM * BK * 2`` with wgmma, else
+    ``* 4``). Measured against ``metadata.shared`` of ahead-of-time sm_90 builds specialised as
+    a launch on the engine's contiguous operands is (16-divisible pointers and strides): equal for
+    all 184 Triton 3.6 (the H200 image's) builds of a bf16 base over every :data:`CONFIGS` entry,
+    BM 16/32/64, BR 32-128, bf16/fp32/no adapters, with and without bias, and for 8 Triton 3.9
+    ones; at or above the 48 fp32-base builds (no wgmma). A row stride that is not 16-divisible
+    pipelines fewer loads (the H200 test's x: 245,760 for config 4 where this gives 278,528).
+    The slow AOT test in ``tests/engine/test_lora_gemm.py`` re-checks the bound.
+    """
+    bk, bm = cfg.block_k, block_m_for(m)
+    wgmma = bm >= 64 and x_bytes == 2
+    buffers = cfg.num_stages if wgmma else cfg.num_stages - 1
+    total = buffers * (bm * bk + bk * cfg.block_n) * x_bytes
+    if a_bytes:
+        a_tile = bk * block_r_for([max_rank])
+        total += ((cfg.num_stages - 1) * a_tile * a_bytes + (a_tile * 4 if a_bytes < 4 else 0)
+                  + bm * bk * (2 if wgmma else 4))
+    return total
+
+
+def shared_memory_limit(device: Any) -> int | None:
+    """Shared memory one program may use on ``device`` (bytes; CUDA's per-block opt-in maximum,
+    what Triton's launcher checks: 232,448 on an H200), ``None`` off CUDA or interpreted."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRETED:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if limit is None:  # older torch: Triton's own query
+        from triton.runtime import driver
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        limit = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return int(limit)
+
+
+def fit_args(x: Any, a: Any = None, ranks: list[int] | None = None) -> dict[str, Any]:
+    """``{"x_bytes", "a_bytes", "max_rank", "limit"}`` of these operands for :func:`fits`,
+    :func:`configs_for` and :func:`default_config` (limit: :func:`shared_memory_limit`)."""
+    return {"x_bytes": x.element_size(), "a_bytes": 0 if a is None else a.element_size(),
+            "max_rank": max(ranks) if a is not None and ranks else 0,
+            "limit": shared_memory_limit(x.device)}
+
+
+def fits(cfg: Config, m: int, x_bytes: int = 2, a_bytes: int = 0, max_rank: int = 0,
+         limit: int | None = None) -> bool:
+    """Whether ``cfg`` fits ``limit`` bytes of shared memory (:func:`smem_bytes`; None: any)."""
+    return limit is None or smem_bytes(cfg, m, x_bytes, a_bytes, max_rank) <= limit
+
+
+def configs_for(m: int, sizes: list[int], x_bytes: int = 2, a_bytes: int = 0, max_rank: int = 0,
+                limit: int | None = None) -> list[Config]:
+    """The :data:`CONFIGS` whose N tile suits ``sizes`` (:func:`block_ok`) and that fit ``limit``
+    (:func:`fits`): the tuner's candidates."""
+    return [c for c in CONFIGS if block_ok(sizes, c.block_n)
+            and fits(c, m, x_bytes, a_bytes, max_rank, limit)]
+
+
+def default_config(m: int, n: int, k: int, sizes: list[int], x_bytes: int = 2, a_bytes: int = 0,
+                   max_rank: int = 0, limit: int | None = None) -> Config:
+    """Untuned choice: the widest legal N tile with ~128 programs (split-K fills the rest), then
+    fewer stages, a shorter K tile (down to 32) and a narrower N tile until it :func:`fits`."""
     block_n = next((b for b in (256, 128, 64, 32, 16) if block_ok(sizes, b) and n >= b), 16)
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(16, 128 // tiles, k // 256))
-    return Config(block_n, 128 if block_n <= 128 else 64, split)
+    cfg = Config(block_n, 128 if block_n <= 128 else 64, split)
+    while not fits(cfg, m, x_bytes, a_bytes, max_rank, limit):
+        if cfg.num_stages > 2:
+            cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 32:
+            cfg = cfg._replace(block_k=cfg.block_k // 2)
+        elif cfg.block_n > 16:
+            cfg = cfg._replace(block_n=cfg.block_n // 2)
+        else:
+            break  # the smallest tiles: let Triton report the device's limit
+    return cfg
 
 
 def lora_gemm(x: Any, w: Any, sizes: list[int], bias: Any = None, a: Any = None,
@@ -200,7 +291,8 @@ def lora_gemm(x: Any, w: Any, sizes: list[int], bias: Any = None, a: Any = None,
 
     Shapes: ``x [M, K]``, ``w [N, K]``, ``bias [N]`` or None, ``a [R, K]`` or None (no LoRA),
     ``bs[i] [sizes[i], ranks[i]]``; returns ``y [M, N]`` in x's dtype. ``config``: default
-    :func:`default_config`. Raises ``ValueError`` when :func:`supported` is false or ``config``'s
+    :func:`default_config` within the device's shared memory (an explicit ``config`` is launched
+    as given: Triton raises ``OutOfResources`` if it does not fit). Raises ``ValueError`` when :func:`supported` is false or ``config``'s
     N tile straddles parts.
     """
     import torch
@@ -210,13 +302,13 @@ def lora_gemm(x: Any, w: Any, sizes: list[int], bias: Any = None, a: Any = None,
                          "F.linear plus lora_shrink/lora_expand.")
     m, k = x.shape
     n = w.shape[0]
-    cfg = config or default_config(m, n, k, sizes)
+    cfg = config or default_config(m, n, k, sizes, **fit_args(x, a, ranks))
     if not block_ok(sizes, cfg.block_n):
         raise ValueError(f"lora_gemm: BLOCK_N={cfg.block_n} straddles parts {sizes}.")
     k_per = triton.cdiv(triton.cdiv(k, min(cfg.split_k, triton.cdiv(k, cfg.block_k))),
                         cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)  # no empty split
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = block_m_for(m)
     lora = _lora_args(a, bs, sizes, ranks)
     tiles = triton.cdiv(n, cfg.block_n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -249,4 +341,4 @@ def _lora_args(a: Any, bs: list[Any] | None, sizes: list[int], ranks: list[int] 
     roffs = [sum(ranks[:i]) for i in range(1, parts)] + [0] * (MAX_PARTS - parts)
     return {"a": a, "b": list(bs) + [bs[0]] * (MAX_PARTS - parts), "ends": ends,
             "roffs": roffs[:MAX_PARTS - 1], "ranks": list(ranks) + [0] * (MAX_PARTS - parts),
-            "block_r": max(16, triton.next_power_of_2(max(ranks)))}
+            "block_r": block_r_for(ranks)}

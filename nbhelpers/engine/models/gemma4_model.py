@@ -97,11 +97,17 @@ class Gemma4EngineModel(EngineModel):
         return LiveGroup(mods, fuse_lora_a)
 
     def _init_attention(self) -> None:
-        """Per-layer types, head dims, scales (1.0, line 1177), KV store layers and PLE groups."""
+        """Per-layer types, head dims, KV heads, scales (1.0, line 1177), KV store layers and PLE
+        groups. ``num_kv_heads`` (the most of any layer) is the model-wide default that
+        ``paged_decode`` plans with; ``config.num_key_value_heads`` raises there when layers
+        differ (``attention_k_eq_v``: ``num_global_key_value_heads`` on full layers)."""
         layers, inner = self.layers, self.inner
         self.layer_types = [ly.self_attn.layer_type for ly in layers]
         self.store_of = _store_layers(layers)
         self.head_dims = [ly.self_attn.head_dim for ly in layers]
+        self.kv_heads = [layers[s].self_attn.k_proj.out_features // self.head_dims[s]
+                         for s in self.store_of]  # a shared layer reads its store layer's pool
+        self.num_kv_heads = max(self.kv_heads)
         self.scales = [ly.self_attn.scaling for ly in layers]
         self.ple_dim = self.config.hidden_size_per_layer_input or 0
         self.ple = ([LiveGroup([ly.per_layer_input_gate]) for ly in layers],
@@ -115,9 +121,8 @@ class Gemma4EngineModel(EngineModel):
 
     def allocate_kv(self, num_pages: int, page_size: int) -> SharedKVCache:
         """Pages for the storing layers only; shared layers alias them (see module docstring)."""
-        shapes = [None if self.store_of[i] != i else
-                  (ly.self_attn.k_proj.out_features // self.head_dims[i], self.head_dims[i])
-                  for i, ly in enumerate(self.layers)]
+        shapes = [None if self.store_of[i] != i else (self.kv_heads[i], self.head_dims[i])
+                  for i in range(len(self.layers))]
         return SharedKVCache.allocate_shared(shapes, self.store_of, num_pages, page_size,
                                              self.dtype, self.device)
 

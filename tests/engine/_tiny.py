@@ -41,7 +41,9 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
     reference; HF ``generate`` with its cache drifts by ~1e-2 in logprob on these configs)."""
     ids, toks, lps = list(prompt), [], []
     for _ in range(max_new_tokens):
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        device = next(model.parameters()).device  # the model may live on CUDA (engine tests)
+        logp = torch.log_softmax(model(torch.tensor([ids], device=device)).logits[0, -1].float(),
+                                 -1)
         tok = int(logp.argmax())
         toks.append(tok)
         lps.append(logp[tok].item())

@@ -283,11 +283,16 @@ def test_failed_capture_swaps_the_triton_pieces_for_eager(monkeypatch):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_auto_keeps_todays_path_and_bad_values_are_clear():
-    """``auto`` = compiled pieces iff ``compile_layers`` (CUDA), never Triton until the H200 A/B."""
+def test_auto_is_triton_on_cuda_and_bad_values_are_clear():
+    """``auto`` = the Triton pieces on CUDA (H200 A/B of 2026-12-01, RunnerOptions docstring),
+    elsewhere compiled pieces iff ``compile_layers``, else eager."""
     from nbhelpers.engine.runner_options import RunnerOptions, resolve_fused_elementwise
+    assert resolve_fused_elementwise(RunnerOptions(), compile_layers=True, on_cuda=True) == \
+        "triton"
     assert resolve_fused_elementwise(RunnerOptions(), compile_layers=True) == "compile"
     assert resolve_fused_elementwise(RunnerOptions(), compile_layers=False) == "off"
+    opt = RunnerOptions(fused_elementwise="compile")
+    assert resolve_fused_elementwise(opt, compile_layers=True, on_cuda=True) == "compile"
     opt = RunnerOptions(fused_elementwise="triton")
     assert resolve_fused_elementwise(opt, compile_layers=False) == "triton"
     with pytest.raises(ValueError, match="fused_elementwise='fast'"):

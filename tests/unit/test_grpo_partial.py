@@ -124,8 +124,9 @@ def test_a_mismatched_reuse_is_a_value_error_naming_the_field(first_call, monkey
 
 
 @pytest.mark.parametrize("edit,backend,message", [
-    (lambda s: s["env"].update(gpu="NVIDIA H200"), "hf_generate",
-     f"device: sidecar 'NVIDIA H200', this run {gpu_name()!r}"),
+    # a device this host is not (on the H200 a sidecar from "NVIDIA H200" would match)
+    (lambda s: s["env"].update(gpu="NVIDIA A100-SXM4-80GB"), "hf_generate",
+     f"device: sidecar 'NVIDIA A100-SXM4-80GB', this run {gpu_name()!r}"),
     (lambda s: s.pop("grpo_request"), "hf_generate", "no grpo_request"),
     (lambda s: s.update(error="RuntimeError: x", status="failed"), "hf_generate",
      "that run failed"),

@@ -153,6 +153,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "m2c": ([], ["gguf2"], [
         (SUITE, {"args": "-n 12 --dist load --tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
+    "k3f": ([], [], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[flex]", "max_steps": "30",
+              "format_warmup_steps": "60", "n_questions": "60"}, 100, 190, 0)]),
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),

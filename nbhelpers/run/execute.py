@@ -6,7 +6,9 @@ own session, so a terminal's Ctrl-C reaches only the runner, which stops the chi
 :func:`stop_jobs`: papermill shuts the kernel down and keeps the partial notebook); the child runs
 papermill with a kernelspec for this interpreter (:func:`kernel_env`) and writes a failure's cause
 to a file for :func:`mark_failed`, which writes (or marks) the job's sidecar failed. While
-:data:`STOPPING` is set, :func:`execute` leaves the record to :func:`stop_jobs`. Used by
+:data:`STOPPING` is set, :func:`execute` leaves the record to :func:`stop_jobs`. A supervisor that
+stops the runner (``scripts/device/run_step.py`` at its time cap) names its reason in the file
+``$NBHELPERS_STOP_REASON_FILE`` before its SIGTERM; :func:`stop_jobs` puts it in the error. Used by
 :mod:`nbhelpers.run.runner`.
 """
 
@@ -33,6 +35,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 """The repo root, where ``nbhelpers/`` lives; on the child's ``PYTHONPATH`` so an uninstalled
 checkout works."""
 KERNEL_NAME = "nbhelpers"
+STOP_REASON_ENV = "NBHELPERS_STOP_REASON_FILE"
+"""Env var naming a file whose first line says why the run is stopped (:func:`stop_reason`)."""
+GENERIC_STOP = "Ctrl-C / SIGINT / SIGTERM"
 
 
 @dataclass
@@ -95,6 +100,8 @@ def execute(job: Job, repo: Path = PACKAGE_ROOT) -> int:
         env["CUDA_VISIBLE_DEVICES"] = job.gpu
     with tempfile.TemporaryDirectory(prefix="nbhelpers-run-") as tmp:
         error_file = Path(tmp) / "error.txt"
+        if STOPPING.is_set():  # stopped while this worker took the job: start no child
+            return 130
         spec = json.dumps({"input": str(job.notebook), "output": str(job.output),
                            "parameters": job.parameters, "cwd": str(repo),
                            "error_file": str(error_file)})
@@ -129,12 +136,28 @@ def mark_failed(job: Job, error: str) -> None:
     write_sidecar(side, job.sidecar)
 
 
-def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0) -> None:
+def stop_reason() -> str:
+    """Why the run is stopped: the first line of the file named by ``$NBHELPERS_STOP_REASON_FILE``
+    (a supervisor writes it before signalling, e.g. ``time cap 515 s of run_step.py``), else
+    :data:`GENERIC_STOP`. Never raises: an unreadable or empty file gives the generic reason."""
+    path = os.environ.get(STOP_REASON_ENV)
+    try:
+        lines = Path(path).read_text().strip().splitlines() if path else []
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    return lines[0].strip() if lines and lines[0].strip() else GENERIC_STOP
+
+
+def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0,
+              reason: str | None = None) -> None:
     """After Ctrl-C / SIGTERM: SIGINT to each running papermill child (it shuts its kernel down
     and keeps the partial notebook), SIGKILL after ``grace_s``; every job that had not finished
-    gets a failed sidecar (``interrupted``), so INDEX.md lists it."""
+    gets a failed sidecar (``interrupted (<reason>)``, default :func:`stop_reason`) naming its
+    partial notebook and the partial ``<run>__<backend>.json`` sidecars beside it (kept as they
+    are), so INDEX.md lists it."""
     import signal
     import time
+    why = reason or stop_reason()
     running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
     for job in running:
         job.proc.send_signal(signal.SIGINT)
@@ -148,10 +171,17 @@ def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0)
         if job in running or job.returncode is None:
             started = job in running
             job.returncode = 130
-            what = (f"interrupted (Ctrl-C / SIGINT / SIGTERM) while running\npartial notebook: "
-                    f"{repo_path(job.output, repo)}" if started
-                    else "interrupted before it started (Ctrl-C / SIGINT / SIGTERM)")
+            what = (f"interrupted ({why}) while running\npartial notebook: "
+                    f"{repo_path(job.output, repo)}{_partials(job, repo)}" if started
+                    else f"interrupted ({why}) before it started")
             mark_failed(job, what)
+
+
+def _partials(job: Job, repo: Path) -> str:
+    """A new line ``partial sidecars: a, b`` (repo-relative) for the ``<run>__<backend>.json``
+    files beside the job's sidecar (phase 2 writes one per finished backend), else ``""``."""
+    found = sorted(job.sidecar.parent.glob(f"{job.sidecar.stem}__*.json"))
+    return "\npartial sidecars: " + ", ".join(repo_path(p, repo) for p in found) if found else ""
 
 
 def _execute_in_child(spec: dict[str, Any]) -> int:
@@ -160,7 +190,12 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
     so a long run shows its training logs, not only papermill's cell bar. A failure is written to
     ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count <n>)`` for the
     parent's sidecar."""
+    import signal
+
     import papermill as pm
+    # stop_jobs stops this child with SIGINT: take it as KeyboardInterrupt even when the chain
+    # that started the runner ignored SIGINT (a shell's background job), which Python inherits
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     error_file = Path(spec["error_file"]) if spec.get("error_file") else None
     try:
         pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],

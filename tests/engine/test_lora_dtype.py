@@ -144,3 +144,14 @@ def test_engine_shadow_is_the_bf16_adapter_path_and_follows_the_trainer():
             if "lora_B" in name:
                 p.add_(0.05)
     assert check() != before
+
+
+def test_kernel_option_dicts_are_checked_at_construction():
+    """Checked on every host, not only where the Triton decode kernel is built."""
+    with pytest.raises(ValueError, match="decode_kernel_options='v2': must be a dict"):
+        RunnerOptions(decode_kernel_options="v2")
+    with pytest.raises(ValueError, match=r"\['kernel'\]='v3'.*'auto', 'v1', 'v2'"):
+        RunnerOptions(decode_kernel_options={"kernel": "v3"})
+    with pytest.raises(ValueError, match="prefill_kernel_options='x'"):
+        RunnerOptions(prefill_kernel_options="x")
+    assert RunnerOptions(decode_kernel_options={"kernel": "v2"}).decode_kernel_options

@@ -16,6 +16,7 @@ vLLM sampling min_p=0.1, top_p=1.0, top_k=-1, seed 3407, max_seq_length 2048.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import types
@@ -173,7 +174,11 @@ class SamplingParams:
     takes any sequence of ints, as vLLM's ``list[int]`` does (``None``: none), and is stored as a
     tuple (the object stays hashable).
 
+    vLLM names this class lacks raise ``TypeError`` naming the fix: ``max_tokens`` (use
+    ``max_new_tokens``), ``logprobs`` (always returned), ``stop`` strings (use ``stop_token_ids``).
+
     Raises:
+        TypeError: one of those vLLM-only arguments.
         ValueError: temperature < 0 or not finite, top_p not in (0, 1], top_k < -1, min_p not in
             [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id, or
             ``stop_token_ids`` that is not a sequence of ints.
@@ -220,6 +225,30 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_VLLM_ONLY_ARGS = {
+    "max_tokens": "use max_new_tokens (vLLM's max_tokens)",
+    "logprobs": "logprobs of the sampled tokens are always returned (Completion.logprobs / "
+                "full_logprobs)",
+    "stop": "stop strings are not supported: use stop_token_ids (token ids, e.g. from "
+            "tokenizer.encode)",
+}
+
+
+def _reject_vllm_only_args(init):
+    """Wrap ``SamplingParams.__init__`` so vLLM argument names it lacks raise a TypeError naming
+    the fix instead of a bare "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def checked(self, *args: Any, **kwargs: Any) -> None:
+        for name, fix in _VLLM_ONLY_ARGS.items():
+            if name in kwargs:
+                raise TypeError(f"SamplingParams({name}=...): {fix}.")
+        init(self, *args, **kwargs)
+    return checked
+
+
+SamplingParams.__init__ = _reject_vllm_only_args(SamplingParams.__init__)
 
 
 GRPO_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.1, seed=3407)

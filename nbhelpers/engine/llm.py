@@ -145,8 +145,20 @@ class LLM:
         self._next_id = 0
 
     # ---------------------------------------------------------------- public API
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        """Generate ``sampling.n`` completions per prompt; see the module docstring."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+        """Generate ``sampling.n`` completions per prompt; see the module docstring.
+
+        ``sampling_params=`` is vLLM's name for ``sampling`` and is accepted as an alias.
+
+        Raises:
+            TypeError: both or neither of ``sampling`` / ``sampling_params`` given, or not a
+                ``SamplingParams``.
+        """
+        if (sampling is None) == (sampling_params is None):
+            raise TypeError("LLM.generate(prompts, sampling): pass the SamplingParams once, as the "
+                            "second argument `sampling` (vLLM's sampling_params= also works).")
+        sampling = sampling if sampling is not None else sampling_params
         prompts = normalize_prompts(prompts)
         self._check(prompts, sampling)
         if self.runner.kv is None:

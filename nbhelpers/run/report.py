@@ -6,6 +6,8 @@ Contract: :func:`write_site` converts every executed notebook under ``executed/`
 MathJax, are dropped so a page loads nothing from elsewhere), writes each sidecar-only run's JSON
 as a page beside them, and writes ``<out>/index.html`` with the same rows as ``executed/INDEX.md``
 (:func:`nbhelpers.run.index.index_rows`), failed runs marked. Every page links back to the index.
+A notebook that is not JSON (0 bytes: its run was interrupted before papermill wrote it) is
+skipped with a line on stderr naming it, and listed on the index as not exported.
 The folder can be published as is (any static host, or opened from disk).
 
 Run: ``python -m nbhelpers report [--executed executed] [--out executed_html]``.
@@ -17,6 +19,7 @@ import html
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from nbhelpers.run.index import headline, index_rows, status
@@ -55,7 +58,9 @@ def notebook_page(notebook: Path, rel_index: str, side: dict | None, exporter=No
                   count=1)
 
 
-def _cell(row: dict[str, str], col: str) -> str:
+def _cell(row: dict[str, str], col: str, skipped: dict[str, str]) -> str:
+    if col == "run" and row["_target"] in skipped:
+        return f'{html.escape(row["_key"])} (not exported: {html.escape(skipped[row["_target"]])})'
     if col == "run":
         href = str(Path(row["_target"]).with_suffix(".html"))
         return f'<a href="{html.escape(href)}">{html.escape(row["_key"])}</a>'
@@ -67,18 +72,25 @@ def _page(title: str, body: str) -> str:
             f"</title><style>{STYLE}</style></head><body>{body}</body></html>\n")
 
 
-def index_page(rows: list[dict[str, str]], orphans: list[str]) -> str:
+def index_page(rows: list[dict[str, str]], orphans: list[str],
+               skipped: dict[str, str] | None = None) -> str:
     """``index.html``: the INDEX.md table (``rows`` from ``index_rows``) plus the notebooks that
-    have no sidecar (``orphans``: relative ``.html`` paths), so every page is reachable."""
+    have no sidecar (``orphans``: relative ``.html`` paths), so every page is reachable, and the
+    notebooks not exported (``skipped``: relative ``.ipynb`` path -> reason; their rows unlinked)."""
+    skipped = skipped or {}
     head = "".join(f"<th>{c}</th>" for c in COLUMNS)
     body = "".join(f'<tr class="{r["status"]}">' + "".join(
-        f'<td class="status-{r["status"]}">{_cell(r, c)}</td>' if c == "status"
-        else f"<td>{_cell(r, c)}</td>" for c in COLUMNS) + "</tr>" for r in rows)
+        f'<td class="status-{r["status"]}">{_cell(r, c, skipped)}</td>' if c == "status"
+        else f"<td>{_cell(r, c, skipped)}</td>" for c in COLUMNS) + "</tr>" for r in rows)
     extra = ""
     if orphans:
         items = "".join(f'<li><a href="{html.escape(p)}">{html.escape(p)}</a></li>'
                         for p in orphans)
         extra = f"<h2>Notebooks without a sidecar</h2><ul>{items}</ul>"
+    if skipped:
+        items = "".join(f"<li>{html.escape(p)}: {html.escape(why)}</li>"
+                        for p, why in skipped.items())
+        extra += f"<h2>Notebooks not exported (empty or not started)</h2><ul>{items}</ul>"
     return _page("Executed runs", f"<h1>Executed runs</h1><p>{len(rows)} runs from the JSON "
                  "sidecars (the rows of executed/INDEX.md), newest first per notebook; failed "
                  f"runs in red.</p><table><tr>{head}</tr>{body}</table>{extra}")
@@ -95,6 +107,31 @@ def sidecar_page(sidecar: Path, rel_index: str) -> str:
 def _sidecar_of(notebook: Path) -> dict | None:
     side = notebook.with_suffix(".json")
     return json.loads(side.read_text()) if side.is_file() else None
+
+
+def _write_notebooks(executed: Path, out: Path, with_side: set[str]):
+    """Export each notebook under ``executed``; returns (pages written, relative ``.html`` paths of
+    the notebooks without a sidecar, {relative ``.ipynb`` path: why it was skipped})."""
+    from nbformat.reader import NotJSONError
+    exporter, written, orphans, skipped = _exporter(), [], [], {}
+    for nb in sorted(executed.rglob("*.ipynb")):
+        rel = nb.relative_to(executed)
+        page = (out / rel).with_suffix(".html")
+        rel_index = os.path.relpath(out / "index.html", page.parent)
+        try:
+            text = notebook_page(nb, rel_index, _sidecar_of(nb), exporter)
+        except NotJSONError as exc:
+            why = ("0 bytes: its run was interrupted before the notebook was written"
+                   if nb.stat().st_size == 0 else f"not a notebook: {str(exc)[:120]}")
+            print(f"report: skipped {nb}: {why}", file=sys.stderr)
+            skipped[str(rel)] = why
+            continue
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(text)
+        written.append(page)
+        if str(rel) not in with_side:
+            orphans.append(str(rel.with_suffix(".html")))
+    return written, orphans, skipped
 
 
 def write_site(executed: Path, out: Path) -> list[Path]:
@@ -117,18 +154,8 @@ def write_site(executed: Path, out: Path) -> list[Path]:
         raise ValueError(f"--out {out} is an existing file: pick a folder (it is created).")
     if out == executed or executed in out.parents:
         raise ValueError(f"--out {out} is inside the archive {executed}: pick a folder outside.")
-    rows, exporter, written = index_rows(executed), _exporter(), []
-    with_side = {r["_target"] for r in rows}
-    orphans = []
-    for nb in sorted(executed.rglob("*.ipynb")):
-        rel = nb.relative_to(executed)
-        page = (out / rel).with_suffix(".html")
-        page.parent.mkdir(parents=True, exist_ok=True)
-        rel_index = os.path.relpath(out / "index.html", page.parent)
-        page.write_text(notebook_page(nb, rel_index, _sidecar_of(nb), exporter))
-        written.append(page)
-        if str(rel) not in with_side:
-            orphans.append(str(rel.with_suffix(".html")))
+    rows = index_rows(executed)
+    written, orphans, skipped = _write_notebooks(executed, out, {r["_target"] for r in rows})
     for row in rows:  # sidecar-only runs (a backend's sidecar): the JSON as a page
         if row["_target"].endswith(".json"):
             page = (out / row["_target"]).with_suffix(".html")
@@ -136,5 +163,5 @@ def write_site(executed: Path, out: Path) -> list[Path]:
             rel_index = os.path.relpath(out / "index.html", page.parent)
             page.write_text(sidecar_page(executed / row["_target"], rel_index))
             written.append(page)
-    (out / "index.html").write_text(index_page(rows, orphans))
+    (out / "index.html").write_text(index_page(rows, orphans, skipped))
     return [out / "index.html", *written]

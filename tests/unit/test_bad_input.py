@@ -115,6 +115,40 @@ def test_stop_token_ids_list_stops_the_engine(model):
     assert stop.finish_reason == "stop" and stop.token_ids == free[:free.index(free[1]) + 1]
 
 
+# ------------------------------------------------------------- 3b: vLLM argument names
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 8}, r"SamplingParams\(max_tokens=\.\.\.\): use max_new_tokens"),
+    ({"logprobs": 1}, (r"SamplingParams\(logprobs=\.\.\.\): logprobs of the sampled tokens are "
+                       r"always returned \(Completion\.logprobs / full_logprobs\)")),
+    ({"stop": ["x"]}, r"SamplingParams\(stop=\.\.\.\): .*use stop_token_ids"),
+])
+def test_vllm_only_sampling_names_name_the_fix(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(temperature=0.5, **kwargs)
+
+
+def test_sampling_params_fields_and_replace_still_work():
+    import dataclasses
+    import inspect
+    params = SamplingParams(0.5, max_new_tokens=8, stop_token_ids=[3])
+    assert (params.temperature, params.max_new_tokens, params.stop_token_ids) == (0.5, 8, (3,))
+    assert dataclasses.replace(params, n=2).n == 2
+    assert "max_new_tokens" in inspect.signature(SamplingParams).parameters
+
+
+def test_generate_takes_vllm_sampling_params_keyword(model):
+    from nbhelpers.engine import LLM
+    llm = LLM(model, **OPTIONS)
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    positional = llm.generate([[1, 2, 3]], greedy)[0].token_ids
+    assert llm.generate([[1, 2, 3]], sampling_params=greedy)[0].token_ids == positional
+    with pytest.raises(TypeError, match=r"pass the SamplingParams once, as the second argument "
+                                        r"`sampling`"):
+        llm.generate([[1, 2, 3]], greedy, sampling_params=greedy)
+    with pytest.raises(TypeError, match=r"second argument `sampling`"):
+        llm.generate([[1, 2, 3]])
+
+
 # ------------------------------------------------------------- 4: unknown train keywords
 @pytest.mark.parametrize("kwargs, match", [
     ({"foo_bar": 1}, (r"unknown keyword\(s\) \['foo_bar'\]\. train\(\) takes its own "

@@ -155,3 +155,23 @@ def test_cli_report_names_files_where_folders_are_needed(site, tmp_path, capsys)
     assert "is an existing file" in capsys.readouterr().err
     assert main(["report", "--executed", str(a_file), "--out", str(tmp_path / "t")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_an_empty_notebook_is_skipped_by_name_and_the_rest_is_exported(tmp_path, capsys):
+    executed, out = tmp_path / "executed", tmp_path / "site"
+    folder = executed / "phase1_rollout/10_lora_rollout"
+    _write_nb(folder / "20261201T000000Z_cpu_aaaaaaa.ipynb", [])
+    empty = folder / "20261201T010000Z_cpu_bbbbbbb.ipynb"
+    empty.write_bytes(b"")  # an interrupted phase run's notebook, linked from INDEX.md
+    for nb in (folder / "20261201T000000Z_cpu_aaaaaaa.ipynb", empty):
+        write_sidecar(make_sidecar(phase="phase1", backend="hf_generate"), nb.with_suffix(".json"))
+    assert main(["report", "--executed", str(executed), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {empty}: 0 bytes" in err
+    assert (out / "phase1_rollout/10_lora_rollout/20261201T000000Z_cpu_aaaaaaa.html").is_file()
+    assert not (out / "phase1_rollout/10_lora_rollout/20261201T010000Z_cpu_bbbbbbb.html").exists()
+    index = (out / "index.html").read_text()
+    assert "20261201T010000Z_cpu_bbbbbbb (not exported: 0 bytes" in index
+    assert "Notebooks not exported" in index
+    for href in _tags(out / "index.html").links:
+        assert (out / href).is_file(), href

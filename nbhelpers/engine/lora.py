@@ -42,6 +42,12 @@ LORA_EXPAND_MODES = ("addmm", "triton")
 """How LiveGroup adds LoRA B: one ``addmm_`` per part, or one Triton kernel per group."""
 
 
+def check_lora_dtype(mode: str) -> str:
+    """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
+    :data:`LORA_DTYPES`)."""
+    return check_kernel_mode("lora_dtype", mode, LORA_DTYPES)
+
+
 def check_lora_expand(mode: str) -> str:
     """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
     :data:`LORA_EXPAND_MODES`)."""
@@ -150,7 +156,7 @@ class LiveGroup:
         so the next rollout still sees every update with no user call; one cast per weight
         version instead of an fp32 GEMM per decode step. Raises ``ValueError`` for another mode.
         """
-        self.lora_dtype = check_kernel_mode("lora_dtype", mode, LORA_DTYPES)
+        self.lora_dtype = check_lora_dtype(mode)
         self._state = ()  # fuse again under the new mode
         self.refresh()
 

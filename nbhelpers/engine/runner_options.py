@@ -13,6 +13,7 @@ from nbhelpers.engine.lora import (
     LORA_DTYPES,
     LORA_EXPAND_MODES,
     LORA_FUSED_MODES,
+    check_lora_dtype,
     check_lora_expand,
     check_lora_fused,
 )
@@ -120,7 +121,8 @@ class RunnerOptions:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")
         for name, modes, check in (("lora_expand", LORA_EXPAND_MODES, check_lora_expand),
-                                   ("lora_fused", LORA_FUSED_MODES, check_lora_fused)):
+                                   ("lora_fused", LORA_FUSED_MODES, check_lora_fused),
+                                   ("lora_dtype", LORA_DTYPES, check_lora_dtype)):
             value = getattr(self, name)
             if value not in ("auto", *modes):
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be one of "
@@ -134,9 +136,6 @@ class RunnerOptions:
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
-        if self.lora_dtype not in ("auto", *LORA_DTYPES):
-            raise ValueError(f"RunnerOptions.lora_dtype={self.lora_dtype!r}: must be one of "
-                             f"{('auto', *LORA_DTYPES)}.")
         if self.fused_elementwise not in FUSED_ELEMENTWISE:
             raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
                              f"be one of {FUSED_ELEMENTWISE}.")

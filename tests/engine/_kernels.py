@@ -35,6 +35,17 @@ def peft_tiny(dtype: Any, autocast_adapter_dtype: bool = True) -> Any:
     return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype).eval()
 
 
+def inplace_lora_step(model: Any) -> None:
+    """What an optimizer step does to the adapters, for live-update tests: every LoRA A and B
+    changed in place (same storage, version counters bumped), A by x(-4) and B by +0.05."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.mul_(-4.0)
+            if "lora_B" in name:
+                p.add_(0.05)
+
+
 def assert_compiles_for_sm90(aot_source: str) -> None:
     """Run ``aot_source`` (builds kernels with ``triton.compile(..., GPUTarget("cuda", 90, 32))``
     and prints ``compiled``) in a compiled-mode subprocess: no GPU needed, triton's bundled ptxas.

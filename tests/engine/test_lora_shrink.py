@@ -11,7 +11,13 @@ import torch
 
 pytest.importorskip("triton", reason="the LoRA shrink kernel needs the triton package")
 
-from _kernels import DEV, assert_compiles_for_sm90, peft_tiny, skip_unless_runnable
+from _kernels import (
+    DEV,
+    assert_compiles_for_sm90,
+    inplace_lora_step,
+    peft_tiny,
+    skip_unless_runnable,
+)
 from _tiny import random_prompts
 
 from nbhelpers.config import SamplingParams
@@ -110,12 +116,7 @@ def test_engine_with_fp32_adapters_matches_the_torch_path_and_sees_live_updates(
 
     before = both()
     assert calls, "the kernel did not run"
-    with torch.no_grad():  # an optimizer step on the fp32 adapters: in place, same storage
-        for name, p in model.named_parameters():
-            if "lora_A" in name:
-                p.mul_(-4.0)
-            if "lora_B" in name:
-                p.add_(0.05)
+    inplace_lora_step(model)  # an optimizer step on the fp32 adapters: in place, same storage
     assert both() != before
 
 

@@ -151,7 +151,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "m2a": (["trl"], ["tok", "gsm8k", "gguf0"], []),
     "m2b": (["notebooks"], ["gguf1"], []),
     "m2c": ([], ["gguf2"], [
-        (SUITE, {"args": "-n 12 --dist load --tb=short --durations=30"}, 260, 400, 0),
+        (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
     "k3f": ([], [], [
         (P2, {"model": "smollm2-135m-instruct", "backends": "[flex]", "max_steps": "30",

@@ -4,9 +4,10 @@ Run on the GPU host: ``python3 scripts/device/suite.py [pytest args]``: ``python
 tests -p no:cacheprovider -ra --junitxml $OUT/junit.xml`` with the output also in
 ``$OUT/suite.log``; exits with pytest's code (5, no tests collected, becomes 1 as in .ci/run).
 When pytest-xdist is importable (the notebooks bundle carries it) and no ``-n`` is given, the
-suite runs in ``NBH_SUITE_WORKERS`` (default 8) workers with ``--dist loadfile`` (one test
-file per worker, so module-scoped fixtures load once): serially it takes ~15 min on the H200,
-mostly Triton compiles, which run on the host's 16 cores in parallel.
+suite runs in ``NBH_SUITE_WORKERS`` (default 12) workers with ``--dist load`` (tests spread one
+by one: with ``loadfile`` test_lora_gemm's GPU cases alone keep one worker for minutes):
+serially it takes ~15 min on the H200, mostly Triton compiles, which run on the host's 16 cores
+in parallel; 156 s this way (2026-12-01, 852 tests).
 
 Prefetch, once, before pytest starts (the workers' fixtures would otherwise race converting the
 same SmolLM2 folder, and on this offline host their ``pip install`` fails): ``python -m
@@ -35,14 +36,14 @@ the device call."""
 
 
 def _workers(argv: list[str]) -> list[str]:
-    """``-n N --dist loadfile`` when xdist is importable and the caller gave no ``-n``."""
+    """``-n N --dist load`` when xdist is importable and the caller gave no ``-n``."""
     if any(a == "-n" or a.startswith("-n") and a[2:].isdigit() for a in argv):
         return []
     try:
         import xdist  # noqa: F401  (pytest-xdist, from the notebooks bundle)
     except ImportError:
         return []
-    return ["-n", os.environ.get("NBH_SUITE_WORKERS", "8"), "--dist", "loadfile"]
+    return ["-n", os.environ.get("NBH_SUITE_WORKERS", "12"), "--dist", "load"]
 
 
 def prefetch_names(log: Callable[[str], None]) -> list[str]:

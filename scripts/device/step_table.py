@@ -159,4 +159,14 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),
+    # session 6 (one nvidia-h200; docs/h200_runbook.md section 10), back to back: m2a, m2b, then
+    # s6c joins the GGUF and runs the whole suite alone; s6h the hf_generate reference row on
+    # SmolLM2 real weights, gated against session 5's flex row (reuse_runs).
+    "s6c": ([], ["gguf2"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 200, 400, 0)]),
+    "s6h": ([], [], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate]", "max_steps": "30",
+              "format_warmup_steps": "60", "n_questions": "60",
+              "reuse_runs": "{flex: executed/phase2_grpo/20_grpo_equivalence/"
+                            "20261201T143605Z_h200_50095f5__flex.json}"}, 430, 560, 0)]),
 }

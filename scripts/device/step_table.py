@@ -169,4 +169,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
               "format_warmup_steps": "60", "n_questions": "60",
               "reuse_runs": "{flex: executed/phase2_grpo/20_grpo_equivalence/"
                             "20261201T143605Z_h200_50095f5__flex.json}"}, 430, 560, 0)]),
+    # s6s: the whole suite in one call, nothing staged before it (the GGUF's SmolLM2 tests skip
+    # with their reason), for when the machine is not kept warm between calls.
+    "s6s": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 200, 400, 0)]),
 }

@@ -72,6 +72,10 @@ class ModelRunner:
         self.pad_prefill = on_cuda or bool(compile_attn)
         self.model = build_engine_model(model, fuse_lora_a=opt.fuse_lora_a,
                                         flex_fn=paged_attention(flex))
+        # "auto" picks the Triton kernels only for 16/32-bit models: a float64 model (34's exact
+        # parity check) keeps flex decode and eager elementwise ops (tl.dot has no fp64 tiles
+        # in our kernels: Triton 3.6 fails "m_i ... fp64 in loop", H200 run of 2026-12-01)
+        self.kernels_ok = on_cuda and next(model.parameters()).dtype != torch.float64
         self._resolve_attention(on_cuda, bool(compile_attn))
         lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
         lora_dtype = resolve_lora_dtype(opt, on_cuda)
@@ -79,7 +83,7 @@ class ModelRunner:
             group.set_lora_expand(self.lora_expand)
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
-        fused_mode = resolve_fused_elementwise(opt, compile_layers, on_cuda)  # runner_options
+        fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
         if fused_mode != "off":
             self.model.compile_elementwise(fused_mode, compile_sample=compile_layers)
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
@@ -117,7 +121,8 @@ class ModelRunner:
         self.attention_note = None if why is None or on_cuda else f"flex on the CPU: {why}"
         ok = why is None and not compiled
         self.decode_attention, self.lora_expand = resolve_kernels(  # graphs: not sdpa (below)
-            self.opt, on_cuda, self.model.decode_kernels, sdpa_ok=ok and not self.use_graphs)
+            self.opt, self.kernels_ok, self.model.decode_kernels,
+            sdpa_ok=ok and not self.use_graphs and not on_cuda)
         self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=ok)
         if why is not None and "sdpa" in (self.decode_attention, self.prefill_attention):
             raise ValueError(f"attention 'sdpa' cannot run this model: {why}; use 'flex'.")

@@ -43,3 +43,16 @@ def test_captured_graph_sees_in_place_lora_update():
     after = llm.generate(prompt, GREEDY)[0].token_ids
     assert after != before
     assert after == eb.hf_greedy_reference(model, prompt[0], 16)[0]
+
+
+def test_float64_model_on_cuda_keeps_flex_and_eager_ops_and_matches_hf():
+    """34's exact parity runs a float64 model on the GPU with the eager options of its h200
+    profile: "auto" must not pick the Triton decode kernel or the Triton elementwise fusions
+    there (no fp64 tiles; Triton 3.6 raised "m_i ... fp64 in loop", H200 2026-12-01)."""
+    model = eb.random_qwen3(eb.TINY_QWEN3_SHAPE, dtype="float64", device="cuda")
+    prompts = eb.random_prompt_ids(2, 21, model.config.vocab_size, seed=4)
+    llm = LLM(model, page_size=128, num_pages=8, max_model_len=256, compile_attention=False,
+              compile_layers=False, use_cuda_graphs=False)
+    assert llm.runner.decode_attention == "flex" and llm.runner.paged_decode is None
+    assert not llm.runner.kernels_ok
+    assert eb.parity(model, llm, prompts, 8)["all_identical"]

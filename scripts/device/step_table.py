@@ -176,6 +176,6 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # s634: 34 (Gemma-4 E2B) with the session 5 defaults, in what a session's last minutes allow.
     "s634": (["notebooks"], [], [
         (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 260, 0)]),
-    "s634b": ([], ["tok"], [
+    "s634b": ([], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 100, 120, 0)]),
 }

@@ -174,7 +174,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s6s": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 200, 400, 0)]),
     # s634: 34 (Gemma-4 E2B) with the session 5 defaults, in what a session's last minutes allow.
-    "s634": (["notebooks"], [], [
+    "s634": (["notebooks"], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 260, 0)]),
     "s634b": ([], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 100, 120, 0)]),

@@ -81,12 +81,26 @@ def triton_rms_norm(x: Any, weight: Any, eps: float) -> Any:
     return fn.add_norm(x, out_norm=(weight, eps, "llama"), store_res=False)[1]
 
 
-def triton_add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> tuple[Any, Any]:
-    """:func:`add_rms_norm` (``(x + delta, norm(x + delta))``) in one launch."""
+def triton_add_rms_norm(x: Any, delta: Any, weight: Any, eps: float,
+                        lora: Any = None) -> tuple[Any, Any]:
+    """:func:`add_rms_norm` (``(x + delta, norm(x + delta))``) in one launch. ``lora``: the
+    pending LoRA B of the projection ``delta`` comes from (``lora_pending.PendingLora``, one
+    part; ``lora_expand="consumer"``), added inside the kernel, or first (``apply()``) where the
+    kernel does not serve it."""
     from nbhelpers.engine.kernels import fused_norm as fn
-    if not (fn.supported(x, delta, weight) and weight.dtype == x.dtype == delta.dtype):
+    ok = fn.supported(x, delta, weight) and weight.dtype == x.dtype == delta.dtype
+    lora = _take_lora(lora, ok and lora is not None and fn.lora_supported(lora, 1, delta))
+    if not ok:
         return add_rms_norm(x, delta, weight, eps)
-    return fn.add_norm(delta, x, out_norm=(weight, eps, "llama"))
+    return fn.add_norm(delta, x, out_norm=(weight, eps, "llama"), lora=lora)
+
+
+def _take_lora(lora: Any, kernel_adds_it: bool) -> Any:
+    """``lora`` when the kernel adds it, else ``None`` after adding it in place (``apply()``)."""
+    if lora is None or kernel_adds_it:
+        return lora
+    lora.apply()
+    return None
 
 
 def triton_silu_mul(gate: Any, up: Any) -> Any:
@@ -131,7 +145,8 @@ class Elementwise:
     each) or as Triton kernels (``"triton"``; ``sample`` compiled iff ``compile_sample``).
     ``compiled`` is True for any kind but ``"off"`` (the graph capture's eager retry and
     ``bench.profile`` count each piece as one launch). ``qk_rope_cache`` is ``None`` unless
-    ``kind="triton"``."""
+    ``kind="triton"``. ``takes_lora`` (``kind="triton"``): ``add_rms_norm``, ``silu_mul`` and
+    ``qk_rope_cache`` accept ``lora=`` (a pending LoRA B, ``lora_expand="consumer"``)."""
 
     NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul", "sample")
 
@@ -144,6 +159,7 @@ class Elementwise:
         if self.kind not in ELEMENTWISE_MODES:
             raise ValueError(f"Elementwise kind={self.kind!r}: use one of {ELEMENTWISE_MODES}.")
         self.compiled = self.kind != "off"
+        self.takes_lora = self.kind == "triton"  # consumers accept lora= (lora_pending.py)
         self.qk_rope_cache: Any = None
         comp = self.kind == "compile"
         for name in self.NAMES:

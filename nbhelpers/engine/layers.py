@@ -141,12 +141,20 @@ class EngineModel:
         h = self._norm(fx, self.layers[0].input_layernorm, x) if self.layers else x
         for i, layer in enumerate(self.layers):
             x, h = self._add_norm(fx, layer.post_attention_layernorm, x,
-                                  self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv))
+                                  *self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv))
             gate, up = self.gate_up[i](h)
             act = fx.silu_mul(gate, up) if self._silu else layer.mlp.act_fn(gate) * up
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = self._add_norm(fx, nxt, x, self.down[i](act)[0])
+            down, lora = self._project(fx, self.down[i], act)
+            x, h = self._add_norm(fx, nxt, x, down[0], lora)
         return h[0]
+
+    @staticmethod
+    def _project(fx: Elementwise, group: LiveGroup, x: Any) -> tuple[list[Any], Any]:
+        """``(group(x), None)``, or the base outputs and the pending LoRA B
+        (``lora_pending.PendingLora``) when ``fx``'s kernels add it (``lora_expand="consumer"``
+        with ``fused_elementwise="triton"``, decode); the caller passes it on as ``lora=``."""
+        return group.deferred(x) if fx.takes_lora else (group(x), None)
 
     @staticmethod
     def _norm(fx: Elementwise, module: Any, x: Any) -> Any:
@@ -154,11 +162,17 @@ class EngineModel:
         return fx.rms_norm(x, *params) if params else module(x)
 
     @staticmethod
-    def _add_norm(fx: Elementwise, module: Any, x: Any, delta: Any) -> tuple[Any, Any]:
-        """``x + delta`` and its norm: one fused call for HF RMSNorms, else the module."""
+    def _add_norm(fx: Elementwise, module: Any, x: Any, delta: Any,
+                  lora: Any = None) -> tuple[Any, Any]:
+        """``x + delta`` and its norm: one fused call for HF RMSNorms, else the module.
+        ``lora``: ``delta``'s pending LoRA B (:meth:`_project`), added by the fused call."""
         params = norm_params(module)
+        if params and lora is not None:
+            return fx.add_rms_norm(x, delta, *params, lora=lora)
         if params:
             return fx.add_rms_norm(x, delta, *params)
+        if lora is not None:
+            lora.apply()
         x = x + delta
         return x, module(x)
 
@@ -184,7 +198,8 @@ class EngineModel:
         return cap * (out / cap).tanh() if cap else out
 
     def _attention(self, i: int, layer: Any, h: Any, cos: Any, sin: Any, slot_mapping: Any,
-                   attn: AttnBatch, kv: Any) -> Any:
+                   attn: AttnBatch, kv: Any) -> tuple[Any, Any]:
+        """``(o_proj output [1, T, hidden], its pending LoRA B or None)`` (:meth:`_project`)."""
         t = h.shape[1]
         q, k, v = self.qkv[i](h)
         q = q.view(1, t, self.num_heads, self.head_dim)
@@ -201,12 +216,16 @@ class EngineModel:
             q = self._qk_rope_write(i, layer, q, k, v, qn, kn, cos, sin, slot_mapping, kv, fx)
         if attn.is_decode and attn.paged_decode is not None:  # Triton split-KV kernel
             out = attn.paged_decode(i, q[0].transpose(0, 1), kv.k[i], kv.v[i], self.scale)
-            return self.o[i](out.reshape(1, t, -1))[0]  # out [B, H, D]
+            return self._o_proj(fx, i, out.reshape(1, t, -1))  # out [B, H, D]
         if attn.is_decode:
             q = q[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         out = self.flex(q, kv.k[i], kv.v[i], score_mod=self.spec.attn_score_mod,
                         block_mask=attn.block_masks[i], scale=self.scale, enable_gqa=True,
                         kernel_options=attn.kernel_options)
         out = out.squeeze(2).unsqueeze(0) if attn.is_decode else out.transpose(1, 2)
-        return self.o[i](out.reshape(1, t, -1))[0]
+        return self._o_proj(fx, i, out.reshape(1, t, -1))
+
+    def _o_proj(self, fx: Elementwise, i: int, out: Any) -> tuple[Any, Any]:
+        outs, lora = self._project(fx, self.o[i], out)
+        return outs[0], lora
 

@@ -32,14 +32,17 @@ from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public nam
     check_kernel_mode,
     check_lora_fused,
 )
+from nbhelpers.engine.lora_pending import PendingLora, add_lora_b, defer
 from nbhelpers.engine.lora_shadow import fuse_shadow, lora_versions, refresh_shadow
 
 LORA_DTYPES = ("adapter", "model")
 """What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
 from shadow copies refreshed per weight version (:meth:`LiveGroup.set_lora_dtype`)."""
 
-LORA_EXPAND_MODES = ("addmm", "triton")
-"""How LiveGroup adds LoRA B: one ``addmm_`` per part, or one Triton kernel per group."""
+LORA_EXPAND_MODES = ("addmm", "triton", "consumer")
+"""How LiveGroup adds LoRA B: one ``addmm_`` per part, one Triton kernel per group, or inside the
+kernel that reads the projection next (decode with ``fused_elementwise="triton"``; else as
+``"triton"``: :mod:`nbhelpers.engine.lora_pending`)."""
 
 
 def check_lora_dtype(mode: str) -> str:
@@ -50,8 +53,13 @@ def check_lora_dtype(mode: str) -> str:
 
 def check_lora_expand(mode: str) -> str:
     """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
-    :data:`LORA_EXPAND_MODES`)."""
-    return check_kernel_mode("lora_expand", mode, LORA_EXPAND_MODES)
+    :data:`LORA_EXPAND_MODES`; ``"consumer"`` needs triton as ``"triton"`` does)."""
+    import importlib.util
+    check_kernel_mode("lora_expand", mode, LORA_EXPAND_MODES)
+    if mode == "consumer" and importlib.util.find_spec("triton") is None:
+        raise ValueError("lora_expand='consumer' needs the triton package (pip install triton); "
+                         "use lora_expand='addmm'.")
+    return mode
 
 
 def _adapter_of(module: Any) -> str | None:
@@ -129,6 +137,8 @@ class LiveGroup:
     :func:`nbhelpers.engine.kernels.lora_expand.supported`; otherwise the ``addmm_`` path runs. In that
     mode fp32 adapters on a 16-bit base (TRL's GRPO default) also get A as one Triton launch
     reading the 16-bit input (:mod:`nbhelpers.engine.kernels.lora_shrink`) instead of cast + fp32 GEMM.
+    ``lora_expand="consumer"`` is ``"triton"`` plus :meth:`deferred`, which leaves B to the kernel
+    that reads the output next (:mod:`nbhelpers.engine.lora_pending`).
 
     Shapes: ``x [..., in]`` -> list of ``[..., out_i]`` (views of one ``[..., sum(out)]`` output).
     """
@@ -161,11 +171,12 @@ class LiveGroup:
         self.refresh()
 
     def set_lora_expand(self, mode: str) -> None:
-        """``"addmm"`` or ``"triton"`` (see the class docstring); raises ``ValueError`` as
+        """``"addmm"``, ``"triton"`` (see the class docstring) or ``"consumer"`` (as ``"triton"``,
+        and :meth:`deferred` may leave B to the consumer kernel); raises ``ValueError`` as
         :func:`check_lora_expand`."""
         self.lora_expand = check_lora_expand(mode)
         self._expand = self._shrink = None
-        if mode == "triton":  # imported here, not per call (traced decode steps)
+        if mode in ("triton", "consumer"):  # imported here, not per call (traced decode steps)
             from nbhelpers.engine.kernels import lora_expand as expand_module
             from nbhelpers.engine.kernels import lora_shrink as shrink_module
             self._expand, self._shrink = expand_module, shrink_module
@@ -260,25 +271,28 @@ class LiveGroup:
         y = fused(x2, f, self.sizes, self._ranks, self._cublas_path) if fused.enabled else None
         if y is None:
             y = self._cublas_path(x2, f)
-        y = y.view(*x.shape[:-1], y.shape[-1])
+        return self.split_out(y, x.shape)
+
+    def split_out(self, y: Any, x_shape: Any) -> list[Any]:
+        """``y [N, sum(out)]`` as the per-part outputs ``[..., out_i]`` (views)."""
+        y = y.view(*x_shape[:-1], y.shape[-1])
         return list(y.split(self.sizes, dim=-1)) if len(self.parts) > 1 else [y]
+
+    def deferred(self, x: Any) -> tuple[list[Any], PendingLora | None]:
+        """:meth:`__call__` with LoRA B left to the consumer kernel (``lora_expand="consumer"``):
+        ``(base outputs, PendingLora)``, or ``(self(x), None)`` where the mode does not apply
+        (:func:`nbhelpers.engine.lora_pending.defer`). The caller must pass the record to a
+        kernel that adds it, or call its ``apply()``."""
+        return defer(self, x)
 
     def _cublas_path(self, x2: Any, f: dict[str, Any]) -> Any:
         """Base GEMM (cuBLAS), then LoRA A and B as configured: ``[N, sum(out)]``."""
         import torch.nn.functional as F
         y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)] (+ [N, sum(r)] when ext)
         if f["lora"]:
-            b, s, n = f["B"], f["scaling"], f["n_out"]
-            if f["ext"]:
-                y, xa = y[:, :n], y[:, n:]
-            else:
-                xa = self._lora_a(x2, f["A"])  # [N, sum(r)]
-            if not self._expand_in_kernel(y, xa, b, s):
-                acc = y if b[0].dtype == y.dtype else y.to(b[0].dtype)  # PEFT: add in B dtype
-                for y_i, xa_i, b_i in zip(acc.split(self.sizes, -1), xa.split(self._ranks(), -1),
-                                          b):
-                    y_i.addmm_(xa_i, b_i.t(), alpha=s)  # y_i += s * xa_i @ B_i^T, in place
-                y = acc.to(y.dtype)
+            n = f["n_out"]
+            y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, self._lora_a(x2, f["A"]))
+            y = add_lora_b(y, xa, f["B"], self.sizes, self._ranks(), f["scaling"], self._expand)
         return y
 
     def _lora_a(self, x2: Any, a: Any) -> Any:
@@ -289,17 +303,6 @@ class LiveGroup:
         if ls is not None and ls.supported(x2, a):
             return ls.lora_shrink(x2, a)
         return F.linear(x2.to(a.dtype), a)
-
-    def _expand_in_kernel(self, y: Any, xa: Any, b: list[Any], scaling: float) -> bool:
-        """``y += LoRA B`` for all parts in one Triton launch when enabled and supported."""
-        le = self._expand
-        if le is None:
-            return False
-        ranks = self._ranks()
-        if not le.supported(y, xa, b, self.sizes, ranks):
-            return False
-        le.lora_expand(y, xa, b, self.sizes, ranks, scaling)
-        return True
 
     def _ranks(self) -> list[int]:
         return [p.lora_tensors()[0].shape[0] for p in self.parts]

@@ -39,7 +39,12 @@ class RunnerOptions:
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
     ``engine/kernels/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
     16-bit base also get LoRA A as one kernel, ``engine/kernels/lora_shrink.py``) or ``"auto"``
-    (triton on CUDA with triton, else addmm); ``lora_fused``: decode GEMMs (<= 64 rows) as one
+    (triton on CUDA with triton, else addmm; never ``"consumer"``), or ``"consumer"`` (opt-in,
+    not yet A/B'd on the H200): ``"triton"``, except that decode groups of at most
+    ``lora_pending.CONSUMER_MAX_ROWS`` rows leave LoRA B to the kernel that reads the projection
+    next (add+RMSNorm for o/down), removing those expand launches; it needs
+    ``fused_elementwise="triton"`` (else, and for prefill, Gemma-4 and unsupported shapes, it
+    runs as ``"triton"``: same result); ``lora_fused``: decode GEMMs (<= 64 rows) as one
     base + LoRA Triton kernel per projection group, ``engine/kernels/lora_gemm.py``, each shape
     tuned once against the cuBLAS path and the choice cached on disk
     (``engine/kernels/lora_gemm_tune.py``): ``"triton"``, ``"off"`` (the default) or ``"auto"``,

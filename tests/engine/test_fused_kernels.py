@@ -198,11 +198,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
+NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False)
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False)  # lora_expand="consumer"
 cases = [
     (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
-                               O_STYLE=1, O_W=True, BLOCK=4096)),
+                               O_STYLE=1, O_W=True, BLOCK=4096, **NO_LORA)),
+    (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
+                               O_STYLE=1, O_W=True, BLOCK=4096, **LORA)),
     (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=2, D_W=False, HAS_SCALE=True, STORE_RES=True,
-                               O_STYLE=2, O_W=True, BLOCK=2048)),
+                               O_STYLE=2, O_W=True, BLOCK=2048, **NO_LORA)),
     (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024)),
     (fn._act_mul_kernel, dict(ACT=1, BLOCK=1024)),
     (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64)),
@@ -212,7 +216,8 @@ cases = [
 for dt in ("bf16", "fp32"):
     for kern, consts in cases:
         sig = {a: ("*i64" if a == "slot_ptr" else "*" + dt) if a.endswith("_ptr") else
-               "fp32" if a.startswith("eps") else "i32" for a in kern.arg_names}
+               "fp32" if a.startswith("eps") or a == "scaling" else "i32"
+               for a in kern.arg_names}
         sig.update(dict.fromkeys(consts, "constexpr"))
         src = ASTSource(kern, signature=sig,
                         constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
@@ -224,7 +229,8 @@ print("compiled")
 
 def test_kernels_compile_for_sm90():
     """The compiled (non-interpreted) kernels build to sm_90 cubins with triton's bundled ptxas,
-    no GPU needed: every norm style, both activations, bf16 and fp32."""
+    no GPU needed: every norm style, both activations, bf16 and fp32, with and without the
+    LoRA prologue (``lora_expand="consumer"``, B of the model dtype here)."""
     from _kernels import assert_compiles_for_sm90
     assert_compiles_for_sm90(_AOT)
 

@@ -36,6 +36,9 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from nbhelpers.engine.kernels import lora_prologue as lp
+from nbhelpers.engine.kernels.lora_prologue import add_lora
+
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """``TRITON_INTERPRET=1`` at import: the kernels then run on CPU tensors."""
 
@@ -67,16 +70,20 @@ def _rms(h, w_ptr, cols, m, n, eps, STYLE: tl.constexpr, HAS_W: tl.constexpr,
 
 
 @triton.jit
-def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, n_cols,
-                     stride_x, stride_d, eps_d, eps_o,
+def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_ptr, b_ptr,
+                     n_cols, stride_x, stride_d, stride_xa, rank, eps_d, eps_o, scaling,
                      HAS_X: tl.constexpr, D_STYLE: tl.constexpr, D_W: tl.constexpr,
                      HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
-                     O_W: tl.constexpr, BLOCK: tl.constexpr):
+                     O_W: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K: tl.constexpr,
+                     LORA_RNE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n_cols
     DT: tl.constexpr = res_ptr.dtype.element_ty
     y = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_LORA:  # delta = y_base + s * xa @ B^T, rounded once (lora_prologue.py)
+        y = add_lora(y, xa_ptr + row * stride_xa, b_ptr, rank, cols, m, scaling, DT, LORA_RNE,
+                     BLOCK, LORA_K)
     if D_STYLE != 0:
         y = _rms(y, wd_ptr, cols, m, n_cols, eps_d, D_STYLE, D_W, DT)
     if HAS_X:
@@ -124,20 +131,26 @@ def supported(*tensors: Any) -> bool:
 
 def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
              delta_norm: tuple | None = None, scale: Any = None,
-             store_res: bool = True) -> tuple[Any, Any]:
+             store_res: bool = True, lora: Any = None) -> tuple[Any, Any]:
     """``(res, out)`` of the module docstring; ``delta``, ``x [..., N]`` (one dtype),
     ``out_norm``/``delta_norm`` ``(weight [N] | None, eps, "llama" | "gemma")`` or ``None``,
     ``scale`` a one-element tensor (Gemma-4 ``layer_scalar``) or ``None``. ``res`` is ``None``
     when ``store_res`` is False, ``out`` when ``out_norm`` is ``None``; both ``delta``'s shape.
+    ``lora``: a one-part ``lora_pending.PendingLora`` whose ``y`` is ``delta`` (o_proj,
+    down_proj): ``delta`` is read as ``y_base + scaling * xa @ B^T`` (:mod:`.lora_prologue`).
 
     Raises:
-        ValueError: ``x`` and ``delta`` of different shapes or dtypes, or a ``"llama"`` norm
-            whose weight dtype differs from ``delta``'s (torch would promote; use the module).
+        ValueError: ``x`` and ``delta`` of different shapes or dtypes, a ``"llama"`` norm
+            whose weight dtype differs from ``delta``'s (torch would promote; use the module),
+            or a ``lora`` that :func:`lora_supported` rejects (call its ``apply()`` instead).
     """
     import torch
     if x is not None and (x.shape != delta.shape or x.dtype != delta.dtype):
         raise ValueError(f"add_norm: x {tuple(x.shape)} {x.dtype} must match delta "
                          f"{tuple(delta.shape)} {delta.dtype}.")
+    if lora is not None and not lora_supported(lora, 1, delta):
+        raise ValueError("add_norm: this LoRA record is not one the kernel serves "
+                         "(lora_supported); call lora.apply() and pass lora=None.")
     for nrm in (out_norm, delta_norm):
         if nrm is not None and nrm[2] == "llama" and nrm[0].dtype != delta.dtype:
             raise ValueError(f"add_norm: llama-style weight {nrm[0].dtype} != {delta.dtype}.")
@@ -147,16 +160,26 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
     res = torch.empty_like(d2) if store_res else d2
     out = torch.empty_like(d2) if out_norm is not None else d2
     dn, on = delta_norm or (None, 0.0, None), out_norm or (None, 0.0, None)
+    xa, sxa, b, rank, _, s = lp.kernel_args(lora) if lora is not None else (d2, 0, d2, 0, 0, 0.0)
     _add_norm_kernel[(d2.shape[0],)](
         x2, d2, res, out, dn[0] if dn[0] is not None else d2,
-        on[0] if on[0] is not None else d2, scale if scale is not None else d2, n,
-        x2.stride(0), d2.stride(0), float(dn[1]), float(on[1]),
+        on[0] if on[0] is not None else d2, scale if scale is not None else d2, xa, b, n,
+        x2.stride(0), d2.stride(0), sxa, rank, float(dn[1]), float(on[1]), s,
         HAS_X=x is not None, D_STYLE=STYLES[dn[2]], D_W=dn[0] is not None,
         HAS_SCALE=scale is not None, STORE_RES=store_res, O_STYLE=STYLES[on[2]],
-        O_W=on[0] is not None, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+        O_W=on[0] is not None, HAS_LORA=lora is not None, LORA_K=lp.LORA_K,
+        LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)
+
+
+def lora_supported(lora: Any, num_parts: int, y_base: Any, *more: Any) -> bool:
+    """Whether a kernel here adds ``lora`` (a ``lora_pending.PendingLora`` of ``num_parts``
+    parts) while reading ``y_base`` (part 0; ``more``: parts 1, ...) of its ``y``:
+    :func:`.lora_prologue.supported` and every input a row-for-row view of its part."""
+    return lp.supported(lora, num_parts, y_base) and all(
+        lora.reads(t, i) for i, t in enumerate((y_base, *more)))
 
 
 def _warps(n: int) -> int:

@@ -1,0 +1,106 @@
+"""LoRA B of a projection group: added in place after the GEMM, or deferred to the consumer kernel.
+
+Contract: :func:`add_lora_b` is :class:`~nbhelpers.engine.lora.LiveGroup`'s B step
+(``y[:, part i] += scaling * xa[:, ranks of i] @ B_i^T`` for every part, PEFT's dtype order: in
+B's dtype, rounded once to ``y``'s): one Triton launch (:mod:`.kernels.lora_expand`) where it is
+enabled and serves the operands, else one ``addmm_`` per part.
+
+With ``lora_expand="consumer"``, :func:`defer` runs only the group's GEMM(s) and returns the base
+outputs plus a :class:`PendingLora` record (views of the GEMM output and ``xa``, the B tensors,
+sizes, ranks, scaling). The caller hands it to the kernel that reads the projection next (the
+add+RMSNorm of ``o_proj``/``down_proj``; ``engine/fused.py`` ``triton_*``; other groups add B
+themselves: ``engine/layers.py`` asks only these), which computes ``y = y_base + scaling *
+sum_r xa[row, r] * B[col, r]`` in fp32 wherever it read ``y`` (one rounding to the model dtype,
+the same order as :func:`add_lora_b`), so the expand launch disappears. Where that kernel cannot
+serve it, the caller calls :meth:`PendingLora.apply` first (the same result as without the mode).
+B is the module's own ``lora_B`` (or ``lora_shadow``'s copies), read at call time: live LoRA.
+No host sync and no allocation: capturable in a CUDA graph.
+
+Deferral applies to at most :data:`CONSUMER_MAX_ROWS` rows (decode batches): the consumer kernels
+re-read B from L2 for every row (``N x out x r`` elements per projection, 5 MB at N=64, r=32,
+Qwen3-4B's q/k/v), where the expand kernel's ``tl.dot`` tiles read it once per row block. Above
+it, and for prefill (eager elementwise ops), the group adds B itself as in ``lora_expand="triton"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CONSUMER_MAX_ROWS = 64
+"""Most rows a group defers its LoRA B for (the decode batch range the consumer mode is for)."""
+
+
+def add_lora_b(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],
+               scaling: float, expand: Any = None) -> Any:
+    """``y`` with LoRA B added for every part: in place when B has ``y``'s dtype or the
+    ``expand`` kernel module (:mod:`.kernels.lora_expand`, or ``None``) serves the operands,
+    else a new tensor (fp32 B on a 16-bit ``y``: added in an fp32 copy, cast back once).
+
+    Shapes: ``y [N, sum(sizes)]`` (unit column stride), ``xa [N, sum(ranks)]``,
+    ``bs[i] [sizes[i], ranks[i]]``.
+    """
+    if expand is not None and expand.supported(y, xa, bs, sizes, ranks):
+        expand.lora_expand(y, xa, bs, sizes, ranks, scaling)
+        return y
+    acc = y if bs[0].dtype == y.dtype else y.to(bs[0].dtype)  # PEFT: add in B's dtype
+    for y_i, xa_i, b_i in zip(acc.split(sizes, -1), xa.split(ranks, -1), bs):
+        y_i.addmm_(xa_i, b_i.t(), alpha=scaling)  # y_i += s * xa_i @ B_i^T, in place
+    return acc.to(y.dtype)
+
+
+@dataclass
+class PendingLora:
+    """LoRA B not yet added to a group's base output ``y [N, sum(out)]`` (see module docstring).
+
+    ``xa [N, sum(r)]`` = ``x @ A^T``; ``bs[i] [sizes[i], ranks[i]]``; ``expand``: the
+    :mod:`.kernels.lora_expand` module or ``None`` (what :meth:`apply` uses).
+    """
+
+    y: Any
+    xa: Any
+    bs: list[Any]
+    sizes: list[int]
+    ranks: list[int]
+    scaling: float
+    expand: Any = None
+
+    def apply(self) -> None:
+        """Add LoRA B into ``y`` in place (the fallback where no consumer kernel takes it)."""
+        out = add_lora_b(self.y, self.xa, self.bs, self.sizes, self.ranks, self.scaling,
+                         self.expand)
+        if out is not self.y:
+            self.y.copy_(out)
+
+    def reads(self, t: Any, part: int = 0) -> bool:
+        """Whether ``t`` (any shape) views part ``part``'s columns of ``y`` row for row: what a
+        consumer kernel checks before it reads ``t`` as ``y_base``."""
+        n, width = self.y.shape[0], self.sizes[part]
+        if t.numel() != n * width:
+            return False
+        t2 = t.reshape(n, width)  # a view for the group's outputs (a copy fails the test)
+        return (t2.stride(1) == 1 and (n == 1 or t2.stride(0) == self.y.stride(0))
+                and t2.data_ptr() == self.y[:, sum(self.sizes[:part]):].data_ptr())
+
+
+def defer(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
+    """``group(x)`` split as its ``__call__``, with LoRA B left out and returned as a
+    :class:`PendingLora` when the group is in ``lora_expand="consumer"`` mode, has LoRA on every
+    part through one fused buffer, runs the cuBLAS path (``lora_fused`` off), is not being traced
+    by torch.compile, and ``x`` has at most :data:`CONSUMER_MAX_ROWS` rows; else
+    ``(group(x), None)``. ``x [..., in]``."""
+    import torch
+    import torch.nn.functional as F
+    if group.lora_expand != "consumer" or group._lora_gemm.enabled \
+            or torch.compiler.is_compiling():
+        return group(x), None
+    f = group._buffers()
+    x2 = x.reshape(-1, x.shape[-1])
+    if f is None or not f["lora"] or x2.shape[0] > CONSUMER_MAX_ROWS:
+        return group(x), None
+    y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)] (+ [N, sum(r)] when ext)
+    n = f["n_out"]
+    y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, group._lora_a(x2, f["A"]))
+    pending = PendingLora(y, xa, f["B"], group.sizes, group._ranks(), f["scaling"],
+                          group._expand)
+    return group.split_out(y, x.shape), pending

@@ -103,12 +103,15 @@ def _take_lora(lora: Any, kernel_adds_it: bool) -> Any:
     return None
 
 
-def triton_silu_mul(gate: Any, up: Any) -> Any:
-    """:func:`silu_mul` in one launch."""
+def triton_silu_mul(gate: Any, up: Any, lora: Any = None) -> Any:
+    """:func:`silu_mul` in one launch; ``lora``: the gate_up group's pending LoRA B (two parts,
+    as :func:`triton_add_rms_norm`'s)."""
     from nbhelpers.engine.kernels import fused_norm as fn
-    if not (fn.supported(gate, up) and gate.dtype == up.dtype):
+    ok = fn.supported(gate, up) and gate.dtype == up.dtype
+    lora = _take_lora(lora, ok and lora is not None and fn.lora_supported(lora, 2, gate, up))
+    if not ok:
         return silu_mul(gate, up)
-    return fn.act_mul(gate, up, "silu")
+    return fn.act_mul(gate, up, "silu", lora=lora)
 
 
 def triton_qk_rope_cache(q: Any, k: Any, v: Any, wq: Any, wk: Any, eps: float, cos: Any,

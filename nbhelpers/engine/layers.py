@@ -142,12 +142,21 @@ class EngineModel:
         for i, layer in enumerate(self.layers):
             x, h = self._add_norm(fx, layer.post_attention_layernorm, x,
                                   *self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv))
-            gate, up = self.gate_up[i](h)
-            act = fx.silu_mul(gate, up) if self._silu else layer.mlp.act_fn(gate) * up
+            (gate, up), lora = self._project(fx, self.gate_up[i], h)
+            act = self._act(fx, layer, gate, up, lora)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             down, lora = self._project(fx, self.down[i], act)
             x, h = self._add_norm(fx, nxt, x, down[0], lora)
         return h[0]
+
+    def _act(self, fx: Elementwise, layer: Any, gate: Any, up: Any, lora: Any) -> Any:
+        """``act_fn(gate) * up``; ``lora``: the gate_up group's pending LoRA B (:meth:`_project`),
+        added by the SiLU kernel, or first where the activation is not SiLU."""
+        if self._silu:
+            return fx.silu_mul(gate, up) if lora is None else fx.silu_mul(gate, up, lora=lora)
+        if lora is not None:
+            lora.apply()
+        return layer.mlp.act_fn(gate) * up
 
     @staticmethod
     def _project(fx: Elementwise, group: LiveGroup, x: Any) -> tuple[list[Any], Any]:

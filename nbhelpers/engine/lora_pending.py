@@ -8,7 +8,7 @@ enabled and serves the operands, else one ``addmm_`` per part.
 With ``lora_expand="consumer"``, :func:`defer` runs only the group's GEMM(s) and returns the base
 outputs plus a :class:`PendingLora` record (views of the GEMM output and ``xa``, the B tensors,
 sizes, ranks, scaling). The caller hands it to the kernel that reads the projection next (the
-add+RMSNorm of ``o_proj``/``down_proj``; ``engine/fused.py`` ``triton_*``; other groups add B
+add+RMSNorm of ``o_proj``/``down_proj``, the SiLU x up of ``gate_up``; ``engine/fused.py`` ``triton_*``; other groups add B
 themselves: ``engine/layers.py`` asks only these), which computes ``y = y_base + scaling *
 sum_r xa[row, r] * B[col, r]`` in fp32 wherever it read ``y`` (one rounding to the model dtype,
 the same order as :func:`add_lora_b`), so the expand launch disappears. Where that kernel cannot

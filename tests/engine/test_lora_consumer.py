@@ -122,6 +122,36 @@ def test_group_defers_only_in_range():
         assert LiveGroup(mods, lora_expand="consumer").deferred(big)[1] is None
 
 
+# ----------------------------------------------------------------- stage 2: gate_up
+
+
+@pytest.mark.parametrize("y_dtype,b_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,inter,ranks", [(1, 128, [4, 4]), (5, 96, [8, 16]),
+                                              (3, 2048, [32, 32])],
+                         ids=["tiny_gate_up_r4", "ranks_differ", "wide_r32"])
+def test_silu_mul_with_lora_matches_torch(y_dtype, b_dtype, rows, inter, ranks):
+    p = _pending([inter, inter], ranks, rows, y_dtype, b_dtype, seed=1)
+    gate, up = p.y.view(1, rows, 2 * inter).split(inter, -1)  # LiveGroup's split views
+    ref_g, ref_u = _with_lora(p).view(1, rows, 2 * inter).split(inter, -1)
+    assert fn.lora_supported(p, 2, gate, up)
+    got = fused.triton_silu_mul(gate, up, lora=p)
+    torch.testing.assert_close(got, fused.silu_mul(ref_g, ref_u), **_tol(y_dtype))
+
+
+def test_act_mul_unsupported_lora_falls_back_or_raises():
+    p = _pending([64, 64], [4, lp.MAX_RANK + 1], 2, torch.float32, torch.float32)
+    gate, up = p.y.split(64, -1)
+    want = fused.silu_mul(*_with_lora(p).split(64, -1))
+    assert not fn.lora_supported(p, 2, gate, up)
+    with pytest.raises(ValueError, match="lora.apply"):
+        fn.act_mul(gate, up, lora=p)
+    torch.testing.assert_close(fused.triton_silu_mul(gate, up, lora=p), want, rtol=1e-5,
+                               atol=1e-5)
+    q = _pending([64, 64], [4, 4], 2, torch.float32, torch.float32)
+    g2, u2 = q.y.split(64, -1)
+    assert not fn.lora_supported(q, 2, u2, g2)  # parts swapped: not read as their y_base
+
+
 # ----------------------------------------------------------------- the engine
 
 
@@ -171,8 +201,8 @@ def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch):
     assert counts[1] == counts[3] == EXPAND_PER_LAYER * layers * steps
 
 
-EXPAND_PER_LAYER = 2
-"""Expand launches per decode layer left in consumer mode (qkv and gate_up, stage 1)."""
+EXPAND_PER_LAYER = 1
+"""Expand launches per decode layer left in consumer mode (qkv, stage 2)."""
 
 
 def test_engine_consumer_falls_back_without_triton_elementwise(monkeypatch):
@@ -194,5 +224,7 @@ def test_engine_consumer_falls_back_without_triton_elementwise(monkeypatch):
 @pytest.mark.parametrize("y_dtype,b_dtype", DTYPES[1:], ids=DTYPE_IDS[1:])
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_gpu_qwen3_4b_shapes_match_torch(y_dtype, b_dtype, rows):
-    """Compiled consumers at Qwen3-4B shapes (hidden 2560, r 32) against torch on the device."""
+    """Compiled consumers at Qwen3-4B shapes (hidden 2560, intermediate 9728, r 32) against
+    torch on the device."""
     test_add_rms_norm_with_lora_matches_torch(y_dtype, b_dtype, rows, 2560, 32)
+    test_silu_mul_with_lora_matches_torch(y_dtype, b_dtype, rows, 9728, [32, 32])

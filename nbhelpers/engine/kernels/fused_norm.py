@@ -99,14 +99,19 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
 
 
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u,
-                    ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_cols, stride_g, stride_u,
+                    stride_xa, r_g, r_u, scaling, ACT: tl.constexpr, HAS_LORA: tl.constexpr,
+                    LORA_K: tl.constexpr, LORA_RNE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
     DT: tl.constexpr = o_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_LORA:  # gate/up = base + s * xa_part @ B_part^T, each rounded once (lora_prologue.py)
+        xa_row = xa_ptr + row * stride_xa
+        g = add_lora(g, xa_row, bg_ptr, r_g, cols, m, scaling, DT, LORA_RNE, BLOCK, LORA_K)
+        u = add_lora(u, xa_row + r_g, bu_ptr, r_u, cols, m, scaling, DT, LORA_RNE, BLOCK, LORA_K)
     if ACT == 0:
         a = g * tl.sigmoid(g)  # silu
     else:  # gelu tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)
@@ -187,21 +192,31 @@ def _warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def act_mul(gate: Any, up: Any, act: str = "silu") -> Any:
+def act_mul(gate: Any, up: Any, act: str = "silu", lora: Any = None) -> Any:
     """``act(gate) * up``, ``[..., I]`` each (strided views such as a gate_up split are fine),
     rounded like HF (``act`` to the dtype, then the product); ``act`` in :data:`ACTS`.
+    ``lora``: the gate_up group's two-part ``lora_pending.PendingLora`` whose ``y`` holds
+    ``gate`` and ``up``: each is read as ``y_base + scaling * xa_part @ B_part^T``.
 
     Raises:
-        ValueError: shapes or dtypes differ, or an unknown ``act``.
+        ValueError: shapes or dtypes differ, an unknown ``act``, or a ``lora`` that
+            :func:`lora_supported` rejects (call its ``apply()`` instead).
     """
     import torch
     if gate.shape != up.shape or gate.dtype != up.dtype or act not in ACTS:
         raise ValueError(f"act_mul: gate {tuple(gate.shape)} {gate.dtype}, up "
                          f"{tuple(up.shape)} {up.dtype}, act {act!r} (one of {tuple(ACTS)}).")
+    if lora is not None and not lora_supported(lora, 2, gate, up):
+        raise ValueError("act_mul: this LoRA record is not one the kernel serves "
+                         "(lora_supported); call lora.apply() and pass lora=None.")
     g2, u2 = _rows(gate), _rows(up)
     rows, n = g2.shape
     out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(n))
+    xa, sxa, bg, bu, rg, ru, _, _, s = (lp.kernel_args(lora) if lora is not None
+                                        else (g2, 0, g2, g2, 0, 0, 0, 0, 0.0))
     _act_mul_kernel[(rows, triton.cdiv(n, block))](
-        g2, u2, out, n, g2.stride(0), u2.stride(0), ACT=ACTS[act], BLOCK=block, num_warps=4)
+        g2, u2, out, xa, bg, bu, n, g2.stride(0), u2.stride(0), sxa, rg, ru, s, ACT=ACTS[act],
+        HAS_LORA=lora is not None, LORA_K=lp.LORA_K, LORA_RNE=lp.rne(gate.dtype), BLOCK=block,
+        num_warps=4)
     return out.view(gate.shape)

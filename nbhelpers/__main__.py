@@ -2,7 +2,8 @@
 
 - ``run TARGET [--profile cpu|h200] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
   (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run.runner);
-  exits 1 when any notebook failed. Every notebook's config and ``-p`` values are checked
+  exits 1 when any notebook failed (a phase's compare notebook is then skipped, with a line
+  saying why). Every notebook's config and ``-p`` values are checked
   against its ``parameters`` cell before anything runs; in a phase run, a notebook without a
   config for the profile is skipped with a note (``19_compare`` is CPU-only).
 - ``fetch NAME ...``: download model / dataset assets into the cache (nbhelpers.models).
@@ -92,12 +93,12 @@ def _run(args: argparse.Namespace) -> int:
                    overrides=run.parse_overrides(args.parameter),
                    executed=Path(args.executed) if args.executed else None)
     for job in jobs:
-        print(f"{job.status:6} {job.output}")
-    failed = [j for j in jobs if j.status != "ok"]
+        print(f"{job.status:6} {job.skipped or job.output}")
+    failed = [j for j in jobs if j.status == "failed"]
     if failed:
         print(f"{len(failed)} of {len(jobs)} notebook(s) failed; their partial output is kept.",
               file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or any(j.skipped for j in jobs) else 0
 
 
 def _fetch(names: list[str]) -> int:

@@ -4,8 +4,9 @@ Contract: each dataclass is immutable and checks itself in ``__post_init__``: fi
 type (:func:`check_field_types`: an ``int`` field takes an int but not a bool or float, a
 ``float`` field an int or float, ``str`` a str, ``tuple[str, ...]`` a tuple of str, ``X | None``
 also ``None``; ``SamplingParams.stop_token_ids`` alone also takes a list or any sequence of ints,
-as vLLM does, stored as a tuple), then its range; a bad value raises ``ValueError`` whose message names the field,
-and the type expected or the fix. Notebook ``parameters`` cells map one to one onto these fields.
+as vLLM does, stored as a tuple; :func:`nbhelpers.token_ids.token_ids` reads it), then its
+range; a bad value raises ``ValueError`` whose message names the field, and the type expected or
+the fix. Notebook ``parameters`` cells map one to one onto these fields.
 
 Reference values (``GRPOSettings`` defaults) come from the public Unsloth notebook
 "Qwen3_(4B)-GRPO.ipynb" (unslothai/notebooks, nb/Qwen3_(4B)-GRPO.ipynb): LoRA r=32, alpha=64 (the
@@ -21,9 +22,10 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
+
+from nbhelpers.token_ids import token_ids
 
 LORA_TARGETS_ALL: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -139,31 +141,6 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
-def _token_ids(owner: str, value: Any) -> tuple[int, ...]:
-    """``value`` (any sequence of ints: list, tuple, range, 1-D array/tensor; ``None`` = none)
-    as a tuple of ints.
-
-    Raises:
-        ValueError: a bare id, text, a mapping, or ids that are not ints (the message names the
-            fix).
-    """
-    if value is None:
-        return ()
-    ids = value.tolist() if hasattr(value, "tolist") else value
-    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
-        _require(False, f"{owner}={value!r}: a list of token ids is expected; wrap one id as "
-                 f"[{int(ids)}].")
-    _require(isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)),
-             f"{owner}={value!r}: expected a sequence of token ids (ints), got "
-             f"{type(value).__name__}: pass e.g. [tokenizer.eos_token_id].")
-    ids = list(ids)
-    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
-               None)
-    _require(bad is None, f"{owner}={value!r}: token ids must be ints, got "
-             f"{type(bad).__name__} {bad!r}: pass int ids, e.g. [tokenizer.eos_token_id].")
-    return tuple(int(t) for t in ids)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings with vLLM's meaning (vllm/sampling_params.py).
@@ -174,14 +151,16 @@ class SamplingParams:
     takes any sequence of ints, as vLLM's ``list[int]`` does (``None``: none), and is stored as a
     tuple (the object stays hashable).
 
-    vLLM names this class lacks raise ``TypeError`` naming the fix: ``max_tokens`` (use
-    ``max_new_tokens``), ``logprobs`` (always returned), ``stop`` strings (use ``stop_token_ids``).
+    vLLM / transformers names this class lacks raise ``TypeError`` naming the fix:
+    ``max_tokens`` (use ``max_new_tokens``), ``logprobs`` (always returned), ``stop`` strings (use
+    ``stop_token_ids``), ``eos_token_id`` (the engine's: ``LLM(model, eos_token_id=...)``).
 
     Raises:
-        TypeError: one of those vLLM-only arguments.
+        TypeError: one of those arguments, or (as :class:`~nbhelpers.token_ids.TokenIdsError`,
+            a ``ValueError`` too) ``stop_token_ids`` that is not a sequence of ints (text,
+            floats, one bare id).
         ValueError: temperature < 0 or not finite, top_p not in (0, 1], top_k < -1, min_p not in
-            [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id, or
-            ``stop_token_ids`` that is not a sequence of ints.
+            [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id.
     """
 
     temperature: float = 1.0
@@ -196,7 +175,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids",
-                           _token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
+                           token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
         check_field_types(self)
         _require(0.0 <= self.temperature < math.inf, f"SamplingParams.temperature="
                  f"{self.temperature}: must be finite and >= 0 (0 = greedy).")
@@ -233,12 +212,15 @@ _VLLM_ONLY_ARGS = {
                 "full_logprobs)",
     "stop": "stop strings are not supported: use stop_token_ids (token ids, e.g. from "
             "tokenizer.encode)",
+    "eos_token_id": "the EOS ids are the engine's, not a sampling setting: "
+                    "LLM(model, eos_token_id=[...]) (default model.config.eos_token_id); to stop "
+                    "on more ids per request pass stop_token_ids=[...]",
 }
 
 
 def _reject_vllm_only_args(init):
-    """Wrap ``SamplingParams.__init__`` so vLLM argument names it lacks raise a TypeError naming
-    the fix instead of a bare "unexpected keyword argument"."""
+    """Wrap ``SamplingParams.__init__`` so vLLM / transformers argument names it lacks raise a
+    TypeError naming the fix instead of a bare "unexpected keyword argument"."""
     @functools.wraps(init)
     def checked(self, *args: Any, **kwargs: Any) -> None:
         for name, fix in _VLLM_ONLY_ARGS.items():
@@ -249,6 +231,25 @@ def _reject_vllm_only_args(init):
 
 
 SamplingParams.__init__ = _reject_vllm_only_args(SamplingParams.__init__)
+
+
+def resolve_sampling(owner: str, sampling: Any, sampling_params: Any) -> SamplingParams:
+    """The one :class:`SamplingParams` of ``owner.generate(prompts, sampling)``, given either as
+    ``sampling`` or as vLLM's keyword ``sampling_params=`` (every backend and the flex engine
+    accept both names, so vLLM-style calls port unchanged).
+
+    Raises:
+        TypeError: both or neither given, or not a ``SamplingParams`` (the message names the fix).
+    """
+    if (sampling is None) == (sampling_params is None):
+        raise TypeError(f"{owner}.generate(prompts, sampling): pass the SamplingParams once, as "
+                        "the second argument `sampling` (vLLM's sampling_params= also works).")
+    chosen = sampling if sampling is not None else sampling_params
+    if not isinstance(chosen, SamplingParams):
+        raise TypeError(f"{owner}.generate(sampling=...) takes nbhelpers.config.SamplingParams, "
+                        f"got {type(chosen).__name__}: e.g. SamplingParams(temperature=1.0, "
+                        "max_new_tokens=64).")
+    return chosen
 
 
 GRPO_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.1, seed=3407)

@@ -21,9 +21,12 @@ class RolloutBackend(Protocol):
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None: ...
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
         """Generate ``sampling.n`` completions per prompt, ordered prompt-major
-        (``[p0s0, p0s1, ..., p1s0, ...]``)."""
+        (``[p0s0, p0s1, ..., p1s0, ...]``). ``sampling_params=`` (vLLM's name) is an alias of
+        ``sampling``; both or neither given raise ``TypeError`` naming the fix
+        (:func:`nbhelpers.config.resolve_sampling`)."""
         ...
 
     def close(self) -> None: ...

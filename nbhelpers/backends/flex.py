@@ -8,7 +8,8 @@ sampled-token logprobs the engine produced; ``close`` frees the KV pool, the gra
 Engine options (``load(**engine_options)``): ``device``, ``adapter_path``, ``seed`` (random-init
 weights), ``kv_tokens`` (KV pool size in tokens, default 32 * 1024), and the
 :class:`~nbhelpers.engine.model_runner.RunnerOptions` / ``LLM`` fields ``page_size`` (default 128
-on CUDA, 16 on CPU), ``max_model_len`` (1024), ``sync_every``, ``use_cuda_graphs``,
+on CUDA, 16 on CPU), ``max_model_len`` (1024, or the model's context when shorter; above the
+context only with ``allow_long_max_model_len=True``), ``sync_every``, ``use_cuda_graphs``,
 ``compile_attention``, ``fuse_lora_a``, ``max_num_seqs``, ``max_prefill_tokens``, ``share_prefix``,
 ``decode_attention`` (``"flex"`` | ``"triton"``), ``decode_kernel_options``,
 ``lora_expand`` (``"addmm"`` | ``"triton"``), ``adapter_dtype``: ``"peft"`` (default: the adapter
@@ -25,13 +26,14 @@ from typing import Any
 
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 from nbhelpers.engine.runner_options import option_names
 
 _LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens", "adapter_dtype"}
 ADAPTER_DTYPES = ("peft", "model")
 _LLM_OPTIONS = (option_names() - {"num_pages"}  # build_llm sizes the pool from kv_tokens
-                | {"max_num_seqs", "max_prefill_tokens", "share_prefix"})
+                | {"max_num_seqs", "max_prefill_tokens", "share_prefix",
+                   "allow_long_max_model_len"})
 
 
 class FlexBackend:
@@ -70,7 +72,10 @@ class FlexBackend:
                      "lora_expand": runner.lora_expand, "page_size": self.llm.opt.page_size,
                      "num_pages": self.llm.opt.num_pages}
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+        """The engine's completions (``sampling_params=``: vLLM's name, an alias)."""
+        sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.llm is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
         _common.validate_prompts(prompts)
@@ -104,11 +109,14 @@ def cast_adapters_to_base_dtype(model: Any) -> int:
 def build_llm(model: Any, eos: list[int], kv_tokens: int = 32 * 1024, **options: Any) -> Any:
     """An :class:`nbhelpers.engine.LLM` over ``model`` with a pool of ``kv_tokens`` slots.
 
-    Defaults: page 128 tokens on CUDA (one flex KV block per page), 16 on the CPU.
+    Defaults: page 128 tokens on CUDA (one flex KV block per page), 16 on the CPU;
+    ``max_model_len`` 1024, or the model's context when shorter (``max_position_embeddings``;
+    a larger explicit value needs ``allow_long_max_model_len=True``).
     """
     from nbhelpers.engine import LLM
+    from nbhelpers.engine.llm_checks import model_context_len
     on_cuda = next(iter(model.parameters())).is_cuda
     page_size = options.pop("page_size", 128 if on_cuda else 16)
-    options.setdefault("max_model_len", 1024)
+    options.setdefault("max_model_len", min(1024, model_context_len(model.config) or 1024))
     num_pages = -(-kv_tokens // page_size) + 1
     return LLM(model, eos_token_id=eos, page_size=page_size, num_pages=num_pages, **options)

@@ -25,7 +25,7 @@ from typing import Any
 
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import BackendNotInstalled, Completion
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 
 CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
               "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
@@ -164,9 +164,12 @@ class HFCBBackend:
             self.model.destroy_cached_continuous_batching_manager()
             self._cached_key = key
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+        """Continuous-batching completions (``sampling_params=``: vLLM's name, an alias)."""
         import torch
 
+        sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.model is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
         _common.validate_prompts(prompts)

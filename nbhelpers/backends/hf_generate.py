@@ -15,7 +15,7 @@ from typing import Any
 
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 
 
 class HFGenerateBackend:
@@ -43,7 +43,10 @@ class HFGenerateBackend:
         self.eos = _common.eos_ids(self.model, self.tokenizer)
         self.pad_id = _common.pad_id_of(self.tokenizer, self.eos)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+        """One left-padded ``model.generate`` (``sampling_params=``: vLLM's name, an alias)."""
+        sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.model is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
         return _common.batched_generate(self.model, prompts, sampling, self.eos, self.pad_id)

@@ -24,7 +24,7 @@ from typing import Any
 
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
-from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
+from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 LLM_DEFAULTS: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 1024,
@@ -103,7 +103,10 @@ class VLLMBackend:
             self.lora_request = LoRARequest("canonical", 1, str(path))
         self.info = {"vllm_args": {k: v for k, v in kw.items() if k != "model"}}
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+        """vLLM's completions (``sampling_params=``, vLLM's own name, is an alias)."""
+        sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.llm is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")
         _common.validate_prompts(prompts)

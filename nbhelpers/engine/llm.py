@@ -19,89 +19,24 @@ Run::
 
 from __future__ import annotations
 
-import difflib
-import numbers
 import time
 from typing import Any
 
-from nbhelpers.config import Completion, SamplingParams
+from nbhelpers.config import Completion, SamplingParams, resolve_sampling
 from nbhelpers.engine.kv_cache import PagePool
-from nbhelpers.engine.model_runner import BUCKETS, ModelRunner, RunnerOptions
-from nbhelpers.engine.runner_options import option_names
+from nbhelpers.engine.llm_checks import (
+    check_cuda_graphs,
+    check_flag,
+    check_limits,
+    check_options,
+    eos_ids,
+    fit_max_model_len,
+    normalize_prompts,
+)
+from nbhelpers.engine.model_runner import ModelRunner, RunnerOptions
 from nbhelpers.engine.scheduler import Scheduler, Sequence
 
-
-def normalize_prompts(prompts: Any) -> list[list[int]]:
-    """``prompts`` as a list of token-id lists: any iterable of sequences of ints (a generator is
-    read once; 1-D tensors/arrays become lists).
-
-    Raises:
-        TypeError: a string, a flat list of ints, or ids that are not ints (the message says what
-            to pass instead).
-    """
-    if isinstance(prompts, (str, bytes)):
-        raise TypeError("LLM.generate takes token ids, not text: pass "
-                        "[tokenizer(text).input_ids, ...].")
-    try:
-        rows = list(prompts)
-    except TypeError as exc:
-        raise TypeError(f"LLM.generate(prompts): a list of token-id lists is expected, got "
-                        f"{type(prompts).__name__}.") from exc
-    out = []
-    for i, row in enumerate(rows):
-        if isinstance(row, (int, float)) and not isinstance(row, bool):
-            raise TypeError("LLM.generate(prompts) got a flat list of ids: wrap one prompt as "
-                            "[prompt_ids].")
-        if isinstance(row, (str, bytes)):
-            raise TypeError(f"prompt {i} is text: pass tokenizer(text).input_ids.")
-        row = row.tolist() if hasattr(row, "tolist") else list(row)
-        bad = next((t for t in row if isinstance(t, bool)
-                    or not isinstance(t, numbers.Integral)), None)
-        if bad is not None:
-            raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__} "
-                            f"{bad!r}.")
-        out.append([int(t) for t in row])
-    return out
-
-
-def check_options(options: dict[str, Any]) -> None:
-    """Raise ``TypeError`` for an ``LLM(**options)`` name that is no RunnerOptions field (the
-    message names the closest field and lists them all)."""
-    known = option_names()
-    if unknown := sorted(set(options) - known):
-        close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
-        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
-        raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
-                        f". Options: max_num_seqs, max_prefill_tokens, share_prefix and the "
-                        f"RunnerOptions fields {sorted(known)}.")
-
-
-def check_limits(max_num_seqs: Any, max_prefill_tokens: Any) -> None:
-    """Raise ``ValueError`` unless ``max_num_seqs`` is an int in ``[1, BUCKETS[-1]]`` (sequences
-    decoding at once; the largest decode batch bucket is 512) and ``max_prefill_tokens`` an
-    int >= 1 (tokens per prefill step; a longer prompt still prefills alone)."""
-    for name, value, high, what in (
-            ("max_num_seqs", max_num_seqs, BUCKETS[-1],
-             f"sequences decoding at once; {BUCKETS[-1]} is the largest decode batch"),
-            ("max_prefill_tokens", max_prefill_tokens, None, "prompt tokens per prefill step")):
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-        if not ok or (high is not None and value > high):
-            span = f"in [1, {high}]" if high is not None else ">= 1"
-            raise ValueError(f"LLM({name}={value!r}): pass an int {span} ({what}).")
-
-
-def check_cuda_graphs(model: Any, use_cuda_graphs: Any) -> None:
-    """Raise ``ValueError`` for ``use_cuda_graphs=True`` when ``model``'s parameters are not on a
-    CUDA device (graphs cannot be captured there; ``None`` already means on iff CUDA)."""
-    if use_cuda_graphs is not True:
-        return
-    param = next(iter(model.parameters()), None)
-    if param is None or not param.is_cuda:
-        where = "no parameters" if param is None else f"parameters on {param.device}"
-        raise ValueError(f"LLM(use_cuda_graphs=True): CUDA graphs need the model on a CUDA "
-                         f"device, this one has {where}: leave use_cuda_graphs=None (on iff "
-                         "CUDA) or pass use_cuda_graphs=False on the CPU, or move the model to "
-                         "CUDA first (model.to('cuda')).")
+__all__ = ["LLM", "check_cuda_graphs", "normalize_prompts"]
 
 
 class LLM:
@@ -109,35 +44,50 @@ class LLM:
 
     Args:
         model: a ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (optionally PEFT-wrapped), on its device.
-        eos_token_id: ends a sequence unless ``ignore_eos``; default ``model.config.eos_token_id``.
+        eos_token_id: an int or a sequence of ints that ends a sequence unless ``ignore_eos``;
+            default ``model.config.eos_token_id``.
         max_num_seqs: most sequences decoding at once, 1..512; max_prefill_tokens: prompt tokens
             per prefill step, >= 1 (the first waiting group is admitted even when longer).
-        share_prefix: prefill the ``n`` samples of a prompt once (GRPO group prefix sharing).
+        share_prefix: ``True`` / ``False``: prefill the ``n`` samples of a prompt once (GRPO
+            group prefix sharing).
+        allow_long_max_model_len: ``True`` lets an explicit ``max_model_len`` exceed the model's
+            context (``config.max_position_embeddings``; vLLM's
+            ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``). Without ``max_model_len`` the engine takes the
+            smaller of 2048 and that context.
         **options: :class:`~nbhelpers.engine.model_runner.RunnerOptions` fields.
+
+    Attributes:
+        last_stats: numbers of the latest ``generate`` call (see :meth:`generate`).
+
     Raises:
-        TypeError: ``model`` is not a loaded HF model, or an unknown option (the message names
-            the closest valid one).
+        TypeError: ``model`` is not a loaded HF model, an unknown option (the message names
+            the closest valid one), ``share_prefix`` / ``allow_long_max_model_len`` not a bool,
+            or an ``eos_token_id`` that is not int ids
+            (:class:`~nbhelpers.token_ids.TokenIdsError`).
         ValueError: unsupported architecture, bad options (e.g. a ``page_size`` the CUDA kernels
             cannot serve: :func:`~nbhelpers.engine.kv_cache.check_page_size` names the valid
             sizes), ``max_num_seqs`` not an int in [1, 512] (the largest decode batch),
             ``max_prefill_tokens`` not an int >= 1, ``use_cuda_graphs=True`` for a model that is
-            not on a CUDA device (all checked at construction), or, at ``generate``, a prompt
-            longer than max_model_len.
+            not on a CUDA device, ``max_model_len`` above the model's context (all checked at
+            construction, before the engine is built), or, at ``generate``, a prompt longer than
+            max_model_len.
     """
 
     def __init__(self, model: Any, eos_token_id: int | list[int] | None = None,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 8192,
-                 share_prefix: bool = True, **options: Any):
+                 share_prefix: bool = True, allow_long_max_model_len: bool = False,
+                 **options: Any):
         if not hasattr(model, "parameters") or not hasattr(model, "config"):
             raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
                             "e.g. nbhelpers.models.load_model(name)[0].")
         check_options(options)
         check_limits(max_num_seqs, max_prefill_tokens)
+        check_flag("share_prefix", share_prefix, "prefill the n samples of a prompt once")
         check_cuda_graphs(model, options.get("use_cuda_graphs"))
+        self.eos_ids = eos_ids(model.config, eos_token_id)
+        options = fit_max_model_len(model.config, options, allow_long_max_model_len)
         self.runner = ModelRunner(model, RunnerOptions(**options))
         self.opt = self.runner.opt
-        eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.share_prefix = share_prefix
         self.last_stats: dict[str, Any] = {}
@@ -149,16 +99,27 @@ class LLM:
                  sampling_params: SamplingParams | None = None) -> list[Completion]:
         """Generate ``sampling.n`` completions per prompt; see the module docstring.
 
-        ``sampling_params=`` is vLLM's name for ``sampling`` and is accepted as an alias.
+        ``sampling_params=`` is vLLM's name for ``sampling`` and is accepted as an alias (as in
+        every rollout backend, :func:`nbhelpers.config.resolve_sampling`).
+
+        Sets :attr:`last_stats`. Per call (this ``generate`` only): ``wall_s`` (seconds of the
+        scheduling loop, prompt checks excluded), ``num_preemptions``, and the runner's counters
+        ``prefill_s``, ``decode_s``, ``host_s`` (seconds; see
+        :mod:`nbhelpers.engine.model_runner`), ``decode_steps``, ``prefill_tokens`` (tokens
+        actually prefilled: shared prefixes once) and ``graph_captures``. Cumulative (since the
+        engine was built or :meth:`reset_timings`): the same counters as ``total_<key>``
+        (``total_decode_s``...), which is what ``runner.timings`` holds. Before 2026-12-01 the
+        unprefixed counters were the cumulative ones; every reader in the repo either called
+        :meth:`reset_timings` first or made one call, for which both agree.
 
         Raises:
             TypeError: both or neither of ``sampling`` / ``sampling_params`` given, or not a
-                ``SamplingParams``.
+                ``SamplingParams``; prompts that are not token-id lists.
+            ValueError: an empty prompt, ids outside the vocabulary, or prompt +
+                ``max_new_tokens`` above ``max_model_len``.
+            RuntimeError: called after :meth:`sleep` without :meth:`wake_up`.
         """
-        if (sampling is None) == (sampling_params is None):
-            raise TypeError("LLM.generate(prompts, sampling): pass the SamplingParams once, as the "
-                            "second argument `sampling` (vLLM's sampling_params= also works).")
-        sampling = sampling if sampling is not None else sampling_params
+        sampling = resolve_sampling("LLM", sampling, sampling_params)
         prompts = normalize_prompts(prompts)
         self._check(prompts, sampling)
         if self.runner.kv is None:
@@ -166,11 +127,15 @@ class LLM:
         sched = Scheduler(PagePool(self.opt.num_pages, self.opt.page_size), self.max_num_seqs,
                           self.max_prefill_tokens)
         seqs = self._make_seqs(prompts, sampling, sched)
+        before = dict(self.runner.timings)
         t0 = time.perf_counter()
         while not sched.is_done:
             self._step(sched, sampling)
+        total = dict(self.runner.timings)
         self.last_stats = {"wall_s": time.perf_counter() - t0,
-                           "num_preemptions": sched.num_preemptions, **self.runner.timings}
+                           "num_preemptions": sched.num_preemptions,
+                           **{k: v - before.get(k, 0) for k, v in total.items()},
+                           **{f"total_{k}": v for k, v in total.items()}}
         return [Completion(list(s.prompt_ids), list(s.out_ids), [lp[0] for lp in s.out_logprobs],
                            s.finish_reason or "length",
                            full_logprobs=[lp[1] for lp in s.out_logprobs]) for s in seqs]
@@ -186,13 +151,12 @@ class LLM:
             self.runner.allocate_kv()
 
     def reset_timings(self) -> None:
+        """Zero the cumulative counters (``runner.timings``, ``last_stats['total_*']``)."""
         for k in self.runner.timings:
             self.runner.timings[k] = 0 if isinstance(self.runner.timings[k], int) else 0.0
 
     # ---------------------------------------------------------------- internals
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError("LLM.generate(sampling=...) takes nbhelpers.config.SamplingParams.")
         limit, vocab = self.opt.max_model_len, self.runner.model.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:

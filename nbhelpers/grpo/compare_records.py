@@ -12,7 +12,8 @@ final :func:`~nbhelpers.grpo.compare_sidecars.write_sidecars` writes the same pa
 (a per-backend sidecar, partial or final, or the run's summary sidecar beside it), checks the
 recorded request, model and device against this run's and returns ``{backend: run}``, each run
 labelled ``reused_from`` (file, UTC date, run id, git sha, partial) for
-:func:`~nbhelpers.grpo.compare_tables.source_word`.
+:func:`~nbhelpers.grpo.compare_tables.source_word`. :func:`check_reusable` is the part of those
+checks that needs no run; the runner makes it before the notebook starts.
 Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
 """
 
@@ -97,10 +98,27 @@ def load_reused(reuse_runs: dict[str, str | Path], model: str, settings: GRPOSet
     return out
 
 
-def _find_sidecar(backend: str, given: str | Path) -> tuple[Path, dict[str, Any]]:
+def check_reusable(backend: str, given: str | Path, cwd: Path) -> Path:
+    """The checks of :func:`load_reused` that need no run (the runner's preflight, before the
+    notebook starts): ``given`` (relative paths from ``cwd``, the notebook's working directory,
+    then the repo root) is a readable JSON sidecar of ``backend``'s phase-2 run that did not fail
+    and records its request. Returns the file found.
+
+    Raises:
+        ValueError: missing, unreadable or not JSON, another backend's, not phase 2, failed, or
+            without ``grpo_request`` (the message names the file and the fix).
+    """
+    path, side = _find_sidecar(backend, given, cwd)
+    _check_usable(f"reuse_runs[{backend!r}] ({path.name})", backend, side)
+    return path
+
+
+def _find_sidecar(backend: str, given: str | Path,
+                  cwd: Path | None = None) -> tuple[Path, dict[str, Any]]:
     path = Path(given)
-    if not path.is_absolute() and not path.is_file():
-        path = PACKAGE_ROOT / path
+    if not path.is_absolute():
+        here = path if cwd is None else cwd / path
+        path = here if here.is_file() else PACKAGE_ROOT / path
     tries, held = [path, path.with_name(f"{path.stem}__{backend}.json")], []
     for cand in tries:
         side = _read(cand)
@@ -108,6 +126,8 @@ def _find_sidecar(backend: str, given: str | Path) -> tuple[Path, dict[str, Any]
             return cand, side
         if side is not None:
             held.append(f"{cand.name} holds backend {side.get('backend')!r}")
+        elif cand.is_file():
+            held.append(f"{cand.name} is not a readable JSON object")
     found = f" ({'; '.join(held)})" if held else " (no such file)"
     raise ValueError(f"reuse_runs[{backend!r}]={str(given)!r}: no phase-2 {backend} run at "
                      f"{' or '.join(str(t) for t in tries)}{found}; give the "
@@ -126,6 +146,21 @@ def _read(path: Path) -> dict[str, Any] | None:
 def _check_side(backend: str, path: Path, side: dict[str, Any], want: dict[str, Any],
                 model_info: dict[str, Any], device: str) -> None:
     where = f"reuse_runs[{backend!r}] ({path.name})"
+    _check_usable(where, backend, side)
+    gpu = (side.get("env") or {}).get("gpu") or "cpu"
+    mismatches = _diff(side["grpo_request"], want, "") + _diff(
+        {k: (side.get("model") or {}).get(k) for k in ("name", "weights")},
+        {k: model_info.get(k) for k in ("name", "weights")}, "model_info.")
+    if gpu != device:
+        mismatches.append(f"device: sidecar {gpu!r}, this run {device!r}")
+    if mismatches:
+        raise ValueError(f"{where} does not match this run: {'; '.join(mismatches)}. Pass the "
+                         f"same values (-p ...) or train {backend} again (leave it out of "
+                         "reuse_runs).")
+
+
+def _check_usable(where: str, backend: str, side: dict[str, Any]) -> None:
+    """A phase-2 sidecar that did not fail and records its request (else ``ValueError``)."""
     if side.get("phase") != "phase2":
         raise ValueError(f"{where}: phase {side.get('phase')!r}, not phase2: give a sidecar of "
                          "20_grpo_equivalence.")
@@ -137,16 +172,6 @@ def _check_side(backend: str, path: Path, side: dict[str, Any], want: dict[str, 
         raise ValueError(f"{where}: no grpo_request (written before runs could be reused), so "
                          f"its settings cannot be checked; train {backend} again (leave it out "
                          "of reuse_runs).")
-    gpu = (side.get("env") or {}).get("gpu") or "cpu"
-    mismatches = _diff(got, want, "") + _diff(
-        {k: (side.get("model") or {}).get(k) for k in ("name", "weights")},
-        {k: model_info.get(k) for k in ("name", "weights")}, "model_info.")
-    if gpu != device:
-        mismatches.append(f"device: sidecar {gpu!r}, this run {device!r}")
-    if mismatches:
-        raise ValueError(f"{where} does not match this run: {'; '.join(mismatches)}. Pass the "
-                         f"same values (-p ...) or train {backend} again (leave it out of "
-                         "reuse_runs).")
 
 
 def _diff(got: Any, want: Any, prefix: str) -> list[str]:

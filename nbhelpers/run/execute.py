@@ -54,9 +54,15 @@ class Job:
     """The running papermill child (``subprocess.Popen``) while it runs."""
     sha: str = ""
     """Git sha recorded once at the start of the run; the kernel gets it as NBHELPERS_GIT_SHA."""
+    skipped: str = ""
+    """Why the job was not started (a notebook it reads failed), or ``""``; such a job leaves no
+    file behind (:func:`nbhelpers.run.runner.skip_job` removes its claimed, empty notebook)."""
 
     @property
     def status(self) -> str:
+        """``ok``, ``failed`` or ``skipped``."""
+        if self.skipped:
+            return "skipped"
         return "ok" if self.returncode == 0 else "failed"
 
 

@@ -231,7 +231,7 @@ def plan_parameters(notebooks: list[Path], profile: str, overrides: dict[str, An
                 if len(planned) == 1 or (declared[nb] is not None and n in declared[nb])}
         params = {**params, **mine}
         check_parameters(nb, params, sources)
-        check_values(params, sources, nb)
+        check_values(params, sources, nb, configs.parent)
         out.append((nb, params))
     return out
 

@@ -11,8 +11,10 @@ creation, so no earlier run is overwritten and two runs at once never share a fi
 is claimed, every notebook of the run is planned (``run_params.plan_parameters``): its config
 exists and every config / ``-p`` value matches the notebook's ``parameters`` cell; in a phase run
 a notebook without a config for a non-CPU profile (the CPU-only ``19_compare``) is skipped with a
-logged note, while a single-notebook target without one is an error. The git sha is read once per
-run: it names the files and reaches the kernel as ``NBHELPERS_GIT_SHA`` (the notebook's sidecar
+logged note, while a single-notebook target without one is an error. A phase's compare notebook
+(``19_compare``, ``29_compare``: it reads the others' sidecars) starts after the rest of the phase
+and is skipped, with a logged line naming the fix and no file left behind, when one of them
+failed. The git sha is read once per run: it names the files and reaches the kernel as ``NBHELPERS_GIT_SHA`` (the notebook's sidecar
 records the same one). A failed notebook's sidecar ``error`` is its exception (``ename: evalue``,
 cell index) and the repo-relative path of the partial notebook. Bad input raises
 :class:`~nbhelpers.run.params.UserInputError` (the CLI prints ``error: ...``, exit 2).
@@ -51,7 +53,7 @@ from nbhelpers.run.params import (
     plan_parameters,
     profiles,
 )
-from nbhelpers.run.phases import PHASE_DIRS
+from nbhelpers.run.phases import PHASE_DIRS, is_compare, phase_of
 from nbhelpers.stats import device_tag, git_sha, utc_stamp
 
 __all__ = ["PHASE_DIRS", "Job", "UserInputError", "execute", "load_parameters", "mark_failed",
@@ -168,31 +170,74 @@ def _worker(queue: Queue, gpu: str | None, repo: Path) -> None:
             mark_failed(job, f"runner error: {exc!r}")
 
 
+def skip_job(job: Job, failed: list[Job], repo: Path) -> None:
+    """Leave ``job`` (a phase's compare notebook) unstarted because ``failed`` (notebooks it reads)
+    failed in this run: its claimed, still empty notebook file is removed (no sidecar was
+    written), ``job.skipped`` says why, and a warning line names the fix."""
+    names = ", ".join(j.notebook.stem for j in failed)
+    job.skipped = (f"{job.notebook.stem} not run: {names} failed in this run (partial output "
+                   f"kept: {', '.join(repo_path(j.output, repo) for j in failed)}), so it would "
+                   "compare stale or missing sidecars; fix that notebook, then run python -m "
+                   f"nbhelpers run {repo_path(job.notebook, repo)}")
+    if job.output.is_file() and job.output.stat().st_size == 0:
+        job.output.unlink()
+    log.warning("skipped %s", job.skipped)
+
+
+def _run_batch(jobs: list[Job], gpus: list[str] | None, repo: Path, queue: Queue,
+               workers: list[threading.Thread]) -> None:
+    """Run ``jobs`` through ``queue``: one worker thread per GPU (one without ``gpus``),
+    appended to ``workers`` (so an interrupt can wait for them), until all are done."""
+    for job in jobs:
+        queue.put(job)
+    batch = [threading.Thread(target=_worker, args=(queue, g, repo), daemon=True)
+             for g in (gpus or [None])]
+    workers += batch
+    for w in batch:
+        w.start()
+    for w in batch:
+        while w.is_alive():  # join with a timeout: the main thread stays interruptible
+            w.join(0.5)
+
+
+def _compare_batch(later: list[Job], first: list[Job], repo: Path) -> list[Job]:
+    """The compare jobs to start: each is skipped (:func:`skip_job`) when a notebook of its
+    phase failed in ``first``."""
+    out = []
+    for job in later:
+        failed = [j for j in first if j.status == "failed"
+                  and phase_of(j.notebook) == phase_of(job.notebook)]
+        if failed:
+            skip_job(job, failed, repo)
+        else:
+            out.append(job)
+    return out
+
+
 def run(target: str, *, profile: str = "cpu", gpus: list[str] | None = None,
         overrides: dict[str, Any] | None = None, repo: Path | None = None,
         executed: Path | None = None) -> list[Job]:
     """Execute ``target``'s notebooks (one worker per GPU, each a queue consumer) and rewrite
-    ``executed/INDEX.md``. Returns the jobs with their return codes (0 = ok)."""
+    ``executed/INDEX.md``. A phase's compare notebook (:func:`~nbhelpers.run.phases.is_compare`)
+    starts after the others and is skipped with a logged line naming the fix when one of them
+    failed (the failed notebook's partial output is kept). Returns the jobs with their return
+    codes (0 = ok) and ``skipped`` reasons."""
     repo = repo or REPO
     executed = executed or repo / "executed"
     STOPPING.clear()
     jobs = plan_jobs(target, profile, overrides or {}, gpus, executed, repo)
+    first = [j for j in jobs if not is_compare(j.notebook)]
+    later = [j for j in jobs if is_compare(j.notebook)]
     queue: Queue = Queue()
-    for job in jobs:
-        queue.put(job)
-    workers = [threading.Thread(target=_worker, args=(queue, g, repo), daemon=True)
-               for g in (gpus or [None])]
-    for w in workers:
-        w.start()
+    workers: list[threading.Thread] = []
     try:
-        for w in workers:
-            while w.is_alive():  # join with a timeout: the main thread stays interruptible
-                w.join(0.5)
+        _run_batch(first, gpus, repo, queue, workers)
+        _run_batch(_compare_batch(later, first, repo), gpus, repo, queue, workers)
     except KeyboardInterrupt:
         STOPPING.set()
         while not queue.empty():  # nothing new starts
             queue.get_nowait()
-        stop_jobs(jobs, repo)
+        stop_jobs([j for j in jobs if not j.skipped], repo)
         for w in workers:  # let a worker finish writing what its child left
             w.join(2.0)
         write_index(executed, repo)

@@ -12,7 +12,10 @@ and the dataclass constructed. So ``num_generations`` must be >= 2 in phases 0 a
 holds have their lower bound in :data:`NOTEBOOK_MINIMA`. ``model`` must be a registry name / hub
 id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
 phase, ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
-``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`).
+``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
+``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
+(:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
+checked in the notebook, which knows the model and device).
 """
 
 from __future__ import annotations
@@ -171,9 +174,33 @@ def _check_compile(params: dict[str, Any], where: Where) -> None:
                 raise UserInputError(f"{where(name)}: {exc}") from exc
 
 
-def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path) -> None:
+def _check_reuse_runs(params: dict[str, Any], where: Where, repo: Path) -> None:
+    """Each ``reuse_runs`` ``{backend: path}`` entry names a GRPO backend and a readable phase-2
+    sidecar of it (:func:`nbhelpers.grpo.compare_records.check_reusable`; relative paths from
+    ``repo``, the notebook's working directory), so a bad path fails here, not after setup."""
+    reuse = params.get("reuse_runs")
+    if not isinstance(reuse, dict):
+        return
+    from nbhelpers.grpo.compare_records import check_reusable
+    from nbhelpers.grpo.setup import BACKENDS
+    for backend, path in reuse.items():
+        if backend not in BACKENDS or not isinstance(path, (str, Path)):
+            raise UserInputError(f"{where('reuse_runs')}: reuse_runs={{{backend!r}: {path!r}}}:"
+                                 f" map a backend of {BACKENDS} to the path of its earlier "
+                                 "<run>__<backend>.json sidecar, e.g. -p reuse_runs "
+                                 "'{flex: executed/phase2_grpo/20_grpo_equivalence/"
+                                 "<run>__flex.json}'.")
+        try:
+            check_reusable(backend, path, repo)
+        except ValueError as exc:
+            raise UserInputError(f"{where('reuse_runs')}: {exc}") from exc
+
+
+def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path,
+                 repo: Path | None = None) -> None:
     """All the checks of the module docstring, in order; ``sources`` maps a parameter to where its
-    value came from.
+    value came from; ``repo``: the checkout the notebook runs in (its working directory; default
+    the one three folders above ``notebook``).
 
     Raises:
         UserInputError: the first bad value, naming where it came from and what is accepted.
@@ -187,3 +214,4 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_questions(params, where)
     _check_backends(params, notebook, where)
     _check_compile(params, where)
+    _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])

@@ -144,13 +144,18 @@ def test_a_sidecar_that_cannot_be_reused_says_why(first_call, tmp_path, monkeypa
     assert message in str(err.value)
 
 
-def test_the_runner_takes_reuse_runs_from_the_command_line():
+def test_the_runner_takes_reuse_runs_from_the_command_line(first_call):
     from pathlib import Path
 
-    from nbhelpers.run.params import parse_overrides, plan_parameters
+    from nbhelpers.run.params import UserInputError, parse_overrides, plan_parameters
     repo = Path(__file__).resolve().parents[2]
     nb = repo / "notebooks" / "phase2_grpo" / "20_grpo_equivalence.ipynb"
-    given = parse_overrides([("backends", "[flex]"),
-                             ("reuse_runs", "{hf_generate: executed/x/run__hf_generate.json}")])
+    side = first_call / "run__hf_generate.json"
+    given = parse_overrides([("backends", "[flex]"), ("reuse_runs", f"{{hf_generate: {side}}}")])
     [(_, params)] = plan_parameters([nb], "cpu", given, repo=repo)
-    assert params["reuse_runs"] == {"hf_generate": "executed/x/run__hf_generate.json"}
+    assert params["reuse_runs"] == {"hf_generate": str(side)}
+    # a path that is not there fails here, before the notebook starts (tests/unit/
+    # test_bad_input_runs.py has the other cases)
+    gone = parse_overrides([("reuse_runs", "{hf_generate: executed/x/run__hf_generate.json}")])
+    with pytest.raises(UserInputError, match=r"-p reuse_runs .*no such file"):
+        plan_parameters([nb], "cpu", gone, repo=repo)

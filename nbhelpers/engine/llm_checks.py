@@ -1,0 +1,162 @@
+"""The argument checks of :class:`nbhelpers.engine.llm.LLM`: each refuses bad input before any
+engine state is built, with a message that names the fix.
+
+Contract: :func:`normalize_prompts` reads ``generate``'s prompts; the others check constructor
+arguments (:func:`check_options` names, :func:`check_limits` scheduler limits,
+:func:`check_cuda_graphs`, :func:`check_flag` booleans, :func:`eos_ids` the stop ids,
+:func:`fit_max_model_len` the context length against the model's). Pure functions over plain
+values and the HF config; imports only the engine's own modules and :mod:`nbhelpers.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+from typing import Any
+
+from nbhelpers.config import token_ids
+from nbhelpers.engine.model_runner import BUCKETS, RunnerOptions
+from nbhelpers.engine.runner_options import option_names
+
+LLM_ARGS = ("eos_token_id", "max_num_seqs", "max_prefill_tokens", "share_prefix",
+            "allow_long_max_model_len")
+"""``LLM``'s own keyword arguments (the rest are :class:`RunnerOptions` fields)."""
+
+
+def normalize_prompts(prompts: Any) -> list[list[int]]:
+    """``prompts`` as a list of token-id lists: any iterable of sequences of ints (a generator is
+    read once; 1-D tensors/arrays become lists).
+
+    Raises:
+        TypeError: a string, a flat list of ints, or ids that are not ints (the message says what
+            to pass instead).
+    """
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("LLM.generate takes token ids, not text: pass "
+                        "[tokenizer(text).input_ids, ...].")
+    try:
+        rows = list(prompts)
+    except TypeError as exc:
+        raise TypeError(f"LLM.generate(prompts): a list of token-id lists is expected, got "
+                        f"{type(prompts).__name__}.") from exc
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row, (int, float)) and not isinstance(row, bool):
+            raise TypeError("LLM.generate(prompts) got a flat list of ids: wrap one prompt as "
+                            "[prompt_ids].")
+        if isinstance(row, (str, bytes)):
+            raise TypeError(f"prompt {i} is text: pass tokenizer(text).input_ids.")
+        row = row.tolist() if hasattr(row, "tolist") else list(row)
+        bad = next((t for t in row if isinstance(t, bool)
+                    or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__} "
+                            f"{bad!r}.")
+        out.append([int(t) for t in row])
+    return out
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for an ``LLM(**options)`` name that is no RunnerOptions field (the
+    message names the closest field and lists them all)."""
+    known = option_names()
+    if unknown := sorted(set(options) - known):
+        close = {u: difflib.get_close_matches(u, known | set(LLM_ARGS), n=1) for u in unknown}
+        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
+                        f". Options: {', '.join(LLM_ARGS)} and the RunnerOptions fields "
+                        f"{sorted(known)}.")
+
+
+def check_limits(max_num_seqs: Any, max_prefill_tokens: Any) -> None:
+    """Raise ``ValueError`` unless ``max_num_seqs`` is an int in ``[1, BUCKETS[-1]]`` (sequences
+    decoding at once; the largest decode batch bucket is 512) and ``max_prefill_tokens`` an
+    int >= 1 (tokens per prefill step; a longer prompt still prefills alone)."""
+    for name, value, high, what in (
+            ("max_num_seqs", max_num_seqs, BUCKETS[-1],
+             f"sequences decoding at once; {BUCKETS[-1]} is the largest decode batch"),
+            ("max_prefill_tokens", max_prefill_tokens, None, "prompt tokens per prefill step")):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        if not ok or (high is not None and value > high):
+            span = f"in [1, {high}]" if high is not None else ">= 1"
+            raise ValueError(f"LLM({name}={value!r}): pass an int {span} ({what}).")
+
+
+def check_flag(name: str, value: Any, meaning: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a ``bool`` (a string such as ``'no'`` is truthy,
+    so it would silently mean True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"LLM({name}={value!r}): pass True or False ({meaning}); got "
+                        f"{type(value).__name__}, and any non-empty string counts as True.")
+
+
+def check_cuda_graphs(model: Any, use_cuda_graphs: Any) -> None:
+    """Raise ``ValueError`` for ``use_cuda_graphs=True`` when ``model``'s parameters are not on a
+    CUDA device (graphs cannot be captured there; ``None`` already means on iff CUDA)."""
+    if use_cuda_graphs is not True:
+        return
+    param = next(iter(model.parameters()), None)
+    if param is None or not param.is_cuda:
+        where = "no parameters" if param is None else f"parameters on {param.device}"
+        raise ValueError(f"LLM(use_cuda_graphs=True): CUDA graphs need the model on a CUDA "
+                         f"device, this one has {where}: leave use_cuda_graphs=None (on iff "
+                         "CUDA) or pass use_cuda_graphs=False on the CPU, or move the model to "
+                         "CUDA first (model.to('cuda')).")
+
+
+def eos_ids(config: Any, eos_token_id: Any) -> frozenset[int]:
+    """The ids that end a sequence: ``eos_token_id`` (an int or a sequence of ints), else
+    ``config.eos_token_id`` (``None``: none).
+
+    Raises:
+        nbhelpers.token_ids.TokenIdsError: (a ``TypeError``) text, floats or a mapping, naming
+            the fix.
+    """
+    if eos_token_id is None:
+        return frozenset(token_ids("model.config.eos_token_id",
+                                   getattr(config, "eos_token_id", None), allow_single=True))
+    return frozenset(token_ids("LLM: eos_token_id", eos_token_id, allow_single=True))
+
+
+def model_context_len(config: Any) -> int | None:
+    """The model's context in tokens: ``max_position_embeddings`` of its (text) config, or
+    ``None`` when the config has none (then nothing is checked)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    return None
+
+
+DEFAULT_MAX_MODEL_LEN = next(f.default for f in dataclasses.fields(RunnerOptions)
+                             if f.name == "max_model_len")
+
+
+def fit_max_model_len(config: Any, options: dict[str, Any], allow_long: Any) -> dict[str, Any]:
+    """``options`` with ``max_model_len`` fitted to the model's context (vLLM's rule,
+    ``_get_and_verify_max_len`` in vllm/config: the default is the smaller of the engine's
+    default, 2048, and the model's context; a larger value given on purpose is refused unless
+    overridden, as ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` does there).
+
+    Raises:
+        TypeError: ``allow_long`` (``allow_long_max_model_len``) not a bool.
+        ValueError: an explicit ``max_model_len`` above ``config.max_position_embeddings``
+            without ``allow_long_max_model_len=True``; names both numbers and the fix.
+    """
+    check_flag("allow_long_max_model_len", allow_long,
+               "True lets max_model_len exceed config.max_position_embeddings")
+    context = model_context_len(config)
+    if context is None:
+        return options
+    if "max_model_len" not in options:
+        return {**options, "max_model_len": min(DEFAULT_MAX_MODEL_LEN, context)}
+    value = options["max_model_len"]
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if is_int and value > context and not allow_long:  # a non-int: RunnerOptions names the fix
+        raise ValueError(f"LLM(max_model_len={value}): the model's context is {context} tokens "
+                         f"(config.max_position_embeddings={context}); positions past it were "
+                         f"never trained. Lower max_model_len to <= {context} (prompt + "
+                         "max_new_tokens), or pass allow_long_max_model_len=True to use "
+                         f"{value} anyway (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).")
+    return options

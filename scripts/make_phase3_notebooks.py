@@ -196,60 +196,63 @@ NB33 = {
 
 **Question:** how fast is the flex engine on workload W (Qwen3-4B shape, LoRA r=32, 32 prompts,
 512 new tokens, GRPO sampling) beside vLLM / Unsloth / transformers, how does it scale with the
-batch, and where does a decode step's time go?
+batch, what do fp32 adapters (TRL's default) cost against bf16 ones, how do engine variants
+(old vs new kernels) compare, and where does a decode step's time go?
 
 **Result:** computed from this run in the last cell.
 
 Runs the batch sweep here (random weights; speed does not depend on values) with the same
-functions as `scripts/bench_flex.py`; every figure shows only this run's points (held to its
-`run_id`), the phase 1 H200 engines (`docs/reference_measurements/gold_*.json`) as labelled
-reference points, earlier flex sidecars of `executed/phase3_flex/bench` only as a labelled table.
-Breakdown: `prefill_s`, the decode step (`decode_step_ms`: graph replays + one readback per window),
-one graph replay alone (`replay_ms`), % of the bandwidth floor, and a kernel profile of one eager
-step by class.""",
+`run_flex_point` as `scripts/bench_flex.py`, each (variant, LoRA mode) configuration in its own
+process (`nbhelpers/bench/flex_configs.py`: no compile cache, CUDA graph pool or allocator state
+carried from one configuration into the next). Every figure and table shows only this run's
+points (held to its `run_id`), the phase 1 H200 engines (`docs/reference_measurements/gold_*.json`)
+as labelled reference points, earlier flex sidecars of `executed/phase3_flex/bench` only as a
+labelled table. Breakdown: `prefill_s`, the decode step (`decode_step_ms`: graph replays + one
+readback per window), one graph replay alone (`replay_ms`), % of the bandwidth floor, and with
+`profile` a kernel profile of one eager step by class and kernels per step for every point.""",
     "params": """shape: str = "tiny"  # tiny (CPU smoke) | qwen3-4b (H200)
 device: str = "cpu"  # cpu | cuda
-batches: list = [2, 4]  # batch sweep (H200: 8, 32, 64, 128, 256)
+batches: list = [2, 4]  # batch sweep (H200: 4, 8, 32, 64, 128, 256)
 prompt_tokens: int = 16  # prompt length (W: 150)
 max_new_tokens: int = 8  # new tokens (W: 512)
 rounds: int = 1  # timed rounds (W: 3)
 lora_rank: int = 32  # LoRA r (alpha is 2r), on all 7 projections
-lora_modes: list = [True]  # sweep with LoRA (True) and/or without (False); H200: both
-profile: bool = False  # kernel-class profile of one decode step (CUDA only)
-engine_options: dict = {}  # flex RunnerOptions, e.g. {"decode_attention": "triton"}
+lora_modes: list = ["bf16"]  # none | bf16 (model dtype) | fp32 (PEFT upcast); true: bf16
+variants: list = []  # A/B: [{name, options}] over engine_options; empty: 'default'
+profile: bool = False  # every point: kernel classes, kernels/step (CUDA), aten ops
+engine_options: dict = {}  # RunnerOptions of every variant, e.g. {"lora_expand": "addmm"}
 gold_dir: str = "docs/reference_measurements"  # phase-1 H200 reference runs (absent: none)
 bench_dir: str = "executed/phase3_flex/bench"  # earlier flex sidecars (a labelled table only)
 min_tok_per_s: float = 1.0  # claim: every point ran and produced tokens
 sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner sets it)""",
     "cells": [
-        ("Derived values: the model (random weights) with its LoRA, and this run's id.",
+        (("Derived values: the configurations (bad LoRA modes, variants or options fail here, "
+          "before any point runs), the workload every process measures, and this run's id."),
          """import glob
+from nbhelpers.bench import flex_configs as fc
 from nbhelpers.stats import read_sidecars, utc_stamp
-base_shape = eb.QWEN3_4B_SHAPE if shape == "qwen3-4b" else eb.TINY_QWEN3_SHAPE
-dtype = "bfloat16" if device == "cuda" else "float32"
-hf = eb.random_qwen3(base_shape, dtype=dtype, device=device)
+configs = fc.plan_configs(lora_modes, variants, engine_options)
+settings = fc.sweep_settings(shape=shape, device=device, batches=batches,
+                             prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                             rounds=rounds, lora_rank=lora_rank, profile=profile)
 lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
-info = {"name": shape, "architecture": "Qwen3ForCausalLM", "weights": "random",
-        "n_params": sum(p.numel() for p in hf.parameters())}  # base model, LoRA not counted
 run_id = utc_stamp()  # every sidecar of this run carries it; figures refuse any other
-info, run_id"""),
-        (("## Batch sweep\nWithout LoRA first, then the same model with the LoRA attached (PEFT "
-          "injects it in place; the engine reads its tensors live). Each point records its "
-          "bandwidth floor (bytes per step / read bandwidth measured in this process)."),
-         """sides = []
-for with_lora in sorted(set(lora_modes)):  # False before True: attaching LoRA is in place
-    if with_lora:
-        hf = eb.attach_lora(hf, lora)
-    for b in batches:
-        res = eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens, rounds=rounds,
-                                profile=profile and device == "cuda" and b == batches[-1],
-                                **engine_options)
-        sides.append(eb.flex_sidecar(f"nb33_b{b}{'_lora' if with_lora else ''}", info,
-                                     lora if with_lora else None, b, prompt_tokens,
-                                     max_new_tokens, res, extra={"engine_options": engine_options},
-                                     run_id=run_id))
+display(pd.DataFrame([{"variant": c.variant, "lora_mode": c.lora_mode, "options": c.options}
+                      for c in configs]))
+run_id"""),
+        (("## Batch sweep\nOne child process per (variant, LoRA mode): it builds the random "
+          "model, attaches the LoRA of its mode (`bf16`: the model's dtype; `fp32`: PEFT's "
+          "upcast, `adapter_dtype` records what PEFT holds) and measures every batch. Each point "
+          "records its bandwidth floor (bytes per step / read bandwidth measured in its process)."),
+         """sides = fc.run_configs(configs, settings, run_id)
 sweep = eb.flex_frame(sides, run_id=run_id)
 sweep"""),
+        (("## Variants side by side\nEach (LoRA mode, batch) with every variant's tok/s, ms per "
+          "step, % of floor, kernel classes (ms per step) and kernels per step (CUDA profile; "
+          "aten ops per step on any device), and tok/s over the first variant's."),
+         """ab = eb.ab_frame(sweep, run_id)
+display(ab)
+eb.ab_figure(sweep, run_id)"""),
         (("## This run beside phase 1\nThe figure: this run's points and the phase 1 H200 engines "
           "(labelled with their file and date). Earlier flex runs, if any, only as a table with "
           "their source file and date."),
@@ -262,17 +265,19 @@ if earlier is not None:
 eb.sweep_figure(sweep, run_id, reference if shape == "qwen3-4b" else None)"""),
         (("## % of the bandwidth floor\nEach point's bytes per decode step (weights + LoRA + KV at "
           "the mean context) over its measured step time, as a share of the read bandwidth "
-          "measured in this process: 100 % streams every byte once at that rate."),
-         """display(sweep[["tag", "batch", "lora", "decode_step_ms", "floor_ms", "pct_of_floor"]])
+          "measured in its process: 100 % streams every byte once at that rate."),
+         """display(sweep[["tag", "variant", "lora_mode", "batch", "decode_step_ms", "floor_ms",
+               "pct_of_floor"]])
 eb.pct_figure(sweep, run_id)"""),
-        (("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) of this "
-          "run's last point against its measured graph step; no profile in this run: said so."),
-         """profiled = [s for s in sides if (s.get("breakdown") or {}).get("profile")]
-eb.breakdown_figure(profiled[-1], run_id) if profiled else Markdown("No kernel profile in this run "
-                                                                    "(profile=False or CPU).")"""),
+        (("## Where a decode step goes\nKernel classes of one eager step (CUDA profile) of every "
+          "point of this run against its measured graph step, kernels per step on each bar; no "
+          "profile in this run: said so."),
+         """(eb.kernels_figure(sweep, run_id) if sweep["gemm_ms"].notna().any() else
+ Markdown("No kernel profile in this run (profile=False or CPU); with profile=True the aten "
+          "ops per step are in the table above."))"""),
         (("## Try other choices (JupyterLab)\nPick batch sizes and decode kernels, then Run: the "
-          "same `eb.run_flex_point` as the sweep, on the model as it is now (with LoRA if the "
-          "sweep attached it). Under papermill the panel is only shown."),
+          "same per-configuration processes as the sweep, for this notebook's LoRA modes. Under "
+          "papermill the panel is only shown."),
          """from nbhelpers.widgets import run_controls
 
 KERNELS = {"auto (Triton on CUDA)": {}, "flex + addmm": {"decode_attention": "flex",
@@ -281,37 +286,43 @@ KERNELS = {"auto (Triton on CUDA)": {}, "flex + addmm": {"decode_attention": "fl
 
 def rerun(batches, kernels):
     \"\"\"The sweep again for the picked batches and decode kernels; a frame like `sweep`.\"\"\"
-    opts = {**engine_options, **KERNELS[kernels]}
-    got = [eb.flex_sidecar(f"ui_b{b}", info, None, b, prompt_tokens, max_new_tokens,
-                           eb.run_flex_point(hf, b, prompt_tokens, max_new_tokens,
-                                             rounds=rounds, **opts), run_id=run_id)
-           for b in batches]
+    picked = fc.plan_configs(lora_modes, [{"name": "ui", "options": KERNELS[kernels]}],
+                             engine_options)
+    got = fc.run_configs(picked, {**settings, "batches": list(batches)}, run_id)
     return eb.flex_frame(got, run_id=run_id)
 
 
 run_controls(rerun, batches=([1, 2, 4, 8, 16, 32, 64, 128, 256], batches),
              kernels=(list(KERNELS), "auto (Triton on CUDA)"))"""),
     ],
-    "sidecar": """side = make_sidecar(phase="phase3_flex", backend="flex", model=info,
+    "sidecar": """side = make_sidecar(phase="phase3_flex", backend="flex", model=sides[0]["model"],
                     lora={"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)},
                     workload={"batches": batches, "prompt_tokens_mean": prompt_tokens,
                               "max_new_tokens": max_new_tokens, "ignore_eos": True,
                               "sampling": "grpo"},
                     rounds=sides[-1]["rounds"], run_id=run_id,
                     extra={"notebook": "33_flex_vs_baselines", "engine_options": engine_options,
-                           "sweep": sweep.to_dict(orient="records")})
+                           "configs": [dict(c.__dict__) for c in configs],
+                           "sweep": sweep.to_dict(orient="records"),
+                           "ab_table": ab.to_dict(orient="records"), "points": sides})
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
+keys = ["variant", "lora_mode", "batch"]
 assert (sweep["error"] == "").all(), sweep
 assert (sweep["decode_tok_per_s"] >= min_tok_per_s).all(), sweep
 assert sweep["pct_of_floor"].notna().all() and set(sweep["run_id"]) == {run_id}, sweep
-rows = [f"{'LoRA r' + str(lora_rank) if r['lora'] else 'no LoRA'} batch {r['batch']}: "
+assert len(sweep.drop_duplicates(keys)) == len(sweep) == len(configs) * len(batches), sweep[keys]
+assert (sweep.groupby(keys[:2])["config_pid"].nunique() == 1).all(), "a configuration split"
+assert sweep["config_pid"].nunique() == len(configs), "configurations shared a process"
+assert not profile or sweep["aten_ops_per_step"].notna().all(), "a point was not profiled"
+assert not (profile and device == "cuda") or sweep["kernels_per_step"].notna().all(), sweep
+rows = [f"{r['variant']} {eb.mode_label(r['lora_mode'])} batch {r['batch']}: "
         f"{r['decode_tok_per_s']:.0f} tok/s (step {r['decode_step_ms']:.2f} ms, "
         f"{r['pct_of_floor']:.1f} % of floor, peak {r['peak_gib']:.2f} GiB)"
         for _, r in sweep.iterrows()]
 display(Markdown(f"**Result:** on {gpu_name()} ({shape} shape, {prompt_tokens}-token prompts, "
-                 f"{max_new_tokens} new tokens, engine options {engine_options or 'default'}) "
-                 "the flex engine reached: " + "; ".join(rows)))""",
+                 f"{max_new_tokens} new tokens, {len(configs)} configurations in their own "
+                 "processes) the flex engine reached: " + "; ".join(rows)))""",
 }
 
 SPECS = {"30_engine_walkthrough": NB30, "31_parity": NB31, "32_sampling": NB32,

@@ -7,12 +7,16 @@ a *variant* a named dict of :class:`~nbhelpers.engine.runner_options.RunnerOptio
 :func:`run_ab` runs every (point, variant) in a fresh ``python scripts/bench_flex.py --one ...``
 process (no allocator, autotune or graph state carried between them), each writing one schema-v1
 sidecar with ``floor``, ``pct_of_floor`` and the kernel-class breakdown, all under one
-``run_id``; a child that fails leaves a sidecar with ``error``.
+``run_id``; a child that fails leaves a sidecar with ``error``. :func:`lora_mode`,
+:func:`check_variants` and :func:`check_engine_options` are the checks notebook 33 shares
+(:mod:`nbhelpers.bench.flex_configs`): a bad mode, variant or option fails before any child runs.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -20,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 LORA_MODES = ("none", "bf16", "fp32")
+"""No LoRA; LoRA r32 in the model's dtype (``attach_lora(adapter_dtype="model")``); fp32 LoRA."""
+ADAPTER_DTYPE = {"bf16": "model", "fp32": "float32"}
+"""LoRA mode -> :func:`nbhelpers.bench.flex_sweep.attach_lora`'s ``adapter_dtype``."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +56,102 @@ def parse_points(text: str) -> list[Point]:
 
 def parse_variants(text: str) -> list[dict[str, Any]]:
     """``';'``-separated JSON objects ``{"name": ..., "options": {...}}`` (default one variant
-    ``default`` with no options). Raises ``ValueError`` for a part without a unique ``name``."""
+    ``default`` with no options), checked by :func:`check_variants` (before any child runs).
+
+    Raises:
+        ValueError: a part that is no such object, a repeated name or bad options (the
+            message names the fix); ``json.JSONDecodeError`` (a ``ValueError``): not JSON.
+    """
     parts = [json.loads(p) for p in text.split(";") if p.strip()] or [{"name": "default"}]
-    names = [p.get("name") if isinstance(p, dict) else None for p in parts]
-    if None in names or len(set(names)) != len(names):
-        raise ValueError(f"--variants: each ';'-separated part must be a JSON object with a unique "
-                         f"'name' (and optional 'options'), got {parts!r}.")
-    return [{"name": p["name"], "options": dict(p.get("options") or {})} for p in parts]
+    return check_variants(parts, "--variants")
+
+
+def lora_mode(value: Any, where: str = "lora_modes") -> str:
+    """One of :data:`LORA_MODES` from a mode name or the old boolean of notebook 33 (``True``:
+    LoRA in the model's dtype, ``"bf16"``; ``False``: ``"none"``).
+
+    Raises:
+        ValueError: anything else (the message lists the allowed values).
+    """
+    if isinstance(value, bool):
+        return "bf16" if value else "none"
+    if isinstance(value, str) and value in LORA_MODES:
+        return value
+    raise ValueError(f"{where}: {value!r} is no LoRA mode; use one of {list(LORA_MODES)} "
+                     "('bf16': the adapter in the model's dtype, bf16 on the GPU; 'fp32': PEFT's "
+                     "default fp32 upcast, as TRL trains) or true / false for bf16 / none.")
+
+
+def attach_mode(model: Any, lora: Any, mode: str) -> Any:
+    """``model`` with a PEFT LoRA ``lora`` attached per ``mode`` (:data:`LORA_MODES`; ``"none"``:
+    ``model`` unchanged), through :func:`nbhelpers.bench.flex_sweep.attach_lora`."""
+    from nbhelpers.bench import flex_sweep as eb
+    if lora_mode(mode, "attach_mode") == "none":
+        return model
+    return eb.attach_lora(model, lora, adapter_dtype=ADAPTER_DTYPE[mode])
+
+
+RESERVED_OPTIONS = ("max_model_len", "sync_every", "num_pages", "max_num_seqs")
+"""Set per point by :func:`nbhelpers.bench.flex_sweep.run_flex_point` (from the batch and the
+workload); a variant cannot override them."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_engine_options(options: Any, where: str) -> dict[str, Any]:
+    """``options`` as a dict once it is a valid set of RunnerOptions overrides (field names and
+    values, :class:`nbhelpers.engine.runner_options.RunnerOptions`' own checks).
+
+    Raises:
+        TypeError: not a dict. ValueError: a reserved or unknown field, or a bad value (the
+            message names the fix).
+    """
+    from nbhelpers.engine.runner_options import RunnerOptions, option_names
+    if not isinstance(options, dict):
+        raise TypeError(f"{where}: options must be a dict of RunnerOptions fields, e.g. "
+                        f"{{'decode_attention': 'flex'}}, got {options!r}.")
+    if reserved := sorted(set(options) & set(RESERVED_OPTIONS)):
+        raise ValueError(f"{where}: {reserved} are set per point by the sweep (batch and "
+                         "workload); drop them from the options.")
+    if unknown := sorted(set(options) - option_names()):
+        close = {u: difflib.get_close_matches(u, option_names(), n=1) for u in unknown}
+        hint = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        raise ValueError(f"{where}: unknown RunnerOptions field(s) {unknown}{hint}; the fields: "
+                         f"{sorted(option_names() - set(RESERVED_OPTIONS))}.")
+    try:
+        RunnerOptions(**options)
+    except (TypeError, ValueError, ImportError) as err:
+        raise ValueError(f"{where}: {err}") from err
+    return dict(options)
+
+
+def check_variants(parts: Any, where: str = "variants",
+                   base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``[{"name", "options"}]`` checked before anything runs: each part a dict with a unique
+    ``name`` (letters, digits, ``_.-``: it names files) and optional ``options`` (RunnerOptions
+    overrides, :func:`check_engine_options`), laid over ``base`` (notebook 33's
+    ``engine_options``).
+
+    Raises:
+        ValueError: not a non-empty list of such dicts, a repeated name or bad options.
+    """
+    example = '[{"name": "default", "options": {}}, {"name": "previous", "options": {...}}]'
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise ValueError(f"{where}: give a non-empty list like {example}, got {parts!r}.")
+    out = []
+    for i, part in enumerate(parts):
+        name = part.get("name") if isinstance(part, dict) else None
+        if (not isinstance(name, str) or not _NAME.fullmatch(name)
+                or set(part) - {"name", "options"}
+                or not isinstance(part.get("options") or {}, dict)):
+            raise ValueError(f"{where}[{i}] = {part!r}: each variant is a dict with a 'name' "
+                             f"(letters, digits, _ . -) and optional 'options', e.g. {example}.")
+        opts = check_engine_options({**(base or {}), **(part.get("options") or {})},
+                                    f"{where}[{i}] ({name!r})")
+        out.append({"name": name, "options": opts})
+    names = [v["name"] for v in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: variant names must be unique, got {names}.")
+    return out
 
 
 def random_model(shape: str, device: str) -> Any:
@@ -96,8 +192,7 @@ def run_config(point: Point, variant: dict[str, Any], settings: dict[str, Any], 
             "n_params": sum(p.numel() for p in model.parameters())}
     if point.lora != "none":
         lora = LoraSpec(rank=32, alpha=64)
-        model = eb.attach_lora(model, lora, adapter_dtype="float32" if point.lora == "fp32"
-                               else "model")
+        model = attach_mode(model, lora, point.lora)
     res = eb.run_flex_point(model, point.batch, settings["prompt_tokens"],
                             settings["max_new_tokens"], rounds=settings["rounds"],
                             sync_every=settings["sync_every"], profile=True,

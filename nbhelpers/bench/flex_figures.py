@@ -4,7 +4,9 @@ Contract (issue 12, "the executed notebooks show their own run"): every figure t
 ``run_id`` and raises ``ValueError`` when handed a row of another run; other runs are shown only as
 tables with their source file and date (:func:`earlier_frame`), and the phase-1 engines only as
 reference points labelled with their file (:func:`reference_frame`'s ``source``). Re-exported by
-:mod:`nbhelpers.bench.flex_sweep`. Tests: ``tests/unit/test_floor.py``.
+:mod:`nbhelpers.bench.flex_sweep`. Rows carry each point's variant, LoRA mode and adapter
+dtype (notebook 33's A/B: :mod:`nbhelpers.bench.flex_ab_figures`). Tests:
+``tests/unit/test_floor.py``, ``tests/unit/test_flex_ab_figures.py``.
 """
 
 from __future__ import annotations
@@ -24,21 +26,35 @@ def own_sidecars(sidecars: list[dict[str, Any]], run_id: str) -> list[dict[str, 
 
 
 def flex_frame(sidecars: list[dict[str, Any]], run_id: str | None = None) -> Any:
-    """Tidy rows of flex sidecars: tag, batch, lora, tok/s, step/replay/prefill ms, peak GiB,
-    % of floor, floor ms, kernel-class ms and kernels per step (when profiled), run_id, source.
-    With ``run_id``: only that run's sidecars are accepted (:func:`own_sidecars`)."""
+    """Tidy rows of flex sidecars: tag, variant, lora_mode, adapter_dtype, batch, lora, tok/s,
+    step/replay/prefill ms, peak GiB, % of floor, floor ms, kernel-class ms and kernels per step
+    (CUDA profile), aten ops per step (``profile=True``, any device), config_pid, run_id, source;
+    sorted by variant and LoRA mode (each in the order they first appear) and batch. With ``run_id``: only that run's sidecars are
+    accepted (:func:`own_sidecars`)."""
     import pandas as pd
     if run_id is not None:
         own_sidecars(sidecars, run_id)
-    rows = [_row(s) for s in sidecars]
-    return pd.DataFrame(rows).sort_values(["lora", "batch", "utc"]).reset_index(drop=True)
+    frame = pd.DataFrame([_row(s) for s in sidecars])
+    keys = {c: frame[c].map({v: i for i, v in enumerate(dict.fromkeys(frame[c]))})
+            for c in ("variant", "lora_mode")}  # first appearance: the run's own order
+    return (frame.assign(_v=keys["variant"], _m=keys["lora_mode"])
+            .sort_values(["_v", "_m", "batch", "utc"], kind="stable")
+            .drop(columns=["_v", "_m"]).reset_index(drop=True))
+
+
+def lora_mode_of(s: dict[str, Any]) -> str:
+    """A sidecar's LoRA mode: ``lora_mode`` (notebook 33), ``point.lora`` (``bench_flex.py
+    --points``), else ``"none"`` without a LoRA block and ``"lora"`` (dtype unrecorded) with."""
+    return (s.get("lora_mode") or (s.get("point") or {}).get("lora")
+            or ("none" if s.get("lora") is None else "lora"))
 
 
 def _row(s: dict[str, Any]) -> dict[str, Any]:
     b, fl = s.get("breakdown") or {}, s.get("floor") or {}
     kb = b.get("kernel_breakdown") or {}
-    return {"tag": s.get("tag"), "batch": s["workload"]["n_prompts"],
-            "lora": s.get("lora") is not None,
+    return {"tag": s.get("tag"), "variant": (s.get("variant") or {}).get("name") or "default",
+            "lora_mode": lora_mode_of(s), "adapter_dtype": s.get("adapter_dtype"),
+            "batch": s["workload"]["n_prompts"], "lora": s.get("lora") is not None,
             "decode_tok_per_s": s.get("decode_tok_per_s_median"),
             "decode_step_ms": b.get("decode_step_ms"), "replay_ms": b.get("replay_ms"),
             "prefill_s": b.get("prefill_s"), "host_s": b.get("host_s"),
@@ -46,8 +62,10 @@ def _row(s: dict[str, Any]) -> dict[str, Any]:
             "floor_ms": fl.get("floor_ms_per_step"),
             **{k: kb.get(k) for k in ("gemm_ms", "attention_ms", "elementwise_ms",
                                       "sampling_ms", "kernels_per_step")},
-            "error": s.get("error") or "", "utc": (s.get("env") or {}).get("utc"),
-            "run_id": s.get("run_id"), "source": Path(s.get("_path") or "this run").name}
+            "aten_ops_per_step": (b.get("aten_ops") or {}).get("ops_per_step"),
+            "error": s.get("error") or "", "config_pid": s.get("config_pid"),
+            "utc": (s.get("env") or {}).get("utc"), "run_id": s.get("run_id"),
+            "source": Path(s.get("_path") or "this run").name}
 
 
 def earlier_frame(sidecars: list[dict[str, Any]], run_id: str) -> Any:
@@ -84,17 +102,46 @@ def _check_frame(flex: Any, run_id: str) -> None:
                          "from this run's sidecars only (flex_frame(sides, run_id)).")
 
 
+MODE_COLOURS = {"none": "tab:grey", "bf16": "tab:blue", "fp32": "tab:red", "lora": "tab:purple"}
+"""One colour per LoRA mode in every flex figure; line style per variant (:func:`_style`)."""
+STYLES = ("-", "--", ":", "-.")
+
+
+def mode_label(mode: str) -> str:
+    """``"no LoRA"`` / ``"LoRA bf16"`` / ``"LoRA fp32"`` (``bf16``: the model's dtype)."""
+    return "no LoRA" if mode == "none" else ("LoRA" if mode == "lora" else f"LoRA {mode}")
+
+
+def _lines(flex: Any) -> Any:
+    """``((variant, lora_mode), rows)`` in the frame's order."""
+    return flex.groupby(["variant", "lora_mode"], sort=False)
+
+
+def _style(flex: Any, variant: str, mode: str) -> dict[str, Any]:
+    variants = list(dict.fromkeys(flex["variant"]))
+    return {"marker": "o", "color": MODE_COLOURS.get(mode),
+            "linestyle": STYLES[variants.index(variant) % len(STYLES)]}
+
+
+def batch_ticks(ax: Any, batches: Any) -> None:
+    """Log-scale batch axis labelled with the measured batches themselves."""
+    ticks = sorted({int(b) for b in batches})
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.minorticks_off()
+
+
 def sweep_figure(flex: Any, run_id: str, reference: Any | None = None) -> Any:
-    """Decode tok/s against batch (LoRA and no LoRA) of run ``run_id`` only; phase-1 engines as
+    """Decode tok/s against batch, one line per (variant, LoRA mode), of run ``run_id`` only; phase-1 engines as
     points labelled with their source file. Raises ``ValueError`` for rows of another run or
     reference rows without a ``source``."""
     import matplotlib.pyplot as plt
     _check_frame(flex, run_id)
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
-    for lora, part in flex.groupby("lora"):
+    for (variant, mode), part in _lines(flex):
         part = part.groupby("batch", as_index=False)["decode_tok_per_s"].last()
-        ax.plot(part["batch"], part["decode_tok_per_s"], "o-",
-                label=f"flex {'LoRA' if lora else 'no LoRA'} (run {run_id})")
+        ax.plot(part["batch"], part["decode_tok_per_s"], **_style(flex, variant, mode),
+                label=f"flex {variant} {mode_label(mode)} (run {run_id})")
     if reference is not None and len(reference):
         if "source" not in reference or not reference["source"].astype(bool).all():
             raise ValueError("reference rows need a 'source' (file and date): use "
@@ -102,7 +149,8 @@ def sweep_figure(flex: Any, run_id: str, reference: Any | None = None) -> Any:
         for _, r in reference[reference["error"] == ""].iterrows():
             ax.scatter(r["batch"], r["decode_tok_per_s"], marker="x" if r["lora"] else "+",
                        label=f"{r['engine']} {'LoRA ' if r['lora'] else ''}({r['source']})")
-    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="decode tok/s",
+    batch_ticks(ax, flex["batch"])
+    ax.set(xlabel="batch (sequences)", ylabel="decode tok/s",
            title="flex engine batch sweep (random weights)")
     ax.legend(fontsize=6)
     plt.close(fig)  # the notebook shows the returned figure once
@@ -110,14 +158,18 @@ def sweep_figure(flex: Any, run_id: str, reference: Any | None = None) -> Any:
 
 
 def pct_figure(flex: Any, run_id: str) -> Any:
-    """% of the bandwidth floor per point (LoRA / no LoRA against batch) of run ``run_id``."""
+    """% of the bandwidth floor against batch, one line per (variant, LoRA mode), of run
+    ``run_id``."""
     import matplotlib.pyplot as plt
     _check_frame(flex, run_id)
     fig, ax = plt.subplots(figsize=(7, 3.5), constrained_layout=True)
-    for lora, part in flex.dropna(subset=["pct_of_floor"]).groupby("lora"):
-        ax.plot(part["batch"], part["pct_of_floor"], "o-", label="LoRA" if lora else "no LoRA")
+    for (variant, mode), part in _lines(flex.dropna(subset=["pct_of_floor"])):
+        part = part.groupby("batch", as_index=False)["pct_of_floor"].last()
+        ax.plot(part["batch"], part["pct_of_floor"], **_style(flex, variant, mode),
+                label=f"{variant} {mode_label(mode)}")
     ax.axhline(100, color="grey", lw=0.8)
-    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="% of read-bandwidth floor",
+    batch_ticks(ax, flex["batch"])
+    ax.set(xlabel="batch (sequences)", ylabel="% of read-bandwidth floor",
            title=f"decode step vs its bytes / measured bandwidth (run {run_id})")
     ax.legend(fontsize=7)
     plt.close(fig)

@@ -15,10 +15,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nbhelpers.bench.flex_ab_figures import (  # noqa: F401 (re-exported: the notebooks' names)
+    ab_figure,
+    ab_frame,
+    kernels_figure,
+)
 from nbhelpers.bench.flex_figures import (  # noqa: F401 (re-exported: the notebooks' names)
     breakdown_figure,
     earlier_frame,
     flex_frame,
+    mode_label,
     own_sidecars,
     pct_figure,
     reference_frame,

@@ -146,5 +146,10 @@ def test_flex_figures_take_this_runs_id_and_no_earlier_run(path):
         assert "earlier" not in args, f"{path.name}: eb.{name} is handed earlier runs: {args}"
     assert "prof_sides" not in code and "fall back" not in code, f"{path.name}: older profile"
     if path.stem == "33_flex_vs_baselines":
-        assert {n for n, _ in calls} >= {"sweep_figure", "pct_figure", "breakdown_figure"}
+        assert {n for n, _ in calls} >= {"sweep_figure", "pct_figure", "ab_figure",
+                                         "kernels_figure"}
         assert "run_id=run_id" in code and "eb.flex_frame(sides, run_id=run_id)" in code
+        assert "eb.ab_frame(sweep, run_id)" in code  # the A/B table, held to the run too
+        # issue 12: bad lora_modes / variants fail before any point runs, every point profiled
+        assert code.index("fc.plan_configs(") < code.index("fc.run_configs(")
+        assert "batches[-1]" not in code, f"{path.name}: a profile of the last batch only"

@@ -178,4 +178,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N34, {"batch_sizes": "[8, 64]", "rounds": "1", "probe_kernels_s": "0"}, 170, 260, 0)]),
     "s634b": ([], ["tok", "gsm8k"], [
         (N34, {"batch_sizes": "[8]", "rounds": "1", "probe_kernels_s": "0"}, 100, 120, 0)]),
+    # next session (docs/h200_runbook.md section 10): 33 in two calls, one process per
+    # (variant, adapter mode) inside each, variants "default" and "previous" (the config's);
+    # estimates from helper-23's model (configs/33_flex_vs_baselines.h200*.yaml comments).
+    "n33a": (["notebooks"], ["tok"], [
+        (N33, {}, 510, 585, 0)]),
+    "n33b": (["notebooks"], ["tok"], [
+        (N33, {"lora_modes": "[fp32]"}, 310, 420, 0)]),
 }

@@ -115,25 +115,31 @@ def triton_silu_mul(gate: Any, up: Any, lora: Any = None) -> Any:
 
 
 def triton_qk_rope_cache(q: Any, k: Any, v: Any, wq: Any, wk: Any, eps: float, cos: Any,
-                         sin: Any, kv: tuple[Any, Any, Any], heads: tuple[int, int, int]) -> Any:
+                         sin: Any, kv: tuple[Any, Any, Any], heads: tuple[int, int, int],
+                         lora: Any = None) -> Any:
     """q/k RMSNorm (skipped when ``wq`` is ``None``) + RoPE + KV write; returns q ``[1, H, T, D]``.
 
     Args: ``q, k, v`` the q/k/v projections ``[1, T, *]``; ``cos/sin [1, T, D]``; ``kv =
     (k_cache, v_cache, slot_mapping)`` with caches ``[1, H_kv, S, D]`` and ``slot_mapping [T]``;
     ``heads = (H, H_kv, D)``. Writes ``k_cache[0, :, slot_mapping]`` and ``v_cache[...]`` as
     ``layers.EngineModel._attention``'s ``index_copy_`` did (``kernels/qk_rope_cache.py``).
+    ``lora``: the q/k/v group's pending LoRA B (three parts, as :func:`triton_add_rms_norm`'s).
     """
+    from nbhelpers.engine.kernels import fused_norm as fn
     from nbhelpers.engine.kernels import qk_rope_cache as qrc
     kc, vc, slots = kv
     h, hkv, d = heads
     t = q.shape[1]
-    if not qrc.supported(q, cos, kc, d) or (wq is not None and wq.dtype != q.dtype):
+    ok = qrc.supported(q, cos, kc, d) and not (wq is not None and wq.dtype != q.dtype)
+    lora = _take_lora(lora, ok and lora is not None and fn.lora_supported(lora, 3, q, k, v))
+    if not ok:
         qr, kr = qk_norm_rope(q.view(1, t, h, d), k.view(1, t, hkv, d), wq, wk, eps, cos, sin)
         kc[0].index_copy_(1, slots, kr[0])
         vc[0].index_copy_(1, slots, v.view(1, t, hkv, d).transpose(1, 2)[0])
         return qr
     out = qrc.qk_norm_rope_cache(q, k, v, h, hkv, d, cos, sin, kc, vc, slots,
-                                 qk_norm=None if wq is None else (wq, wk, eps, "llama"))
+                                 qk_norm=None if wq is None else (wq, wk, eps, "llama"),
+                                 lora=lora)
     return out.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D] (a view)
 
 

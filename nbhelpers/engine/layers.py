@@ -210,18 +210,20 @@ class EngineModel:
                    attn: AttnBatch, kv: Any) -> tuple[Any, Any]:
         """``(o_proj output [1, T, hidden], its pending LoRA B or None)`` (:meth:`_project`)."""
         t = h.shape[1]
-        q, k, v = self.qkv[i](h)
+        fx = self.fx_decode if attn.is_decode else self.fx_eager
+        (q, k, v), lora = self._project(fx, self.qkv[i], h)
         q = q.view(1, t, self.num_heads, self.head_dim)
         k = k.view(1, t, self.num_kv_heads, self.head_dim)
-        fx = self.fx_decode if attn.is_decode else self.fx_eager
         qn = norm_params(layer.self_attn.q_norm) if self.spec.has_qk_norm else None
         kn = norm_params(layer.self_attn.k_norm) if self.spec.has_qk_norm else None
         hf_norms = self.spec.has_qk_norm and (qn is None or kn is None or qn[1] != kn[1])
         if fx.qk_rope_cache is not None and not hf_norms:  # one kernel, KV written inside
             q = fx.qk_rope_cache(q, k, v, qn and qn[0], kn and kn[0], qn[1] if qn else 0.0,
                                  cos, sin, (kv.k[i], kv.v[i], slot_mapping),
-                                 (self.num_heads, self.num_kv_heads, self.head_dim))
+                                 (self.num_heads, self.num_kv_heads, self.head_dim), lora=lora)
         else:
+            if lora is not None:  # HF norm modules read q/k: add LoRA B first
+                lora.apply()
             q = self._qk_rope_write(i, layer, q, k, v, qn, kn, cos, sin, slot_mapping, kv, fx)
         if attn.is_decode and attn.paged_decode is not None:  # Triton split-KV kernel
             out = attn.paged_decode(i, q[0].transpose(0, 1), kv.k[i], kv.v[i], self.scale)

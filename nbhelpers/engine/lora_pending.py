@@ -8,8 +8,8 @@ enabled and serves the operands, else one ``addmm_`` per part.
 With ``lora_expand="consumer"``, :func:`defer` runs only the group's GEMM(s) and returns the base
 outputs plus a :class:`PendingLora` record (views of the GEMM output and ``xa``, the B tensors,
 sizes, ranks, scaling). The caller hands it to the kernel that reads the projection next (the
-add+RMSNorm of ``o_proj``/``down_proj``, the SiLU x up of ``gate_up``; ``engine/fused.py`` ``triton_*``; other groups add B
-themselves: ``engine/layers.py`` asks only these), which computes ``y = y_base + scaling *
+add+RMSNorm of ``o_proj``/``down_proj``, the SiLU x up of ``gate_up``, the q/k norm + RoPE + KV
+write of ``qkv``; ``engine/fused.py`` ``triton_*``), which computes ``y = y_base + scaling *
 sum_r xa[row, r] * B[col, r]`` in fp32 wherever it read ``y`` (one rounding to the model dtype,
 the same order as :func:`add_lora_b`), so the expand launch disappears. Where that kernel cannot
 serve it, the caller calls :meth:`PendingLora.apply` first (the same result as without the mode).
@@ -17,9 +17,10 @@ B is the module's own ``lora_B`` (or ``lora_shadow``'s copies), read at call tim
 No host sync and no allocation: capturable in a CUDA graph.
 
 Deferral applies to at most :data:`CONSUMER_MAX_ROWS` rows (decode batches): the consumer kernels
-re-read B from L2 for every row (``N x out x r`` elements per projection, 5 MB at N=64, r=32,
-Qwen3-4B's q/k/v), where the expand kernel's ``tl.dot`` tiles read it once per row block. Above
-it, and for prefill (eager elementwise ops), the group adds B itself as in ``lora_expand="triton"``.
+re-read B from L2 for every row (``N x out x r`` elements per projection: 25 MB of bf16 at
+N=64, r=32 on Qwen3-4B's q/k/v), where the expand kernel's ``tl.dot`` tiles read it once per row
+block. Above it, and for prefill (eager elementwise ops), the group adds B itself as in
+``lora_expand="triton"``. Whether 64 is the right bound is for the H200 A/B to say.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ class RunnerOptions:
     (triton on CUDA with triton, else addmm; never ``"consumer"``), or ``"consumer"`` (opt-in,
     not yet A/B'd on the H200): ``"triton"``, except that decode groups of at most
     ``lora_pending.CONSUMER_MAX_ROWS`` rows leave LoRA B to the kernel that reads the projection
-    next (add+RMSNorm for o/down, SiLU x up for gate_up), removing those expand launches; it needs
+    next (add+RMSNorm for o/down, SiLU x up for gate_up, q/k norm + RoPE + KV write for
+    qkv), removing the four expand launches a decode layer; it needs
     ``fused_elementwise="triton"`` (else, and for prefill, Gemma-4 and unsupported shapes, it
     runs as ``"triton"``: same result); ``lora_fused``: decode GEMMs (<= 64 rows) as one
     base + LoRA Triton kernel per projection group, ``engine/kernels/lora_gemm.py``, each shape

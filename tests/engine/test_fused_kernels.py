@@ -210,9 +210,10 @@ cases = [
     (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **NO_LORA)),
     (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **LORA)),
     (fn._act_mul_kernel, dict(ACT=1, BLOCK=1024, **NO_LORA)),
-    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64)),
-    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=0, QK_W=False, V_STYLE=0, BLOCK_H=64)),
-    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=2, QK_W=True, V_STYLE=2, BLOCK_H=256)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64, **NO_LORA)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64, **LORA)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=0, QK_W=False, V_STYLE=0, BLOCK_H=64, **NO_LORA)),
+    (qrc._qk_rope_cache_kernel, dict(QK_STYLE=2, QK_W=True, V_STYLE=2, BLOCK_H=256, **NO_LORA)),
 ]
 for dt in ("bf16", "fp32"):
     for kern, consts in cases:

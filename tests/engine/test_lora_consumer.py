@@ -1,6 +1,7 @@
 """LoRA B inside the consumer kernels (``lora_expand="consumer"``, ``engine/lora_pending.py``,
 ``engine/kernels/lora_prologue.py``): each consumer against torch (the group's own B step, then the
-torch twin of the consumer), the fallbacks, and the engine against ``lora_expand="triton"``.
+torch twin of the consumer), their fallbacks and their sm_90 build. The engine:
+``test_lora_consumer_engine.py``.
 
 On the CPU the kernels run under ``TRITON_INTERPRET=1`` (``tests/conftest.py``); the ``gpu`` test
 runs them compiled at Qwen3-4B shapes; skipped when triton is not importable.
@@ -13,20 +14,15 @@ import torch
 
 pytest.importorskip("triton", reason="lora_expand='consumer' needs the triton package")
 
-from _kernels import DEV, inplace_lora_step, peft_tiny, skip_unless_runnable
-from _tiny import random_prompts
+from _kernels import DEV, skip_unless_runnable
 
-from nbhelpers.config import SamplingParams
-from nbhelpers.engine import LLM, fused
+from nbhelpers.engine import fused
 from nbhelpers.engine.kernels import fused_norm as fn
 from nbhelpers.engine.kernels import lora_expand as le
 from nbhelpers.engine.kernels import lora_prologue as lp
-from nbhelpers.engine.lora import LiveGroup, check_lora_expand
-from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS, PendingLora, add_lora_b
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_kernels
+from nbhelpers.engine.lora_pending import PendingLora, add_lora_b
 
 skip_unless_runnable(fn)
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
           (torch.bfloat16, torch.float32)]
 DTYPE_IDS = ["fp32", "bf16", "bf16_base_fp32_lora"]
@@ -94,34 +90,6 @@ def test_add_norm_unsupported_lora_falls_back_or_raises():
     assert not fn.lora_supported(q, 2, q.y)  # a two-part consumer is not this one
 
 
-def test_option_values_and_auto_unchanged():
-    assert check_lora_expand("consumer") == "consumer"
-    assert RunnerOptions(lora_expand="consumer").lora_expand == "consumer"
-    with pytest.raises(ValueError, match="consumer"):  # the message lists the new value
-        check_lora_expand("prologue")
-    for on_cuda in (False, True):  # "auto" never picks the consumer mode (no H200 A/B yet)
-        assert resolve_kernels(RunnerOptions(), on_cuda)[1] in ("addmm", "triton")
-
-
-def test_group_defers_only_in_range():
-    """``deferred`` gives base outputs + the record in consumer mode up to CONSUMER_MAX_ROWS rows;
-    ``apply()`` then equals the group's own call; other modes and more rows: no record."""
-    layer = peft_tiny(torch.float32).get_base_model().model.layers[0]
-    mods = [layer.mlp.gate_proj, layer.mlp.up_proj]
-    x = torch.randn(1, 5, 64, device=DEV)
-    with torch.no_grad():
-        want = LiveGroup(mods, lora_expand="triton")(x)
-        outs, p = LiveGroup(mods, lora_expand="consumer").deferred(x)
-        assert p is not None and p.sizes == [128, 128] and p.ranks == [4, 4]
-        assert not torch.allclose(outs[0], want[0])  # base only so far
-        p.apply()
-        for o, w in zip(outs, want):
-            torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6)
-        assert LiveGroup(mods, lora_expand="triton").deferred(x)[1] is None
-        big = torch.randn(1, CONSUMER_MAX_ROWS + 1, 64, device=DEV)
-        assert LiveGroup(mods, lora_expand="consumer").deferred(big)[1] is None
-
-
 # ----------------------------------------------------------------- stage 2: gate_up
 
 
@@ -152,68 +120,58 @@ def test_act_mul_unsupported_lora_falls_back_or_raises():
     assert not fn.lora_supported(q, 2, u2, g2)  # parts swapped: not read as their y_base
 
 
-# ----------------------------------------------------------------- the engine
+# ----------------------------------------------------------------- stage 3: qkv
 
 
-def _count_expand(monkeypatch):
-    calls = []
-    real = le.lora_expand
-    monkeypatch.setattr(le, "lora_expand", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
-    return calls
+def _qkv_case(t, h, hkv, d, ranks, y_dtype, b_dtype):
+    """A q/k/v record and test_fused_kernels' RoPE angles, slots and pool."""
+    from test_fused_kernels import _rope_case
+    p = _pending([h * d, hkv * d, hkv * d], ranks, t, y_dtype, b_dtype, seed=2, s=1.5)
+    _, _, _, cos, sin, slots, cache = _rope_case(t, h, hkv, d, y_dtype)
+    return p, cos, sin, slots, cache
 
 
-def _run(model, prompts, **options):
-    llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, **options)
-    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+@pytest.mark.parametrize("y_dtype,b_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("t,h,hkv,d,ranks", [(1, 4, 2, 16, [4, 4, 4]), (3, 4, 2, 16, [8, 4, 16]),
+                                             (2, 6, 2, 128, [32, 32, 32])],
+                         ids=["tiny_qwen3_r4", "ranks_differ", "d128_r32"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_qk_rope_cache_with_lora_matches_torch(y_dtype, b_dtype, t, h, hkv, d, ranks, qk_norm):
+    from test_fused_kernels import _tol as _rope_tol
+    p, cos, sin, slots, (kc, vc) = _qkv_case(t, h, hkv, d, ranks, y_dtype, b_dtype)
+    g = torch.Generator().manual_seed(7)
+    wq, wk = ((1 + 0.3 * torch.randn(d, generator=g)).to(y_dtype).to(DEV) for _ in range(2))
+    wq, wk = (wq, wk) if qk_norm else (None, None)
+    q, k, v = p.y.view(1, t, -1).split(p.sizes, -1)  # LiveGroup's split views
+    rq_in, rk_in, rv_in = _with_lora(p).view(1, t, -1).split(p.sizes, -1)
+    rq, rk = fused.qk_norm_rope(rq_in.view(1, t, h, d), rk_in.view(1, t, hkv, d), wq, wk, 1e-6,
+                                cos, sin)
+    rv = rv_in.reshape(1, t, hkv, d).transpose(1, 2)
+    assert fn.lora_supported(p, 3, q.view(1, t, h, d), k.view(1, t, hkv, d), v)
+    out = fused.triton_qk_rope_cache(q.view(1, t, h, d), k.view(1, t, hkv, d), v, wq, wk, 1e-6,
+                                     cos, sin, (kc, vc, slots), (h, hkv, d), lora=p)
+    torch.testing.assert_close(out, rq, **_rope_tol(y_dtype, rq.abs().max()))
+    torch.testing.assert_close(kc[0][:, slots], rk[0], **_rope_tol(y_dtype, rk.abs().max()))
+    torch.testing.assert_close(vc[0][:, slots], rv[0], **_rope_tol(y_dtype, rv.abs().max()))
 
 
-def _assert_same(got, want, tol=1e-4):
-    for (gt, glp), (wt, wlp) in zip(got, want):
-        assert gt == wt
-        assert max(abs(a - b) for a, b in zip(glp, wlp)) < tol
-
-
-def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch):
-    """Tiny fp32 Qwen3, LoRA r=4 on every projection: the same greedy tokens and logprobs
-    (|dlogprob| < 1e-4, the lora_expand tests' bound) as ``lora_expand="triton"``, before and
-    after an in-place optimizer step on the adapters (live LoRA); the decode steps launch
-    fewer expand kernels (prefill keeps them)."""
-    model = peft_tiny(torch.float32)
-    prompts = random_prompts(3, 5, 12, seed=2)
-    calls = _count_expand(monkeypatch)
-    kw = {"fused_elementwise": "triton"}
-    llm_t = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="triton", **kw)
-    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer", **kw)
-    counts = []
-    for step in range(2):
-        outs = []
-        for llm in (llm_t, llm_c):
-            calls.clear()
-            outs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)])
-            counts.append(sum(1 for n in calls if n <= 4))  # decode rows (bucket of 4)
-        _assert_same(outs[1], outs[0])
-        if step == 0:
-            before = outs[0]
-            inplace_lora_step(model)
-    assert [t for t, _ in outs[0]] != [t for t, _ in before]  # the update changed the output
-    layers, steps = 2, GREEDY.max_new_tokens - 1  # the first token comes from prefill
-    assert counts[0] == counts[2] == 4 * layers * steps  # qkv, o, gate_up, down per layer
-    assert counts[1] == counts[3] == EXPAND_PER_LAYER * layers * steps
-
-
-EXPAND_PER_LAYER = 1
-"""Expand launches per decode layer left in consumer mode (qkv, stage 2)."""
-
-
-def test_engine_consumer_falls_back_without_triton_elementwise(monkeypatch):
-    """``fused_elementwise="off"`` (no consumer kernel): consumer mode runs as ``"triton"``."""
-    model = peft_tiny(torch.float32)
-    prompts = random_prompts(2, 5, 9, seed=4)
-    want = _run(model, prompts, lora_expand="triton", fused_elementwise="off")
-    calls = _count_expand(monkeypatch)
-    _assert_same(_run(model, prompts, lora_expand="consumer", fused_elementwise="off"), want,
-                 tol=1e-6)
-    assert len(calls) == 8 * (1 + GREEDY.max_new_tokens - 1)  # 4 groups x 2 layers, each pass
+def test_qk_rope_cache_unsupported_lora_falls_back_or_raises():
+    from nbhelpers.engine.kernels import qk_rope_cache as qrc
+    t, h, hkv, d = 2, 4, 2, 16
+    p, cos, sin, slots, (kc, vc) = _qkv_case(t, h, hkv, d, [4, 4, lp.MAX_RANK + 4],
+                                             torch.float32, torch.float32)
+    q, k, v = p.y.view(1, t, -1).split(p.sizes, -1)
+    rq_in, rk_in, rv_in = _with_lora(p).view(1, t, -1).split(p.sizes, -1)
+    rq, rk = fused.qk_norm_rope(rq_in.view(1, t, h, d), rk_in.view(1, t, hkv, d), None, None,
+                                1e-6, cos, sin)
+    assert not fn.lora_supported(p, 3, q, k, v)
+    with pytest.raises(ValueError, match="lora.apply"):
+        qrc.qk_norm_rope_cache(q, k, v, h, hkv, d, cos, sin, kc, vc, slots, lora=p)
+    out = fused.triton_qk_rope_cache(q, k, v, None, None, 1e-6, cos, sin, (kc, vc, slots),
+                                     (h, hkv, d), lora=p)
+    torch.testing.assert_close(out, rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc[0][:, slots], rk[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vc[0][:, slots], rv_in.reshape(1, t, hkv, d).transpose(1, 2)[0])
 
 
 # ----------------------------------------------------------------- GPU, compiled
@@ -228,3 +186,39 @@ def test_gpu_qwen3_4b_shapes_match_torch(y_dtype, b_dtype, rows):
     torch on the device."""
     test_add_rms_norm_with_lora_matches_torch(y_dtype, b_dtype, rows, 2560, 32)
     test_silu_mul_with_lora_matches_torch(y_dtype, b_dtype, rows, 9728, [32, 32])
+    for qk_norm in (True, False):  # H 32, H_kv 8, D 128
+        test_qk_rope_cache_with_lora_matches_torch(y_dtype, b_dtype, rows, 32, 8, 128,
+                                                   [32, 32, 32], qk_norm)
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False)
+cases = [(fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False,
+                                    STORE_RES=True, O_STYLE=1, O_W=True, BLOCK=4096, **LORA)),
+         (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **LORA)),
+         (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64, **LORA))]
+lora_ptrs = {"xa_ptr", "b_ptr", "bg_ptr", "bu_ptr", "bq_ptr", "bk_ptr", "bv_ptr"}
+for model_dt, lora_dt in (("bf16", "fp32"), ("fp16", "fp16")):
+    for kern, consts in cases:
+        sig = {a: ("*i64" if a == "slot_ptr" else "*" + (lora_dt if a in lora_ptrs else model_dt))
+               if a.endswith("_ptr") else "fp32" if a.startswith("eps") or a == "scaling"
+               else "i32" for a in kern.arg_names}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = ASTSource(kern, signature=sig,
+                        constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert k.asm["cubin"], (kern, model_dt, lora_dt)
+print("compiled")
+"""
+
+
+def test_consumer_kernels_compile_for_sm90():
+    """The compiled consumers with the LoRA prologue build to sm_90 cubins (triton's bundled
+    ptxas, no GPU): fp32 adapters on a bf16 model (TRL's default, ``lora_dtype="adapter"``) and
+    fp16 throughout (bf16 throughout: ``test_fused_kernels.test_kernels_compile_for_sm90``)."""
+    from _kernels import assert_compiles_for_sm90
+    assert_compiles_for_sm90(_AOT)

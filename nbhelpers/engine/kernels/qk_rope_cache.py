@@ -12,7 +12,9 @@ and, in one launch over ``(T, H + H_kv)`` programs (one head of one token each):
   ``v_cache[0, h, slot_mapping[t], :]`` (the ``[1, H_kv, S, D]`` pool of ``engine/kv_cache.py``,
   what ``index_copy_(1, slot_mapping, ...)`` writes today).
 
-With ``k=None`` (a Gemma-4 KV-shared layer) only q is computed. Dtype order as HF: the norm's
+With ``k=None`` (a Gemma-4 KV-shared layer) only q is computed. With ``lora`` (the q/k/v group's
+pending LoRA B, ``lora_expand="consumer"``) each head adds its columns of ``scaling * xa @ B^T``
+on load (:mod:`.lora_prologue`), so no expand launch runs before this one. Dtype order as HF: the norm's
 output, each RoPE product and their sum are rounded to the model dtype (fp32 math inside), so fp32
 agrees with the torch path to fp32 rounding, bf16 to about one ulp (the interpreter truncates
 fp32 -> bf16 where compiled Triton rounds to nearest even). Norm styles as
@@ -32,7 +34,9 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES
+from nbhelpers.engine.kernels import lora_prologue as lp
+from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES, lora_supported
+from nbhelpers.engine.kernels.lora_prologue import add_lora
 
 __all__ = ["INTERPRETED", "qk_norm_rope_cache", "supported"]
 
@@ -59,11 +63,24 @@ def _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE: tl.constexpr, HAS_W: tl.
 
 
 @triton.jit
-def _head(src, w_ptr, c, m, half, eps, cos1, cos2, sin1, sin2, STYLE: tl.constexpr,
-          HAS_W: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
-    """Load one head (two halves), norm it (STYLE != 0), rotate it (ROPE)."""
+def _load_head(src, c, m, half, xa_row, b_ptr, rank, b_row0, scaling, HAS_LORA: tl.constexpr,
+               DT: tl.constexpr, RNE: tl.constexpr, BLOCK_H: tl.constexpr,
+               LORA_K: tl.constexpr):
+    """One head's two halves (fp32); with ``HAS_LORA`` plus ``scaling * xa @ B^T`` for its
+    columns (B rows ``b_row0 + [0, 2 * half)``), rounded once (:mod:`.lora_prologue`)."""
     x1 = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        x1 = add_lora(x1, xa_row, b_ptr, rank, b_row0 + c, m, scaling, DT, RNE, BLOCK_H, LORA_K)
+        x2 = add_lora(x2, xa_row, b_ptr, rank, b_row0 + half + c, m, scaling, DT, RNE, BLOCK_H,
+                      LORA_K)
+    return x1, x2
+
+
+@triton.jit
+def _head(x1, x2, w_ptr, c, m, half, eps, cos1, cos2, sin1, sin2, STYLE: tl.constexpr,
+          HAS_W: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+    """Norm one head given as two halves (STYLE != 0), rotate it (ROPE)."""
     if STYLE != 0:
         x1, x2 = _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE, HAS_W, DT)
     if ROPE:
@@ -75,9 +92,11 @@ def _head(src, w_ptr, c, m, half, eps, cos1, cos2, sin1, sin2, STYLE: tl.constex
 
 @triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, cos_ptr,
-                          sin_ptr, wq_ptr, wk_ptr, stride_q, stride_k, stride_v, stride_cs,
-                          stride_ch, n_q, head_dim, eps_qk, eps_v,
+                          sin_ptr, wq_ptr, wk_ptr, xa_ptr, bq_ptr, bk_ptr, bv_ptr, stride_q,
+                          stride_k, stride_v, stride_cs, stride_ch, stride_xa, n_q, head_dim,
+                          r_q, r_k, r_v, eps_qk, eps_v, scaling,
                           QK_STYLE: tl.constexpr, QK_W: tl.constexpr, V_STYLE: tl.constexpr,
+                          HAS_LORA: tl.constexpr, LORA_K: tl.constexpr, LORA_RNE: tl.constexpr,
                           BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -90,9 +109,12 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
     cos2 = tl.load(cos_ptr + cs + half + c, mask=m, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + cs + c, mask=m, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + cs + half + c, mask=m, other=0.0).to(tl.float32)
+    xa_row = xa_ptr + t * stride_xa  # this token's x @ A^T: [r_q | r_k | r_v]
     if h < n_q:
-        o1, o2 = _head(q_ptr + t * stride_q + h * head_dim, wq_ptr, c, m, half, eps_qk, cos1,
-                       cos2, sin1, sin2, QK_STYLE, QK_W, True, DT)
+        x1, x2 = _load_head(q_ptr + t * stride_q + h * head_dim, c, m, half, xa_row, bq_ptr, r_q,
+                            h * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H, LORA_K)
+        o1, o2 = _head(x1, x2, wq_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
+                       QK_W, True, DT)
         dst = qo_ptr + (t * n_q + h) * head_dim
         tl.store(dst + c, o1.to(DT), mask=m)
         tl.store(dst + half + c, o2.to(DT), mask=m)
@@ -100,12 +122,18 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
         hk = h - n_q
         slot = tl.load(slot_ptr + t).to(tl.int64)
         off = hk * stride_ch + slot * head_dim
-        o1, o2 = _head(k_ptr + t * stride_k + hk * head_dim, wk_ptr, c, m, half, eps_qk, cos1,
-                       cos2, sin1, sin2, QK_STYLE, QK_W, True, DT)
+        x1, x2 = _load_head(k_ptr + t * stride_k + hk * head_dim, c, m, half, xa_row + r_q,
+                            bk_ptr, r_k, hk * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H,
+                            LORA_K)
+        o1, o2 = _head(x1, x2, wk_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
+                       QK_W, True, DT)
         tl.store(kc_ptr + off + c, o1.to(DT), mask=m)
         tl.store(kc_ptr + off + half + c, o2.to(DT), mask=m)
-        v1, v2 = _head(v_ptr + t * stride_v + hk * head_dim, wk_ptr, c, m, half, eps_v, cos1,
-                       cos2, sin1, sin2, V_STYLE, False, False, DT)
+        x1, x2 = _load_head(v_ptr + t * stride_v + hk * head_dim, c, m, half,
+                            xa_row + r_q + r_k, bv_ptr, r_v, hk * head_dim, scaling, HAS_LORA,
+                            DT, LORA_RNE, BLOCK_H, LORA_K)
+        v1, v2 = _head(x1, x2, wk_ptr, c, m, half, eps_v, cos1, cos2, sin1, sin2, V_STYLE,
+                       False, False, DT)
         tl.store(vc_ptr + off + c, v1.to(DT), mask=m)
         tl.store(vc_ptr + off + half + c, v2.to(DT), mask=m)
 
@@ -132,15 +160,25 @@ def supported(q: Any, cos: Any, k_cache: Any = None, head_dim: int = 0) -> bool:
 def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int,
                        head_dim: int, cos: Any, sin: Any, k_cache: Any, v_cache: Any,
                        slot_mapping: Any, qk_norm: tuple | None = None,
-                       v_norm: tuple | None = None) -> Any:
+                       v_norm: tuple | None = None, lora: Any = None) -> Any:
     """Rotated (normed) q ``[T, H, D]``; writes normed+rotated k and (normed) v into the cache.
 
     ``qk_norm``: ``(wq [D], wk [D], eps, style)`` or ``None`` (Llama); ``v_norm``: ``(eps,
     "gemma")`` (weightless, Gemma-4) or ``None``; ``k=None``: q only (KV-shared layer).
     ``cos/sin [1, T, D]``; ``slot_mapping [T]`` int64 physical slots; caches
-    ``[1, H_kv, S, D]``. See the module docstring for the math and rounding.
+    ``[1, H_kv, S, D]``. ``lora``: the q/k/v group's three-part ``lora_pending.PendingLora``
+    whose ``y`` holds ``q``, ``k``, ``v``: each head is read as ``y_base + scaling * xa_part @
+    B_part^T`` before its norm (:mod:`.lora_prologue`). See the module docstring for the math
+    and rounding.
+
+    Raises:
+        ValueError: a ``lora`` that ``fused_norm.lora_supported`` rejects, or with ``k=None``
+            (call its ``apply()`` instead).
     """
     import torch
+    if lora is not None and (k is None or not lora_supported(lora, 3, q, k, v)):
+        raise ValueError("qk_norm_rope_cache: this LoRA record is not one the kernel serves "
+                         "(fused_norm.lora_supported); call lora.apply() and pass lora=None.")
     q2, sq = _tokens(q, num_heads, head_dim)
     t = q2.shape[0]
     qo = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -152,12 +190,15 @@ def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int
     kc, vc = (k_cache, v_cache) if k is not None else (qo, qo)
     wq, wk, eps, style = qk_norm or (None, None, 0.0, None)
     c2, s2 = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
+    xa, sxa, bq, bk, bv, rq, rk, rv, _, _, _, s = (
+        lp.kernel_args(lora) if lora is not None else (q2, 0, q2, q2, q2, 0, 0, 0, 0, 0, 0, 0.0))
     _qk_rope_cache_kernel[(t, num_heads + num_kv_heads)](
         q2, k2, v2, qo, kc, vc, slot_mapping, c2, s2, wq if wq is not None else q2,
-        wk if wk is not None else q2, sq, sk, sv, c2.stride(0),
-        kc.stride(1) if k is not None else 0, num_heads, head_dim, float(eps),
-        float(v_norm[0]) if v_norm else 0.0, QK_STYLE=STYLES[style], QK_W=wq is not None,
-        V_STYLE=STYLES[v_norm[1]] if v_norm else 0,
+        wk if wk is not None else q2, xa, bq, bk, bv, sq, sk, sv, c2.stride(0),
+        kc.stride(1) if k is not None else 0, sxa, num_heads, head_dim, rq, rk, rv, float(eps),
+        float(v_norm[0]) if v_norm else 0.0, s, QK_STYLE=STYLES[style], QK_W=wq is not None,
+        V_STYLE=STYLES[v_norm[1]] if v_norm else 0, HAS_LORA=lora is not None,
+        LORA_K=lp.LORA_K, LORA_RNE=lp.rne(q.dtype),
         BLOCK_H=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=1 if head_dim <= 128
         else 2)
     return qo

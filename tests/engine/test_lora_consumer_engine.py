@@ -1,0 +1,144 @@
+"""``lora_expand="consumer"`` in the engine (``engine/lora_pending.py``): option values, the
+group's deferral range, and greedy tokens/logprobs against ``lora_expand="triton"`` before and
+after an in-place update of the adapters, with the expand launches a decode step makes counted.
+The consumer kernels themselves: ``test_lora_consumer.py``.
+
+On the CPU the kernels run under ``TRITON_INTERPRET=1`` (``tests/conftest.py``); skipped when
+triton is not importable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="lora_expand='consumer' needs the triton package")
+
+from _kernels import DEV, inplace_lora_step, peft_tiny, skip_unless_runnable
+from _tiny import random_prompts
+
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine import LLM
+from nbhelpers.engine.kernels import lora_expand as le
+from nbhelpers.engine.lora import LiveGroup, check_lora_expand
+from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS
+from nbhelpers.engine.runner_options import RunnerOptions, resolve_kernels
+
+skip_unless_runnable(le)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+
+def test_option_values_and_auto_unchanged():
+    assert check_lora_expand("consumer") == "consumer"
+    assert RunnerOptions(lora_expand="consumer").lora_expand == "consumer"
+    with pytest.raises(ValueError, match="consumer"):  # the message lists the new value
+        check_lora_expand("prologue")
+    for on_cuda in (False, True):  # "auto" never picks the consumer mode (no H200 A/B yet)
+        assert resolve_kernels(RunnerOptions(), on_cuda)[1] in ("addmm", "triton")
+
+
+def test_group_defers_only_in_range():
+    """``deferred`` gives base outputs + the record in consumer mode up to CONSUMER_MAX_ROWS rows;
+    ``apply()`` then equals the group's own call; other modes and more rows: no record."""
+    layer = peft_tiny(torch.float32).get_base_model().model.layers[0]
+    mods = [layer.mlp.gate_proj, layer.mlp.up_proj]
+    x = torch.randn(1, 5, 64, device=DEV)
+    with torch.no_grad():
+        want = LiveGroup(mods, lora_expand="triton")(x)
+        outs, p = LiveGroup(mods, lora_expand="consumer").deferred(x)
+        assert p is not None and p.sizes == [128, 128] and p.ranks == [4, 4]
+        assert not torch.allclose(outs[0], want[0])  # base only so far
+        p.apply()
+        for o, w in zip(outs, want):
+            torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6)
+        assert LiveGroup(mods, lora_expand="triton").deferred(x)[1] is None
+        big = torch.randn(1, CONSUMER_MAX_ROWS + 1, 64, device=DEV)
+        assert LiveGroup(mods, lora_expand="consumer").deferred(big)[1] is None
+
+
+# ----------------------------------------------------------------- the engine
+
+
+def _count_expand(monkeypatch):
+    calls = []
+    real = le.lora_expand
+    monkeypatch.setattr(le, "lora_expand", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
+    return calls
+
+
+def _run(model, prompts, **options):
+    llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, **options)
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+
+
+def _assert_same(got, want, tol=1e-4):
+    for (gt, glp), (wt, wlp) in zip(got, want):
+        assert gt == wt
+        assert max(abs(a - b) for a, b in zip(glp, wlp)) < tol
+
+
+def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch):
+    """Tiny fp32 Qwen3, LoRA r=4 on every projection: the same greedy tokens and logprobs
+    (|dlogprob| < 1e-4, the lora_expand tests' bound) as ``lora_expand="triton"``, before and
+    after an in-place optimizer step on the adapters (live LoRA); the decode steps launch
+    fewer expand kernels (prefill keeps them)."""
+    model = peft_tiny(torch.float32)
+    prompts = random_prompts(3, 5, 12, seed=2)
+    calls = _count_expand(monkeypatch)
+    kw = {"fused_elementwise": "triton"}
+    llm_t = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="triton", **kw)
+    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer", **kw)
+    counts = []
+    for step in range(2):
+        outs = []
+        for llm in (llm_t, llm_c):
+            calls.clear()
+            outs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)])
+            counts.append(sum(1 for n in calls if n <= 4))  # decode rows (bucket of 4)
+        _assert_same(outs[1], outs[0])
+        if step == 0:
+            before = outs[0]
+            inplace_lora_step(model)
+    assert [t for t, _ in outs[0]] != [t for t, _ in before]  # the update changed the output
+    layers, steps = 2, GREEDY.max_new_tokens - 1  # the first token comes from prefill
+    assert counts[0] == counts[2] == 4 * layers * steps  # qkv, o, gate_up, down per layer
+    assert counts[1] == counts[3] == EXPAND_PER_LAYER * layers * steps
+
+
+@pytest.mark.parametrize("lora_dtype", ["model", "adapter"])
+def test_engine_consumer_bf16_model_fp32_adapters(lora_dtype):
+    """TRL's case, a bf16 model with fp32 adapters: through the bf16 shadows
+    (``lora_dtype="model"``, B read from ``lora_shadow``'s copies) or the fp32 tensors themselves
+    (``"adapter"``: fp32 B, the add in fp32): the tokens of ``lora_expand="triton"`` and its
+    logprobs to fp32 summation order, before and after an in-place update of the trainer's
+    tensors (the shadows re-copy on the version counters, no user call)."""
+    model = peft_tiny(torch.bfloat16)
+    prompts = random_prompts(2, 6, 10, seed=5)
+    kw = {"fused_elementwise": "triton", "lora_dtype": lora_dtype}
+    llm_t = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="triton", **kw)
+    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer", **kw)
+    seen = []
+    for _ in range(2):
+        want, got = (llm.generate(prompts, GREEDY) for llm in (llm_t, llm_c))
+        # CPU: bit-equal (seen here); GPU: tl.dot and the prologue sum r in their own order,
+        # so a bf16 output may sit one ulp apart (2e-2 in logprob covers that)
+        _assert_same([(o.token_ids, o.logprobs) for o in got],
+                     [(o.token_ids, o.logprobs) for o in want], tol=1e-6 if DEV == "cpu" else 2e-2)
+        seen.append([o.token_ids for o in want])
+        inplace_lora_step(model)
+    assert seen[0] != seen[1]
+
+
+EXPAND_PER_LAYER = 0
+"""Expand launches per decode layer left in consumer mode (all four groups in their consumers)."""
+
+
+def test_engine_consumer_falls_back_without_triton_elementwise(monkeypatch):
+    """``fused_elementwise="off"`` (no consumer kernel): consumer mode runs as ``"triton"``."""
+    model = peft_tiny(torch.float32)
+    prompts = random_prompts(2, 5, 9, seed=4)
+    want = _run(model, prompts, lora_expand="triton", fused_elementwise="off")
+    calls = _count_expand(monkeypatch)
+    _assert_same(_run(model, prompts, lora_expand="consumer", fused_elementwise="off"), want,
+                 tol=1e-6)
+    assert len(calls) == 8 * (1 + GREEDY.max_new_tokens - 1)  # 4 groups x 2 layers, each pass

@@ -173,7 +173,9 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
         HAS_X=x is not None, D_STYLE=STYLES[dn[2]], D_W=dn[0] is not None,
         HAS_SCALE=scale is not None, STORE_RES=store_res, O_STYLE=STYLES[on[2]],
         O_W=on[0] is not None, HAS_LORA=lora is not None, LORA_K=lp.LORA_K,
-        LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+        LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n),
+        num_warps=_warps(n) if lora is None else lp.warps_for(triton.next_power_of_2(n),
+                                                              _warps(n)))
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)

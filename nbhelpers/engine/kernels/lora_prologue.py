@@ -69,6 +69,15 @@ def add_lora(y, xa_row, b_ptr, rank, b_rows, m, scaling, DT: tl.constexpr, RNE: 
     return out.to(DT).to(tl.float32)
 
 
+def warps_for(block: int, warps: int) -> int:
+    """Warps for a row program with the prologue: at least ``warps``, doubled (up to 16) until
+    the ``[block, LORA_K]`` B tile is at most 64 fp32 values a thread (a register budget, not a
+    measured optimum: hidden 2560 -> 4096 columns -> 8 warps instead of add_norm's 4)."""
+    while block * LORA_K > 64 * 32 * warps and warps < 16:
+        warps *= 2
+    return warps
+
+
 def rne(dtype: Any) -> bool:
     """The ``RNE`` constant of :func:`add_lora` for a model dtype."""
     import torch

@@ -50,6 +50,13 @@ AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton -
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
            "\"num_splits\": 8};{\"num_warps\": 8, \"num_stages\": 3}'")
 
+# next session: lora_expand="consumer" (LoRA B inside the consumer kernels, no expand launch)
+# against today's default at TRL's adapter dtype and bf16 adapters, and the no-LoRA step.
+N1_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+            "qwen3-4b:fp32:4,qwen3-4b:bf16:4,qwen3-4b:bf16:32,qwen3-4b:none:4 --variants "
+            "'{\"name\": \"default\", \"options\": {}};"
+            "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -185,4 +192,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {}, 510, 585, 0)]),
     "n33b": (["notebooks"], ["tok"], [
         (N33, {"lora_modes": "[fp32]"}, 310, 420, 0)]),
+    "n1c": ([], ["gguf2"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 200, 300, 0),
+        (BENCH, {"args": N1_BENCH}, 220, 280, 0)]),
 }

@@ -89,6 +89,7 @@ class EngineModel:
         self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
         self.flex = flex_fn or flex_attention_fn(compiled=False)
         self.fx_eager = self.fx_decode = Elementwise(compiled=False)
+        self.skinny: Any = None  # skinny_linear.SkinnyLinear: decode GEMMs (set_skinny_gemm)
         self._init_attention()
 
     def _qkv_group(self, attn: Any, fuse_lora_a: bool) -> LiveGroup:
@@ -107,6 +108,13 @@ class EngineModel:
     def live_groups(self) -> list[LiveGroup]:
         """Every projection group (the runner refreshes them and sets their LoRA-B kernel)."""
         return self.qkv + self.o + self.gate_up + self.down
+
+    def set_skinny_gemm(self, route: Any) -> None:
+        """Decode GEMMs of every group and the LM head through ``route`` (a
+        :class:`nbhelpers.engine.skinny_linear.SkinnyLinear`; ``None``: ``F.linear``)."""
+        self.skinny = route
+        for group in self.live_groups():
+            group.set_skinny_gemm(route)
 
     def compile_elementwise(self, kind: str = "compile", compile_sample: bool = True) -> None:
         """Decode uses torch.compiled (``kind="compile"``) or Triton (``"triton"``, sampler
@@ -202,7 +210,13 @@ class EngineModel:
 
     def logits(self, hidden: Any) -> Any:
         """LM head in fp32, ``[N, vocab]`` (soft-capped when the architecture says so)."""
-        out = self.lm_head(hidden).float()
+        import torch
+        head, route = self.lm_head, self.skinny
+        plain = isinstance(head, torch.nn.Linear) and not hasattr(head, "lora_A")
+        if route is not None and plain and route.serves(hidden, head.weight, head.bias):
+            out = route(hidden, head.weight, head.bias).float()  # read at call time (tied too)
+        else:
+            out = head(hidden).float()
         cap = self.spec.final_logit_softcap
         return cap * (out / cap).tanh() if cap else out
 

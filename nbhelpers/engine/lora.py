@@ -16,7 +16,9 @@ one Triton launch for all parts (:mod:`nbhelpers.engine.kernels.lora_expand`). W
 ``lora_fused="triton"`` decode calls (at most ``lora_gemm.MAX_ROWS`` rows) run the base GEMM and
 its LoRA as one kernel (:mod:`nbhelpers.engine.kernels.lora_gemm`) where the per-shape tuner
 (:mod:`nbhelpers.engine.kernels.lora_gemm_tune`) found it faster than that path; that path lives
-in :mod:`nbhelpers.engine.lora_fused` (:class:`LoraFusedGemm`, one per group).
+in :mod:`nbhelpers.engine.lora_fused` (:class:`LoraFusedGemm`, one per group). With the runner
+option ``skinny_gemm="triton"`` the base GEMM of decode calls (<= 16 rows) runs as a split-K Triton
+kernel where its tuner found it faster than cuBLAS (:mod:`nbhelpers.engine.skinny_linear`).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).
@@ -34,6 +36,7 @@ from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public nam
 )
 from nbhelpers.engine.lora_pending import PendingLora, add_lora_b, defer
 from nbhelpers.engine.lora_shadow import fuse_shadow, lora_versions, refresh_shadow
+from nbhelpers.engine.skinny_linear import defer_skinny
 
 LORA_DTYPES = ("adapter", "model")
 """What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
@@ -155,6 +158,7 @@ class LiveGroup:
         self.lora_fused = "off"
         self.lora_dtype = "adapter"
         self._versions: tuple = ()
+        self._skinny: Any = None  # skinny_linear.SkinnyLinear (runner option skinny_gemm)
         self.set_lora_expand(lora_expand)
         self.refresh()
 
@@ -185,6 +189,11 @@ class LiveGroup:
         """``"off"`` or ``"triton"`` (module docstring); raises ``ValueError`` as
         :func:`check_lora_fused`."""
         self.lora_fused = self._lora_gemm.set_mode(mode)
+
+    def set_skinny_gemm(self, route: Any) -> None:
+        """Run the base GEMM through ``route`` (a :class:`.skinny_linear.SkinnyLinear`, which
+        picks the split-K kernel or ``F.linear`` per call), or ``F.linear`` for ``None``."""
+        self._skinny = route if route is not None and route.enabled else None
 
     def _lora_fusable(self) -> bool:
         if not all(p.has_lora for p in self.parts):
@@ -283,12 +292,18 @@ class LiveGroup:
         ``(base outputs, PendingLora)``, or ``(self(x), None)`` where the mode does not apply
         (:func:`nbhelpers.engine.lora_pending.defer`). The caller must pass the record to a
         kernel that adds it, or call its ``apply()``."""
-        return defer(self, x)
+        return defer_skinny(self, x) if self._skinny is not None else defer(self, x)
+
+    def _base_gemm(self, x2: Any, f: dict[str, Any]) -> Any:
+        """``x2 @ W^T (+ bias)`` ``[N, rows of W]``: cuBLAS, or the skinny kernel in decode."""
+        import torch.nn.functional as F
+        if self._skinny is not None:
+            return self._skinny(x2, f["W"], f["bias"])
+        return F.linear(x2, f["W"], f["bias"])
 
     def _cublas_path(self, x2: Any, f: dict[str, Any]) -> Any:
-        """Base GEMM (cuBLAS), then LoRA A and B as configured: ``[N, sum(out)]``."""
-        import torch.nn.functional as F
-        y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)] (+ [N, sum(r)] when ext)
+        """Base GEMM (:meth:`_base_gemm`), then LoRA A and B as configured: ``[N, sum(out)]``."""
+        y = self._base_gemm(x2, f)  # [N, sum(out)] (+ [N, sum(r)] when ext)
         if f["lora"]:
             n = f["n_out"]
             y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, self._lora_a(x2, f["A"]))

@@ -43,10 +43,12 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     resolve_lora_dtype,
     resolve_lora_fused,
     resolve_prefill,
+    resolve_skinny_gemm,
 )
 from nbhelpers.engine.sampler import sample
 from nbhelpers.engine.sampling_tensors import sampling_tensors, uses_sort
 from nbhelpers.engine.scheduler import Sequence
+from nbhelpers.engine.skinny_linear import SkinnyLinear
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class ModelRunner:
@@ -83,6 +85,8 @@ class ModelRunner:
             group.set_lora_expand(self.lora_expand)
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
+        self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, on_cuda))  # decode GEMMs
+        self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
         if fused_mode != "off":
             self.model.compile_elementwise(fused_mode, compile_sample=compile_layers)
@@ -202,6 +206,10 @@ class ModelRunner:
     # ---------------------------------------------------------------- decode
     def decode(self, seqs: list[Sequence], steps: int, sampling: Any) -> None:
         """Run ``steps`` decode steps for ``seqs`` (pages already reserved) and append tokens."""
+        with self.skinny.decoding():  # GEMMs here are decode GEMMs (skinny_gemm option)
+            self._decode(seqs, steps, sampling)
+
+    def _decode(self, seqs: list[Sequence], steps: int, sampling: Any) -> None:
         t0 = time.perf_counter()
         self.refresh_weights()
         st = self._state(len(seqs), uses_sort(sampling))

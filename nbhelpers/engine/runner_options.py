@@ -17,6 +17,7 @@ from nbhelpers.engine.lora import (
     check_lora_expand,
     check_lora_fused,
 )
+from nbhelpers.engine.skinny_linear import SKINNY_GEMM_MODES, check_skinny_gemm
 
 FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
 DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
@@ -102,6 +103,16 @@ class RunnerOptions:
     fp32, nothing to shadow). Why: fp32 adapters cost +2.1 ms a decode step over cuBLAS alone at
     batch 4 on the H200 against +0.5 ms for bf16 ones (``scripts/device/ab_lora_gemm.py``,
     2026-12-01)."""
+    skinny_gemm: str = "off"
+    """Decode GEMMs of at most 16 rows (every projection group's base GEMM, LoRA A's ``ext``
+    rows included, and the LM head; 16/32-bit weights, CUDA or ``TRITON_INTERPRET=1``) as one
+    split-K Triton launch each (``engine/kernels/skinny_gemm.py``, ``engine/skinny_linear.py``),
+    each shape tuned once with cold weights against cuBLAS and the choice cached on disk
+    (``engine/kernels/skinny_gemm_tune.py``; cuBLAS kept where it wins): ``"triton"``, ``"off"``
+    (the default) or ``"auto"``, which resolves to ``"off"`` until an H200 A/B of the engine
+    says otherwise. Why try it: cold-weight GEMMs at batch 4 on the H200, 36 layers + lm_head,
+    cuBLAS 2.66 ms vs a simple split-K Triton kernel 2.42 ms (``gemv_roofline.py``,
+    2026-12-01). Prefill and ``compile_decode`` keep cuBLAS."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -128,7 +139,8 @@ class RunnerOptions:
                               "pip install triton (GPU hosts: the gpu extra pins it).")
         for name, modes, check in (("lora_expand", LORA_EXPAND_MODES, check_lora_expand),
                                    ("lora_fused", LORA_FUSED_MODES, check_lora_fused),
-                                   ("lora_dtype", LORA_DTYPES, check_lora_dtype)):
+                                   ("lora_dtype", LORA_DTYPES, check_lora_dtype),
+                                   ("skinny_gemm", SKINNY_GEMM_MODES, check_skinny_gemm)):
             value = getattr(self, name)
             if value not in ("auto", *modes):
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be one of "
@@ -188,6 +200,13 @@ def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
     a faster one would pick ``"triton"``)."""
     del on_cuda  # auto -> off on every device for now
     return "off" if opt.lora_fused == "auto" else opt.lora_fused
+
+
+def resolve_skinny_gemm(opt: RunnerOptions, on_cuda: bool) -> str:
+    """``opt.skinny_gemm`` with ``"auto"`` resolved to ``"off"`` (no engine A/B on the H200 yet;
+    ``on_cuda`` is where a winning kernel would pick ``"triton"``)."""
+    del on_cuda  # auto -> off on every device for now
+    return "off" if opt.skinny_gemm == "auto" else opt.skinny_gemm
 
 
 def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:

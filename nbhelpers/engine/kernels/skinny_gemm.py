@@ -1,0 +1,193 @@
+"""Skinny decode GEMM ``y = x W^T (+ bias)`` as one split-K Triton launch (``skinny_gemm``).
+
+Contract: :func:`skinny_gemm` returns ``y [M, N]`` in x's dtype for ``x [M, K]`` (``M <=
+MAX_ROWS``, unit column stride, any row stride) and ``W [N, K]`` (nn.Linear layout, unit column
+stride; a LiveGroup's fused buffer, its ``ext`` rows of LoRA A included, or ``lm_head.weight``),
+optional ``bias [N]``. fp32 accumulation (IEEE fp32 dot for fp32 operands, no TF32), one rounding
+to the output dtype. Works on CUDA and under ``TRITON_INTERPRET=1``.
+
+Design (grid ``(cdiv(N, BLOCK_N), SPLIT)``; rows padded to ``BLOCK_M = 16``, the smallest
+``tl.dot`` tile). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
+fp32 partial into its own slice of a workspace ``[SPLIT, 16, N]`` (plain stores: no memset
+needed), then ``tl.debug_barrier()`` (every thread's stores issued) and takes a ticket with
+``tl.atomic_add(counter + tile, 1, sem="acq_rel")``; the program that draws the last ticket
+reads the ``SPLIT`` partials in fixed split order (deterministic, unlike ``atomic_add`` into the
+output), adds the bias, writes ``y`` and resets the counter to 0 for the next call. One launch
+per GEMM, no host sync, no allocation but ``y``: the workspace and counters are allocated once per
+(device, N, split) (:func:`workspace`) and reused, so the launch is CUDA-graph capturable. Calls
+must be stream-ordered (one stream: the engine's). This is CUTLASS's "serial split-K" (the
+``Semaphore`` of ``cutlass/gemm/kernel/gemm.h``, ``SplitKSerial``) and the fix-up step of
+Stream-K (Osama et al., arXiv:2301.03598), without the memset of :mod:`.lora_gemm`'s variant.
+The interpreter runs programs one after another, so the last ticket is drawn by the last split
+and the pattern is exact there too (tested).
+
+Why: cuBLAS reads cold decode weights at 1.9-3.8 TB/s for Qwen3-4B's o/qkv/down/gate_up shapes
+at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 2.66 ms for the
+36 layers + lm_head (``/work/shared/tools/gemv_roofline.py``, DESIGN.md's floors). The tuner
+(:mod:`.skinny_gemm_tune`) keeps cuBLAS where it wins.
+
+Tests: ``tests/engine/test_skinny_gemm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import triton
+import triton.language as tl
+
+from nbhelpers.engine.kernels.lora_expand import _bf16_rne
+
+MAX_ROWS = 16
+"""Rows served (one 16-row tile); more rows keep cuBLAS."""
+BLOCK_M = 16
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+class Config(NamedTuple):
+    """One launch configuration: N tile, K tile, K splits (clamped: :func:`launch_split`),
+    warps, pipeline stages."""
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+CONFIGS = (Config(64, 128, 1), Config(64, 256, 1), Config(128, 128, 1), Config(128, 256, 1, 8),
+           Config(64, 128, 2), Config(64, 256, 2), Config(128, 128, 2, 4, 4),
+           Config(64, 128, 4), Config(64, 256, 4), Config(128, 128, 4, 4, 4),
+           Config(32, 256, 4), Config(64, 128, 8), Config(32, 128, 8, 4, 4), Config(64, 256, 8))
+"""The tuner's candidates (:mod:`.skinny_gemm_tune`), from the sweep space of
+``gemv_roofline.py`` (BLOCK_N 64/128, BLOCK_K 128/256, split 1-4, 4/8 warps, 3/4 stages) plus
+narrower tiles with more splits for the small o/down shapes."""
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b``: IEEE fp32 for fp32 operands (no TF32) and under the interpreter (its
+    16-bit dot is unreliable, see :mod:`.lora_expand`)."""
+    if UPCAST or a.dtype == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride_x, stride_w,
+                 stride_y, k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, BF16_RNE: tl.constexpr):
+    tile = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < m, cols < n
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc = _dot(x, tl.trans(w), acc, UPCAST)
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:  # serial split-K: publish the partial, the tile's last ticket sums them in order
+        ws = ws_ptr + rows[:, None] * n + cols[None, :]  # this split's slice is added below
+        tl.store(ws + tl.program_id(1).to(tl.int64) * BLOCK_M * n, acc, mask=out_ok)
+        tl.debug_barrier()  # all threads' stores precede the release (CUTLASS Semaphore)
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(tl.num_programs(1)):  # fixed order: deterministic sums
+                acc += tl.load(ws + s * BLOCK_M * n, mask=out_ok, other=0.0,
+                               cache_modifier=".cg")
+            _epilogue(acc, bias_ptr, y_ptr, stride_y, rows, cols, out_ok, col_ok, HAS_BIAS,
+                      BF16_RNE)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call (graph replays too)
+    else:
+        _epilogue(acc, bias_ptr, y_ptr, stride_y, rows, cols, out_ok, col_ok, HAS_BIAS, BF16_RNE)
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, y_ptr, stride_y, rows, cols, out_ok, col_ok,
+              HAS_BIAS: tl.constexpr, BF16_RNE: tl.constexpr):
+    """``y = acc (+ bias)`` in fp32, rounded once to y's dtype."""
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+    if BF16_RNE:
+        tl.store(y_ptrs, _bf16_rne(acc), mask=out_ok)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+def supported(x: Any, w: Any, bias: Any = None) -> bool:
+    """Whether :func:`skinny_gemm` serves these operands (else the caller keeps ``F.linear``):
+    ``x [M, K]`` with ``1 <= M <= MAX_ROWS`` and unit column stride, ``W [N, K]`` in x's dtype
+    with unit column stride, bf16/fp16/fp32, ``bias [N]`` contiguous in x's dtype or ``None``,
+    one CUDA device (or the interpreter)."""
+    import torch
+    ok = (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] > 0
+          and x.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == x.shape[1]
+          and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w.dtype == x.dtype
+          and w.device == x.device and (x.is_cuda or INTERPRETED))
+    if not ok or bias is None:
+        return ok
+    return (bias.dim() == 1 and bias.shape[0] == w.shape[0] and bias.dtype == x.dtype
+            and bias.is_contiguous() and bias.device == x.device)
+
+
+def launch_split(k: int, cfg: Config) -> tuple[int, int]:
+    """``(split, k_per_split)``: ``cfg.split`` clamped so every split has at least one K tile
+    and K chunks are whole ``block_k`` multiples (no empty split)."""
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    k_per = triton.cdiv(k_tiles, max(1, min(cfg.split, k_tiles))) * cfg.block_k
+    return triton.cdiv(k, k_per), k_per
+
+
+def default_config(n: int, k: int) -> Config:
+    """Untuned choice (CPU / interpreter, or before tuning): BLOCK_N 64, BLOCK_K 128, and enough
+    splits for ~256 programs (two per H200 SM) while each split keeps >= 4 K tiles."""
+    tiles = triton.cdiv(n, 64)
+    split = max(1, min(16, triton.cdiv(256, tiles), k // (4 * 128)))
+    return Config(64, 128, split)
+
+
+_WORKSPACES: dict[tuple, tuple[Any, Any]] = {}
+
+
+def workspace(device: Any, n: int, split: int) -> tuple[Any, Any]:
+    """``(ws [split * 16 * n] fp32, counters [cdiv(n, 16)] int32 zeros)`` for this (device, N,
+    split), allocated at the first call and reused (the kernel leaves the counters at 0)."""
+    import torch
+    key = (str(device), n, split)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.empty(split * BLOCK_M * n, dtype=torch.float32, device=device),
+                            torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
+
+
+def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) -> Any:
+    """``x W^T (+ bias)`` in one launch (module docstring). Shapes: ``x [M, K]``, ``w [N, K]``,
+    ``bias [N]`` or ``None``; returns a new contiguous ``y [M, N]`` in x's dtype. ``config``:
+    default :func:`default_config`. Raises ``ValueError`` when :func:`supported` is false."""
+    import torch
+    if not supported(x, w, bias):
+        raise ValueError(f"skinny_gemm: unsupported operands x {tuple(x.shape)} {x.dtype} "
+                         f"strides {x.stride()}, W {tuple(w.shape)} {w.dtype}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}; use F.linear.")
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = config or default_config(n, k)
+    split, k_per = launch_split(k, cfg)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws, cnt = workspace(x.device, n, split) if split > 1 else (y, y)
+    _skinny_gemm[(triton.cdiv(n, cfg.block_n), split)](
+        x, w, y if bias is None else bias, y, ws, cnt, m, n, k, x.stride(0), w.stride(0),
+        y.stride(0), k_per, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRETED,
+        BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return y

@@ -1,0 +1,160 @@
+"""Per-shape choice between cuBLAS (``F.linear``) and :mod:`.skinny_gemm` configs, cached on disk.
+
+Contract: :func:`shape_key` names one decode GEMM (device name + Triton version, M bucket, N, K,
+dtype, bias). :class:`SkinnyTuner` times every candidate once per key with cold weights and
+records the winner and every time (ms per GEMM) in a JSON file keyed by that string
+(:func:`cache_path`: ``skinny_gemm.json`` beside :mod:`.lora_gemm_tune`'s ``lora_gemm.json``,
+same format ``{key: {"choice": name, "ms": {name: ms}}}``); later keys are served from it, also in
+later processes. A file that does not parse is replaced, with a warning. The engine
+(:mod:`nbhelpers.engine.skinny_linear`) tunes at a shape's first eager CUDA call (the CUDA-graph
+warm-up steps before capture), never while capturing, tracing or on the CPU (there: the fixed
+:func:`.skinny_gemm.default_config`).
+
+Cold weights: each candidate runs over enough copies of W (>= 256 MB, :data:`ROTATE_BYTES`) that
+the H200's 50 MB L2 holds none of them, as in a decode step where the other layers evicted them,
+timed as :data:`REPS` passes inside one CUDA graph (launch overhead off the clock, as the engine
+replays graphs): the method of ``/work/shared/tools/gemv_roofline.py``. A candidate whose result
+differs from ``F.linear`` beyond bf16 rounding, or that fails to launch, is never chosen.
+Source of the method: Triton's ``triton.autotune`` (time each config once per key, keep the
+best) with the key extended by the device and cached on disk as vLLM's fused-MoE configs are.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nbhelpers.engine.kernels import lora_gemm_tune
+from nbhelpers.engine.kernels.lora_gemm_tune import CUBLAS, Tuner, device_name
+
+ROTATE_BYTES = 256 << 20
+REPS = 4
+__all__ = ["CUBLAS", "SkinnyTuner", "cache_path", "config_name", "graph_ms", "shape_key", "tuner"]
+
+
+def cache_path() -> Path:
+    """``skinny_gemm.json`` in the directory of :func:`.lora_gemm_tune.cache_path`
+    (``$NBHELPERS_CACHE_DIR``, else ``$XDG_CACHE_HOME/nbhelpers``, default ``~/.cache``)."""
+    return lora_gemm_tune.cache_path().with_name("skinny_gemm.json")
+
+
+def m_bucket(m: int) -> int:
+    """The engine's decode bucket holding ``m`` rows (1, 2, 4, 8 or 16): one key each."""
+    return 1 << (m - 1).bit_length()
+
+
+def shape_key(device: Any, m: int, n: int, k: int, dtype: Any, bias: bool) -> str:
+    """``"<GPU name>|triton <v>|skinny|M<bucket>|N<n>|K<k>|<dtype>|bias<0/1>"``."""
+    return (f"{device_name(device)}|skinny|M{m_bucket(m)}|N{n}|K{k}|"
+            f"{str(dtype).removeprefix('torch.')}|bias{int(bias)}")
+
+
+def config_name(cfg: Any) -> str:
+    """``"n64_k128_s4_w4_st3"`` for a :class:`.skinny_gemm.Config`."""
+    return f"n{cfg.block_n}_k{cfg.block_k}_s{cfg.split}_w{cfg.num_warps}_st{cfg.num_stages}"
+
+
+def graph_ms(fn: Callable[[], Any], reps: int = REPS) -> float:
+    """Best ms of one ``fn()`` over 5 replays of a CUDA graph of ``reps`` calls (warmed up on a
+    side stream first: compiles and raises launch errors before capture)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+class SkinnyTuner(Tuner):
+    """:class:`.lora_gemm_tune.Tuner` (same file format, atomic save) with a warning for a cache
+    file that does not parse, and :meth:`choose_gemm` for cold-weight timing of one GEMM.
+    ``timer(fn) -> ms`` (default :func:`graph_ms`)."""
+
+    def __init__(self, path: Path | None = None, timer: Callable[[Callable], float] | None = None):
+        super().__init__(path if path is not None else cache_path(), timer or graph_ms)
+
+    def _load(self) -> dict[str, dict]:
+        if not self.path.exists():
+            return {}
+        try:
+            table = json.loads(self.path.read_text())
+        except (OSError, ValueError) as err:
+            table = err
+        if not isinstance(table, dict):
+            warnings.warn(f"skinny_gemm tuner: cache {self.path} is not a JSON object "
+                          f"({table!r:.80}); re-tuning and replacing it.", stacklevel=3)
+            return {}
+        return table
+
+    def choose(self, key: str, candidates: dict[str, Callable[[], Any]],
+               per_call: int = 1) -> str:
+        """Name of the fastest of ``candidates`` (name -> zero-argument launch of ``per_call``
+        GEMMs) for ``key``; timed once, then read from the table (a stored name no longer offered
+        is re-timed). Stores ``ms`` per GEMM."""
+        entry = self.table.get(key)
+        if entry and entry.get("choice") in candidates:
+            return entry["choice"]
+        times = {name: self._time(fn) / per_call for name, fn in candidates.items()}
+        best = min(times, key=times.get)
+        self.table[key] = {"choice": best, "ms": times}
+        self._save()
+        return best
+
+    def choose_gemm(self, key: str, x: Any, w: Any, bias: Any, configs: dict[str, Any],
+                    launch: Callable[..., Any]) -> str:
+        """:meth:`choose` between ``F.linear`` (:data:`CUBLAS`) and ``launch(x, w_i, bias, cfg)``
+        for every ``configs`` entry (name -> config), each over rotated copies ``w_i`` of ``w``
+        (:data:`ROTATE_BYTES`); a config whose output differs from ``F.linear``'s is dropped."""
+        import torch
+        import torch.nn.functional as F
+        entry = self.table.get(key)
+        if entry and entry.get("choice") in (CUBLAS, *configs):
+            return entry["choice"]
+        want = F.linear(x, w, bias).float()
+        tol = 1e-3 if w.dtype == torch.float32 else 2 ** -6  # ~2 ulps of bf16 at the output
+        scale = want.abs().max().item() + 1e-6
+        ok = {}
+        for name, cfg in configs.items():
+            try:
+                got = launch(x, w, bias, cfg).float()
+            except Exception as err:  # noqa: BLE001 -- a config that cannot launch is skipped
+                warnings.warn(f"skinny_gemm tuner: {name} failed for {key}: {err}", stacklevel=2)
+                continue
+            if (got - want).abs().max().item() <= tol * scale:
+                ok[name] = cfg
+        copies = [w] + [w.clone() for _ in range(max(0, -(-ROTATE_BYTES // (
+            w.numel() * w.element_size())) - 1))]
+        cands = {name: (lambda c=cfg: [launch(x, wi, bias, c) for wi in copies])
+                 for name, cfg in ok.items()}
+        cands[CUBLAS] = lambda: [F.linear(x, wi, bias) for wi in copies]
+        return self.choose(key, cands, per_call=len(copies))
+
+
+_TUNER: SkinnyTuner | None = None
+
+
+def tuner() -> SkinnyTuner:
+    """The process's :class:`SkinnyTuner` (created at first use, reading :func:`cache_path`)."""
+    global _TUNER
+    if _TUNER is None:
+        _TUNER = SkinnyTuner()
+    return _TUNER

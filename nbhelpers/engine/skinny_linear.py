@@ -1,0 +1,118 @@
+"""Decode GEMMs through the split-K Triton kernel (runner option ``skinny_gemm``).
+
+Contract: one :class:`SkinnyLinear` per engine model, shared by every
+:class:`~nbhelpers.engine.lora.LiveGroup` (its base GEMM: ``F.linear(x2, W, bias)`` where ``W`` may
+carry LoRA A's rows, the ``ext`` layout, so ``y`` and ``x A^T`` still come out of one GEMM) and by
+the LM head (``layers.EngineModel.logits``). Calling it is ``F.linear(x2, w, bias)``: in mode
+``"triton"``, inside :meth:`decoding` (the runner's decode windows: warm-up, capture, eager steps)
+and for operands :func:`.kernels.skinny_gemm.supported` serves (at most 16 rows, 16/32-bit, CUDA or
+the interpreter) it launches :func:`.kernels.skinny_gemm.skinny_gemm` with the config the tuner
+chose for the shape, or keeps ``F.linear`` where cuBLAS won (:mod:`.kernels.skinny_gemm_tune`).
+Prefill, more rows, torch.compile tracing (``compile_decode``) and unsupported operands keep
+``F.linear``. Weights are passed per call (live LoRA: nothing is copied or cached but the choice).
+
+:func:`defer_skinny` is :func:`nbhelpers.engine.lora_pending.defer` (``lora_expand="consumer"``)
+with this GEMM: the pending-LoRA record is built on its output the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from nbhelpers.engine.lora_fused import check_kernel_mode
+from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS, PendingLora
+
+SKINNY_GEMM_MODES = ("off", "triton")
+"""Whether decode GEMMs of at most 16 rows may run as the split-K Triton kernel."""
+
+
+def check_skinny_gemm(mode: str) -> str:
+    """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
+    :data:`SKINNY_GEMM_MODES`); raises ``ValueError`` naming the allowed values."""
+    return check_kernel_mode("skinny_gemm", mode, SKINNY_GEMM_MODES)
+
+
+class SkinnyLinear:
+    """``F.linear`` with the skinny kernel for decode (module docstring).
+
+    ``choices`` maps a ``skinny_gemm_tune.shape_key`` to the chosen ``skinny_gemm.Config`` or
+    ``None`` (cuBLAS). Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES`.
+    """
+
+    def __init__(self, mode: str = "off"):
+        self.mode = check_skinny_gemm(mode)
+        self.decode = False
+        self.choices: dict[str, Any] = {}
+        self.kernel = self.tune = None
+        if mode == "triton":  # imported here, not per call (traced decode steps)
+            from nbhelpers.engine.kernels import skinny_gemm, skinny_gemm_tune
+            self.kernel, self.tune = skinny_gemm, skinny_gemm_tune
+
+    @property
+    def enabled(self) -> bool:
+        return self.kernel is not None
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Within this block the GEMMs are decode GEMMs (the runner's decode windows)."""
+        old, self.decode = self.decode, True
+        try:
+            yield
+        finally:
+            self.decode = old
+
+    def serves(self, x2: Any, w: Any, bias: Any = None) -> bool:
+        """Whether this call would run the kernel (mode on, decoding, not traced, operands)."""
+        import torch
+        return (self.kernel is not None and self.decode and not torch.compiler.is_compiling()
+                and self.kernel.supported(x2, w, bias))
+
+    def __call__(self, x2: Any, w: Any, bias: Any = None) -> Any:
+        """``x2 [M, K] @ w [N, K]^T (+ bias [N])`` -> ``[M, N]`` in x2's dtype."""
+        import torch.nn.functional as F
+        if not self.serves(x2, w, bias):
+            return F.linear(x2, w, bias)
+        cfg = self.config(x2, w, bias)
+        return F.linear(x2, w, bias) if cfg is None else self.kernel.skinny_gemm(x2, w, bias, cfg)
+
+    def config(self, x2: Any, w: Any, bias: Any) -> Any:
+        """The tuned config for this shape, ``None`` for cuBLAS. Tunes at the shape's first
+        eager CUDA call; on the CPU (interpreter) or while capturing: ``default_config``, not
+        recorded (a later eager call still tunes)."""
+        import torch
+        sg, tune = self.kernel, self.tune
+        (m, k), n = x2.shape, w.shape[0]
+        key = tune.shape_key(x2.device, m, n, k, w.dtype, bias is not None)
+        if key in self.choices:
+            return self.choices[key]
+        default = sg.default_config(n, k)
+        if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+            return default
+        cfgs = {tune.config_name(c): c for c in (default, *sg.CONFIGS)}
+        choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm)
+        self.choices[key] = cfgs.get(choice)  # None: cuBLAS
+        return self.choices[key]
+
+
+def defer_skinny(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
+    """:func:`nbhelpers.engine.lora_pending.defer` with the group's base GEMM
+    (``group._base_gemm``: this module's kernel where it serves): ``(base outputs, PendingLora)``
+    in ``lora_expand="consumer"`` mode for LoRA on every part through one fused buffer, the
+    cuBLAS path (``lora_fused`` off), no tracing and at most ``CONSUMER_MAX_ROWS`` rows; else
+    ``(group(x), None)``. ``x [..., in]``."""
+    import torch
+    if group.lora_expand != "consumer" or group._lora_gemm.enabled \
+            or torch.compiler.is_compiling():
+        return group(x), None
+    f = group._buffers()
+    x2 = x.reshape(-1, x.shape[-1])
+    if f is None or not f["lora"] or x2.shape[0] > CONSUMER_MAX_ROWS:
+        return group(x), None
+    y = group._base_gemm(x2, f)  # [N, sum(out)] (+ [N, sum(r)] when ext)
+    n = f["n_out"]
+    y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, group._lora_a(x2, f["A"]))
+    pending = PendingLora(y, xa, f["B"], group.sizes, group._ranks(), f["scaling"],
+                          group._expand)
+    return group.split_out(y, x.shape), pending

@@ -206,10 +206,6 @@ class ModelRunner:
     # ---------------------------------------------------------------- decode
     def decode(self, seqs: list[Sequence], steps: int, sampling: Any) -> None:
         """Run ``steps`` decode steps for ``seqs`` (pages already reserved) and append tokens."""
-        with self.skinny.decoding():  # GEMMs here are decode GEMMs (skinny_gemm option)
-            self._decode(seqs, steps, sampling)
-
-    def _decode(self, seqs: list[Sequence], steps: int, sampling: Any) -> None:
         t0 = time.perf_counter()
         self.refresh_weights()
         st = self._state(len(seqs), uses_sort(sampling))
@@ -277,8 +273,9 @@ class ModelRunner:
 
     def _step_body(self, st: DecodeState, use_sort: bool) -> None:
         compute = self._decode_compiled or self._decode_compute
-        tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature, st.min_p,
-                          st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
+        with self.skinny.decoding():  # decode GEMMs (skinny_gemm option; prefill: cuBLAS)
+            tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature,
+                              st.min_p, st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))
         st.out_lp.index_copy_(1, st.col, lp.unsqueeze(1))
         st.col.add_(1)

@@ -4,12 +4,13 @@ Contract: one :class:`SkinnyLinear` per engine model, shared by every
 :class:`~nbhelpers.engine.lora.LiveGroup` (its base GEMM: ``F.linear(x2, W, bias)`` where ``W`` may
 carry LoRA A's rows, the ``ext`` layout, so ``y`` and ``x A^T`` still come out of one GEMM) and by
 the LM head (``layers.EngineModel.logits``). Calling it is ``F.linear(x2, w, bias)``: in mode
-``"triton"``, inside :meth:`decoding` (the runner's decode windows: warm-up, capture, eager steps)
-and for operands :func:`.kernels.skinny_gemm.supported` serves (at most 16 rows, 16/32-bit, CUDA or
-the interpreter) it launches :func:`.kernels.skinny_gemm.skinny_gemm` with the config the tuner
-chose for the shape, or keeps ``F.linear`` where cuBLAS won (:mod:`.kernels.skinny_gemm_tune`).
-Prefill, more rows, torch.compile tracing (``compile_decode``) and unsupported operands keep
-``F.linear``. Weights are passed per call (live LoRA: nothing is copied or cached but the choice).
+``"triton"``, inside :meth:`decoding` (the runner's decode step body: warm-up, capture, eager
+steps, the profiler's steps) and for operands :func:`.kernels.skinny_gemm.supported` serves
+(at most 16 rows, 16/32-bit, CUDA or the interpreter) it launches
+:func:`.kernels.skinny_gemm.skinny_gemm` with the config the tuner chose for the shape, or keeps
+``F.linear`` where cuBLAS won (:mod:`.kernels.skinny_gemm_tune`). Prefill, more rows,
+torch.compile tracing (``compile_decode``) and unsupported operands keep ``F.linear``. Weights
+are passed per call (live LoRA: nothing is copied or cached but the choice).
 
 :func:`defer_skinny` is :func:`nbhelpers.engine.lora_pending.defer` (``lora_expand="consumer"``)
 with this GEMM: the pending-LoRA record is built on its output the same way.

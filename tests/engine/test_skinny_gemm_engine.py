@@ -21,12 +21,20 @@ from _tiny import random_prompts, tiny_model
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import skinny_gemm as sg
+from nbhelpers.engine.kernels import skinny_gemm_tune as tune
 from nbhelpers.engine.runner_options import RunnerOptions, resolve_skinny_gemm
 from nbhelpers.engine.skinny_linear import SkinnyLinear, check_skinny_gemm
 
 skip_unless_runnable(sg)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 LAYERS = 2
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(tmp_path, monkeypatch):
+    """GPU runs tune the tiny shapes: into a cache of this test's own, not the user's."""
+    monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune, "_TUNER", None)
 
 
 def test_option_values():
@@ -135,3 +143,32 @@ def test_engine_without_lora_and_prefill_only(monkeypatch):
     llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, skinny_gemm="triton")
     llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
     assert not calls
+
+
+def test_profiler_step_uses_kernel(monkeypatch):
+    """``bench.profile`` steps ``runner._step_body`` directly: its GEMMs are decode GEMMs too."""
+    model = tiny_model("qwen3").to(DEV)
+    llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, skinny_gemm="triton",
+              use_cuda_graphs=False)
+    llm.generate(random_prompts(2, 5, 9, seed=4), GREEDY)
+    calls = _count(monkeypatch)
+    st = next(iter(llm.runner.states.values()))
+    st.col.zero_()
+    with torch.no_grad():
+        llm.runner._step_body(st, st.use_sort)
+    assert len(calls) == 4 * LAYERS + 1
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="tiny-gemma4 engine tests run on the CPU (16-token "
+                    "pages); Gemma-4 on CUDA: test_gemma4.test_gpu_compiled_graphs_match_hf")
+def test_engine_gemma4_matches_off(monkeypatch):
+    """Gemma-4's own block calls its groups (PLE ones too): the tokens and logprobs of "off"."""
+    from test_gemma4 import SMALL, VOCAB, tiny_gemma4
+    model = tiny_gemma4()
+    prompt = random_prompts(1, 12, 12, seed=5, vocab=VOCAB)
+    calls = _count(monkeypatch)
+    outs = [LLM(model, **SMALL, skinny_gemm=mode).generate(prompt, GREEDY)[0]
+            for mode in ("off", "triton")]
+    assert calls
+    assert outs[0].token_ids == outs[1].token_ids
+    assert max(abs(a - b) for a, b in zip(outs[0].logprobs, outs[1].logprobs)) < 1e-4

@@ -31,6 +31,8 @@ from nbhelpers.engine.kernels import lora_gemm_tune
 from nbhelpers.engine.kernels.lora_gemm_tune import CUBLAS, Tuner, device_name
 
 ROTATE_BYTES = 256 << 20
+MAX_COPIES = 64
+"""At most this many copies (weights under 4 MB, tiny test models, stay partly in L2)."""
 REPS = 4
 __all__ = ["CUBLAS", "SkinnyTuner", "cache_path", "config_name", "graph_ms", "shape_key", "tuner"]
 
@@ -123,7 +125,8 @@ class SkinnyTuner(Tuner):
                     launch: Callable[..., Any]) -> str:
         """:meth:`choose` between ``F.linear`` (:data:`CUBLAS`) and ``launch(x, w_i, bias, cfg)``
         for every ``configs`` entry (name -> config), each over rotated copies ``w_i`` of ``w``
-        (:data:`ROTATE_BYTES`); a config whose output differs from ``F.linear``'s is dropped."""
+        (:data:`ROTATE_BYTES`, at most :data:`MAX_COPIES`); a config whose output differs from
+        ``F.linear``'s is dropped."""
         import torch
         import torch.nn.functional as F
         entry = self.table.get(key)
@@ -141,8 +144,8 @@ class SkinnyTuner(Tuner):
                 continue
             if (got - want).abs().max().item() <= tol * scale:
                 ok[name] = cfg
-        copies = [w] + [w.clone() for _ in range(max(0, -(-ROTATE_BYTES // (
-            w.numel() * w.element_size())) - 1))]
+        n_copies = min(MAX_COPIES, -(-ROTATE_BYTES // (w.numel() * w.element_size())))
+        copies = [w] + [w.clone() for _ in range(n_copies - 1)]
         cands = {name: (lambda c=cfg: [launch(x, wi, bias, c) for wi in copies])
                  for name, cfg in ok.items()}
         cands[CUBLAS] = lambda: [F.linear(x, wi, bias) for wi in copies]

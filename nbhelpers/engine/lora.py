@@ -36,7 +36,6 @@ from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public nam
 )
 from nbhelpers.engine.lora_pending import PendingLora, add_lora_b, defer
 from nbhelpers.engine.lora_shadow import fuse_shadow, lora_versions, refresh_shadow
-from nbhelpers.engine.skinny_linear import defer_skinny
 
 LORA_DTYPES = ("adapter", "model")
 """What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
@@ -292,7 +291,7 @@ class LiveGroup:
         ``(base outputs, PendingLora)``, or ``(self(x), None)`` where the mode does not apply
         (:func:`nbhelpers.engine.lora_pending.defer`). The caller must pass the record to a
         kernel that adds it, or call its ``apply()``."""
-        return defer_skinny(self, x) if self._skinny is not None else defer(self, x)
+        return defer(self, x)
 
     def _base_gemm(self, x2: Any, f: dict[str, Any]) -> Any:
         """``x2 @ W^T (+ bias)`` ``[N, rows of W]``: cuBLAS, or the skinny kernel in decode."""

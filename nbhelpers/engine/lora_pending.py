@@ -91,7 +91,6 @@ def defer(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
     by torch.compile, and ``x`` has at most :data:`CONSUMER_MAX_ROWS` rows; else
     ``(group(x), None)``. ``x [..., in]``."""
     import torch
-    import torch.nn.functional as F
     if group.lora_expand != "consumer" or group._lora_gemm.enabled \
             or torch.compiler.is_compiling():
         return group(x), None
@@ -99,7 +98,7 @@ def defer(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
     x2 = x.reshape(-1, x.shape[-1])
     if f is None or not f["lora"] or x2.shape[0] > CONSUMER_MAX_ROWS:
         return group(x), None
-    y = F.linear(x2, f["W"], f["bias"])  # [N, sum(out)] (+ [N, sum(r)] when ext)
+    y = group._base_gemm(x2, f)  # cuBLAS or the skinny kernel: [N, sum(out)] (+ [N, sum(r)])
     n = f["n_out"]
     y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, group._lora_a(x2, f["A"]))
     pending = PendingLora(y, xa, f["B"], group.sizes, group._ranks(), f["scaling"],

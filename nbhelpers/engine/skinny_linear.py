@@ -12,8 +12,8 @@ steps, the profiler's steps) and for operands :func:`.kernels.skinny_gemm.suppor
 torch.compile tracing (``compile_decode``) and unsupported operands keep ``F.linear``. Weights
 are passed per call (live LoRA: nothing is copied or cached but the choice).
 
-:func:`defer_skinny` is :func:`nbhelpers.engine.lora_pending.defer` (``lora_expand="consumer"``)
-with this GEMM: the pending-LoRA record is built on its output the same way.
+:func:`nbhelpers.engine.lora_pending.defer` (``lora_expand="consumer"``) calls the group's
+``_base_gemm``, so the pending-LoRA record is built on this GEMM's output the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from nbhelpers.engine.lora_fused import check_kernel_mode
-from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS, PendingLora
 
 SKINNY_GEMM_MODES = ("off", "triton")
 """Whether decode GEMMs of at most 16 rows may run as the split-K Triton kernel."""
@@ -95,25 +94,3 @@ class SkinnyLinear:
         choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm)
         self.choices[key] = cfgs.get(choice)  # None: cuBLAS
         return self.choices[key]
-
-
-def defer_skinny(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
-    """:func:`nbhelpers.engine.lora_pending.defer` with the group's base GEMM
-    (``group._base_gemm``: this module's kernel where it serves): ``(base outputs, PendingLora)``
-    in ``lora_expand="consumer"`` mode for LoRA on every part through one fused buffer, the
-    cuBLAS path (``lora_fused`` off), no tracing and at most ``CONSUMER_MAX_ROWS`` rows; else
-    ``(group(x), None)``. ``x [..., in]``."""
-    import torch
-    if group.lora_expand != "consumer" or group._lora_gemm.enabled \
-            or torch.compiler.is_compiling():
-        return group(x), None
-    f = group._buffers()
-    x2 = x.reshape(-1, x.shape[-1])
-    if f is None or not f["lora"] or x2.shape[0] > CONSUMER_MAX_ROWS:
-        return group(x), None
-    y = group._base_gemm(x2, f)  # [N, sum(out)] (+ [N, sum(r)] when ext)
-    n = f["n_out"]
-    y, xa = (y[:, :n], y[:, n:]) if f["ext"] else (y, group._lora_a(x2, f["A"]))
-    pending = PendingLora(y, xa, f["B"], group.sizes, group._ranks(), f["scaling"],
-                          group._expand)
-    return group.split_out(y, x.shape), pending

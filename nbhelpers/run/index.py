@@ -2,7 +2,12 @@
 
 Contract: :func:`write_index` reads every schema-v1 sidecar under ``executed/`` (via
 :func:`nbhelpers.stats.read_sidecars`), newest first within each notebook, and rewrites the index
-atomically. Headline numbers come from the sidecar's ``headline`` dict (the notebook chooses
+atomically. The content is a function of the sidecar files alone (no clock, no file times, no
+directory order): rows are sorted by notebook folder, then by run name descending; a run name
+starts with its UTC stamp (``<UTC>_<device>_<sha>[_N]``), so that is newest first, and runs of
+the same second fall in descending order of the rest of the name (``_1`` before the unsuffixed
+claim it follows). ``tests/unit/test_index_fresh.py`` asserts the committed ``executed/INDEX.md``
+equals a fresh one. Headline numbers come from the sidecar's ``headline`` dict (the notebook chooses
 them) or, failing that, from the schema's medians. A sidecar with ``error`` is ``failed`` and its
 headline is the error's first line (a traceback's last line).
 
@@ -52,7 +57,8 @@ def status(side: dict[str, Any]) -> str:
 
 
 def index_rows(executed: Path) -> list[dict[str, str]]:
-    """One row dict per sidecar, sorted by notebook folder, then newest first. ``_target``: the
+    """One row dict per sidecar, sorted by notebook folder, then newest first (run name
+    descending; see the module docstring). ``_target``: the
     run's notebook (or the sidecar itself when it has none), relative to ``executed``."""
     rows = []
     for side in read_sidecars(executed):
@@ -81,10 +87,11 @@ def render_index(rows: list[dict[str, str]]) -> str:
     return HEADER + "\n".join(lines) + "\n"
 
 
-def write_index(executed: Path, repo: Path | None = None) -> Path:
-    """Regenerate ``executed/INDEX.md`` atomically; returns its path."""
+def write_index(executed: Path, repo: Path | None = None, out: Path | None = None) -> Path:
+    """Regenerate ``executed/INDEX.md`` (or ``out``: the same text elsewhere, e.g. a test's
+    temporary file; links stay relative to ``executed``) atomically; returns its path."""
     executed.mkdir(parents=True, exist_ok=True)
-    out = executed / "INDEX.md"
+    out = out or executed / "INDEX.md"
     tmp = out.with_suffix(f".md.tmp{os.getpid()}")
     tmp.write_text(render_index(index_rows(executed)))
     tmp.replace(out)

@@ -195,7 +195,8 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
     text output is also streamed to this terminal as it comes (``stdout_file``/``stderr_file``),
     so a long run shows its training logs, not only papermill's cell bar. A failure is written to
     ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count <n>)`` for the
-    parent's sidecar."""
+    parent's sidecar. Stopped by :func:`stop_jobs` (SIGINT, taken as ``KeyboardInterrupt``), it
+    prints one line instead of a traceback and returns 130; the parent records the failure."""
     import signal
 
     import papermill as pm
@@ -214,6 +215,10 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
         if error_file:
             error_file.write_text(msg)
         return 1
+    except KeyboardInterrupt:  # stop_jobs' SIGINT: the runner records the run (no traceback)
+        print("notebook stopped by the runner (interrupted); the partial notebook is kept",
+              file=sys.stderr)
+        return 130
     except Exception as exc:  # kernel death, papermill bug: record it, keep the traceback
         if error_file:
             error_file.write_text(f"{type(exc).__name__}: {exc}")

@@ -57,6 +57,15 @@ N1_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemm
             "'{\"name\": \"default\", \"options\": {}};"
             "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}}'")
 
+# next session: skinny_gemm="triton" (split-K decode GEMMs, tuned per shape at first use,
+# cached on disk) alone and with the consumer LoRA B, at the GRPO rollout shape.
+N1D_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:fp32:4,qwen3-4b:none:4 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"skinny\", \"options\": {\"skinny_gemm\": \"triton\"}};"
+             "{\"name\": \"skinny_consumer\", \"options\": {\"skinny_gemm\": \"triton\", "
+             "\"lora_expand\": \"consumer\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -195,4 +204,6 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n1c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 200, 300, 0),
         (BENCH, {"args": N1_BENCH}, 220, 280, 0)]),
+    "n1d": ([], [], [
+        (BENCH, {"args": N1D_BENCH}, 240, 330, 0)]),
 }

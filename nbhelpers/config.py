@@ -6,7 +6,8 @@ type (:func:`check_field_types`: an ``int`` field takes an int but not a bool or
 also ``None``; ``SamplingParams.stop_token_ids`` alone also takes a list or any sequence of ints,
 as vLLM does, stored as a tuple; :func:`nbhelpers.token_ids.token_ids` reads it), then its
 range; a bad value raises ``ValueError`` whose message names the field, and the type expected or
-the fix. Notebook ``parameters`` cells map one to one onto these fields.
+the fix (a wrong type raises :class:`~nbhelpers.config_types.FieldTypeError`, a ``TypeError`` that
+is also a ``ValueError``). Notebook ``parameters`` cells map one to one onto these fields.
 
 Reference values (``GRPOSettings`` defaults) come from the public Unsloth notebook
 "Qwen3_(4B)-GRPO.ipynb" (unslothai/notebooks, nb/Qwen3_(4B)-GRPO.ipynb): LoRA r=32, alpha=64 (the
@@ -17,15 +18,21 @@ vLLM sampling min_p=0.1, top_p=1.0, top_k=-1, seed 3407, max_seq_length 2048.
 
 from __future__ import annotations
 
-import functools
 import math
-import numbers
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from nbhelpers.config_types import (
+    UNSUPPORTED_SAMPLING_ARGS,
+    FieldTypeError,
+    check_field_types,
+    reject_unsupported_args,
+)
 from nbhelpers.token_ids import token_ids
+
+__all__ = ["GRPO_SAMPLING", "LORA_TARGETS_ALL", "SAMPLING_PRESETS", "UNSUPPORTED_SAMPLING_ARGS",
+           "WORKLOAD_W", "Completion", "FieldTypeError", "GRPOSettings", "LoraSpec", "ModelSpec",
+           "SamplingParams", "Workload", "check_field_types", "resolve_sampling", "token_ids"]
 
 LORA_TARGETS_ALL: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -36,53 +43,6 @@ LORA_TARGETS_ALL: tuple[str, ...] = (
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether ``value`` fits the type ``hint`` (see the module docstring for the rules)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if origin is Literal:  # the type only: each __post_init__ names the allowed values
-        return any(type(value) is type(a) for a in args)
-    if origin is tuple:
-        items = args[:1] if len(args) == 2 and args[1] is Ellipsis else args
-        return isinstance(value, tuple) and all(_fits(v, items[0]) for v in value) \
-            if items else isinstance(value, tuple)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "str"
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
-def _value_type(value: Any) -> str:
-    if isinstance(value, tuple):
-        return f"tuple of {sorted({type(v).__name__ for v in value})}"
-    return type(value).__name__
-
-
-def check_field_types(obj: Any) -> None:
-    """Check every dataclass field of ``obj`` against its annotation.
-
-    Raises:
-        ValueError: ``<Class>.<field>=<value>: expected <type>, got <type of value>``.
-    """
-    hints = typing.get_type_hints(type(obj))
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        _require(_fits(value, hints[f.name]), f"{type(obj).__name__}.{f.name}={value!r}: "
-                 f"expected {_type_name(hints[f.name])}, got {_value_type(value)}.")
 
 
 @dataclass(frozen=True)
@@ -151,14 +111,18 @@ class SamplingParams:
     takes any sequence of ints, as vLLM's ``list[int]`` does (``None``: none), and is stored as a
     tuple (the object stays hashable).
 
-    vLLM / transformers names this class lacks raise ``TypeError`` naming the fix:
-    ``max_tokens`` (use ``max_new_tokens``), ``logprobs`` (always returned), ``stop`` strings (use
-    ``stop_token_ids``), ``eos_token_id`` (the engine's: ``LLM(model, eos_token_id=...)``).
+    vLLM / transformers names this class lacks raise ``TypeError`` naming the fix
+    (:data:`~nbhelpers.config_types.UNSUPPORTED_SAMPLING_ARGS`): ``max_tokens`` (use
+    ``max_new_tokens``), ``logprobs`` (always returned), ``stop`` strings (use
+    ``stop_token_ids``), ``eos_token_id`` (the engine's: ``LLM(model, eos_token_id=...)``),
+    ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` (not implemented),
+    ``best_of`` (use ``n``).
 
     Raises:
-        TypeError: one of those arguments, or (as :class:`~nbhelpers.token_ids.TokenIdsError`,
-            a ``ValueError`` too) ``stop_token_ids`` that is not a sequence of ints (text,
-            floats, one bare id).
+        TypeError: one of those arguments; a field of the wrong type (``n=2.5``:
+            :class:`~nbhelpers.config_types.FieldTypeError`, a ``ValueError`` too); or (as
+            :class:`~nbhelpers.token_ids.TokenIdsError`, a ``ValueError`` too)
+            ``stop_token_ids`` that is not a sequence of ints (text, floats, one bare id).
         ValueError: temperature < 0 or not finite, top_p not in (0, 1], top_k < -1, min_p not in
             [0, 1], n < 1, max_new_tokens < 1, seed outside [0, 2**62), a negative stop id.
     """
@@ -206,31 +170,7 @@ class SamplingParams:
         return asdict(self)
 
 
-_VLLM_ONLY_ARGS = {
-    "max_tokens": "use max_new_tokens (vLLM's max_tokens)",
-    "logprobs": "logprobs of the sampled tokens are always returned (Completion.logprobs / "
-                "full_logprobs)",
-    "stop": "stop strings are not supported: use stop_token_ids (token ids, e.g. from "
-            "tokenizer.encode)",
-    "eos_token_id": "the EOS ids are the engine's, not a sampling setting: "
-                    "LLM(model, eos_token_id=[...]) (default model.config.eos_token_id); to stop "
-                    "on more ids per request pass stop_token_ids=[...]",
-}
-
-
-def _reject_vllm_only_args(init):
-    """Wrap ``SamplingParams.__init__`` so vLLM / transformers argument names it lacks raise a
-    TypeError naming the fix instead of a bare "unexpected keyword argument"."""
-    @functools.wraps(init)
-    def checked(self, *args: Any, **kwargs: Any) -> None:
-        for name, fix in _VLLM_ONLY_ARGS.items():
-            if name in kwargs:
-                raise TypeError(f"SamplingParams({name}=...): {fix}.")
-        init(self, *args, **kwargs)
-    return checked
-
-
-SamplingParams.__init__ = _reject_vllm_only_args(SamplingParams.__init__)
+SamplingParams.__init__ = reject_unsupported_args(SamplingParams.__init__)
 
 
 def resolve_sampling(owner: str, sampling: Any, sampling_params: Any) -> SamplingParams:
@@ -337,6 +277,14 @@ class GRPOSettings:
 
     ``per_device_train_batch_size`` counts completions (TRL); it is rounded up to a multiple of
     ``num_generations`` by :func:`nbhelpers.grpo.setup.build_config` with a logged message.
+
+    Raises:
+        FieldTypeError: a field of the wrong type (a ``TypeError`` and a ``ValueError``).
+        ValueError: a count below its minimum (``num_generations`` >= 2, the others >= 1);
+            ``learning_rate`` not finite and > 0; ``beta`` or ``weight_decay`` not finite and
+            >= 0; ``warmup_ratio`` not in [0, 1]; ``seed`` not in [0, 2**32) (what
+            ``transformers.set_seed`` takes: numpy's seed range); the sampling fields as
+            :class:`SamplingParams` checks them. NaN fails every range check.
     """
 
     max_steps: int = 10
@@ -361,15 +309,21 @@ class GRPOSettings:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _require(self.max_steps >= 1, f"GRPOSettings.max_steps={self.max_steps}: must be >= 1.")
         _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
                  f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")
-        _require(self.per_device_train_batch_size >= 1, "GRPOSettings.per_device_train_batch_size="
-                 f"{self.per_device_train_batch_size}: must be >= 1.")
-        _require(self.max_completion_length >= 1, f"GRPOSettings.max_completion_length={self.max_completion_length}: must be >= 1.")
-        _require(self.max_prompt_length >= 1, f"GRPOSettings.max_prompt_length={self.max_prompt_length}: must be >= 1.")
-        _require(self.learning_rate > 0, f"GRPOSettings.learning_rate={self.learning_rate}: must be > 0.")
-        _require(self.beta >= 0, f"GRPOSettings.beta={self.beta}: must be >= 0.")
+        for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "max_prompt_length", "max_completion_length", "logging_steps"):
+            _require(getattr(self, name) >= 1,
+                     f"GRPOSettings.{name}={getattr(self, name)}: must be >= 1.")
+        _require(0 < self.learning_rate < math.inf, f"GRPOSettings.learning_rate="
+                 f"{self.learning_rate}: must be finite and > 0 (the reference uses 5e-6).")
+        for name in ("beta", "weight_decay"):
+            _require(0 <= getattr(self, name) < math.inf,
+                     f"GRPOSettings.{name}={getattr(self, name)}: must be finite and >= 0.")
+        _require(0 <= self.warmup_ratio <= 1, f"GRPOSettings.warmup_ratio={self.warmup_ratio}: "
+                 "must be in [0, 1] (a fraction of max_steps).")
+        _require(0 <= self.seed < 2**32, f"GRPOSettings.seed={self.seed}: must be in [0, 2**32) "
+                 "(transformers.set_seed passes it to numpy, which takes no more).")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        min_p=self.min_p)
 

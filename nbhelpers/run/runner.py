@@ -70,8 +70,17 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
     """Notebooks for a phase name (``phase0``), a phase folder (``phase0_reference`` or
     ``notebooks/phase0_reference``), or one ``.ipynb`` path.
 
+    A notebook path must lie in a phase folder, ``<repo>/notebooks/<phase dir>/``: the phase
+    comes from that folder (:func:`~nbhelpers.run.phases.phase_of`) and picks both the value
+    checks (:mod:`nbhelpers.run.values`) and the archive folder
+    ``executed/<phase dir>/<stem>/``. A notebook elsewhere (an executed copy under
+    ``executed/``, a scratch ``/tmp/x.ipynb``) would skip those checks and open a new top-level
+    folder in the append-only archive, and no workflow needs that (an executed copy is an
+    output: re-run its source notebook), so it is refused rather than allowed with a warning.
+
     Raises:
-        UserInputError: unknown phase, or a phase folder without notebooks.
+        UserInputError: unknown phase, a phase folder without notebooks, or a notebook path
+            outside ``notebooks/<phase dir>/`` (the message names the notebook to run instead).
         MissingInputError: the notebook path does not exist (also a ``FileNotFoundError``).
     """
     if target.endswith(".ipynb"):
@@ -79,6 +88,7 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
         if not path.is_file():
             raise MissingInputError(f"notebook {target!r} not found (paths are relative to "
                                     f"{repo}).")
+        _check_in_phase_folder(path, target, repo)
         return [path]
     folder = PHASE_DIRS.get(target, target.rstrip("/").removeprefix("notebooks/"))
     if folder not in PHASE_DIRS.values():
@@ -88,6 +98,25 @@ def resolve_notebooks(target: str, repo: Path = REPO) -> list[Path]:
     if not found:
         raise UserInputError(f"phase {target!r} has no notebooks yet under notebooks/{folder}/.")
     return found
+
+
+def _check_in_phase_folder(path: Path, target: str, repo: Path) -> None:
+    """Raise :class:`UserInputError` unless ``path`` is in ``repo/notebooks/<phase dir>/``;
+    the message names the source notebook of that name when there is one."""
+    folders = {(repo / "notebooks" / d).resolve(): d for d in PHASE_DIRS.values()}
+    if path.resolve().parent in folders:
+        return
+    same = sorted((repo / "notebooks").glob(f"*/{path.name}"))
+    if not same and "_" in path.stem:  # an executed copy is <UTC>_<device>_<sha>.ipynb
+        same = sorted((repo / "notebooks").glob(f"*/{path.parent.name}.ipynb"))
+    fix = (f"run its source notebook, python -m nbhelpers run "
+           f"{os.path.relpath(same[0], repo)}" if same
+           else "move it into notebooks/<phase dir>/ first")
+    raise UserInputError(f"notebook {target!r} is not in a phase folder (notebooks/"
+                         f"{{{','.join(PHASE_DIRS.values())}}}/): its parameters would skip the "
+                         f"phase's value checks and its output would open a new folder in "
+                         f"executed/. {fix[0].upper() + fix[1:]}, or run a whole phase "
+                         f"(python -m nbhelpers run phase0 ... phase3).")
 
 
 def claim_output(folder: Path, stem: str) -> tuple[Path, Path]:

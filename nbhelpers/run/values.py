@@ -11,7 +11,8 @@ and the dataclass constructed. So ``num_generations`` must be >= 2 in phases 0 a
 (``GRPOSettings``) and >= 1 in phase 3 (``SamplingParams.n``). Count parameters no dataclass
 holds have their lower bound in :data:`NOTEBOOK_MINIMA`. ``model`` must be a registry name / hub
 id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
-phase, ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
+phase (each once), phase 1's ``engine_options`` keyed by backends of the run
+(:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
 ``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
 ``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
 (:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
@@ -157,10 +158,40 @@ def _check_backends(params: dict[str, Any], notebook: Path, where: Where) -> Non
                                  f"{known}.")
         if bad := [b for b in params["backends"] if b not in known]:
             raise UserInputError(f"{where('backends')}: unknown backend(s) {bad}: use {known}.")
+        if twice := sorted({b for b in params["backends"] if params["backends"].count(b) > 1}):
+            raise UserInputError(f"{where('backends')}: backends={params['backends']} names "
+                                 f"{twice} more than once: give each backend once, e.g. "
+                                 f"{list(dict.fromkeys(params['backends']))}.")
     ref = params.get("reference_backend")
     if isinstance(ref, str) and ref not in GRPO:  # a typo would skip every cross check
         raise UserInputError(f"{where('reference_backend')}: reference_backend={ref!r}: use one "
                              f"of {GRPO}.")
+
+
+def _check_engine_options(params: dict[str, Any], sources: dict[str, str], notebook: Path,
+                          where: Where) -> None:
+    """Phase 1's ``engine_options`` maps a backend to its options (``{backend: {option:
+    value}}``): every key must be a rollout backend and every value a mapping, and a key given
+    with ``-p engine_options`` must be a backend of this run (a config file may hold options
+    for backends that a ``-p backends`` override leaves out: the H200 sweep runs in parts)."""
+    opts = params.get("engine_options")
+    if phase_of(notebook) != "phase1" or not isinstance(opts, dict):
+        return
+    from nbhelpers.backends import BACKENDS
+    run = params.get("backends") if isinstance(params.get("backends"), list) else None
+    from_cli = sources.get("engine_options", "").startswith("-p")
+    allowed = run if from_cli and run is not None else list(BACKENDS)
+    form = ("engine_options maps a backend to its options, e.g. -p engine_options "
+            "'{vllm: {gpu_memory_utilization: 0.5}}'")
+    for key, value in opts.items():
+        if key not in allowed:
+            what = (f"not a backend of this run ({run})" if key in BACKENDS
+                    else f"not a backend ({list(BACKENDS)})")
+            raise UserInputError(f"{where('engine_options')}: key {key!r} is {what}, so its "
+                                 f"options would be ignored: {form}.")
+        if not isinstance(value, dict):
+            raise UserInputError(f"{where('engine_options')}: engine_options[{key!r}]={value!r}"
+                                 f" is not a mapping of options: {form}.")
 
 
 def _check_compile(params: dict[str, Any], where: Where) -> None:
@@ -213,5 +244,6 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_model_and_dataset(params, where)
     _check_questions(params, where)
     _check_backends(params, notebook, where)
+    _check_engine_options(params, sources, notebook, where)
     _check_compile(params, where)
     _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])

@@ -325,7 +325,7 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"num_generations": 1},
      r"GRPOSettings\.num_generations=1: GRPO needs >= 2"),
     ("phase0_reference/00_reference_grpo", {"learning_rate": 0.0},
-     r"GRPOSettings\.learning_rate=0\.0: must be > 0"),
+     r"GRPOSettings\.learning_rate=0\.0: must be finite and > 0"),
     ("phase0_reference/00_reference_grpo", {"lora_rank": 0},
      r"LoraSpec\.rank=0: must be a positive int .*\(lora_rank is LoraSpec\.rank\)"),
     ("phase1_rollout/10_lora_rollout", {"sampling": "grpo2"},
@@ -384,9 +384,11 @@ def test_phase_comes_from_the_folder_not_the_file_name(tmp_path):
         runner.plan_parameters([in2], "cpu", {"num_generations": 1}, tmp_path)
 
 
-def test_a_file_that_is_not_a_notebook_is_a_one_line_user_error(tmp_path, capsys):
-    bad = tmp_path / "bad.ipynb"
+def test_a_file_that_is_not_a_notebook_is_a_one_line_user_error(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "notebooks/phase0_reference/bad.ipynb"  # a phase folder: read, not refused
+    bad.parent.mkdir(parents=True)
     bad.write_text("{}")
+    monkeypatch.setattr(runner, "REPO", tmp_path)
     assert main(["run", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not a readable Jupyter notebook" in err

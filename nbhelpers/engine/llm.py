@@ -25,8 +25,10 @@ from typing import Any
 from nbhelpers.config import Completion, SamplingParams, resolve_sampling
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.llm_checks import (
+    check_causal_lm,
     check_cuda_graphs,
     check_flag,
+    check_generate_kwargs,
     check_limits,
     check_options,
     eos_ids,
@@ -60,14 +62,15 @@ class LLM:
         last_stats: numbers of the latest ``generate`` call (see :meth:`generate`).
 
     Raises:
-        TypeError: ``model`` is not a loaded HF model, an unknown option (the message names
+        TypeError: ``model`` is not a loaded HF causal LM (a base ``LlamaModel`` without
+            ``lm_head``: pass the ``*ForCausalLM``), an unknown option (the message names
             the closest valid one), ``share_prefix`` / ``allow_long_max_model_len`` not a bool,
             or an ``eos_token_id`` that is not int ids
             (:class:`~nbhelpers.token_ids.TokenIdsError`).
         ValueError: unsupported architecture, bad options (e.g. a ``page_size`` the CUDA kernels
             cannot serve: :func:`~nbhelpers.engine.kv_cache.check_page_size` names the valid
             sizes), ``max_num_seqs`` not an int in [1, 512] (the largest decode batch),
-            ``max_prefill_tokens`` not an int >= 1, ``use_cuda_graphs=True`` for a model that is
+            ``max_prefill_tokens`` not an int >= 1, an EOS id outside ``[0, vocab_size)``, ``use_cuda_graphs=True`` for a model that is
             not on a CUDA device, ``max_model_len`` above the model's context (all checked at
             construction, before the engine is built), or, at ``generate``, a prompt longer than
             max_model_len.
@@ -77,9 +80,7 @@ class LLM:
                  max_num_seqs: int = 256, max_prefill_tokens: int = 8192,
                  share_prefix: bool = True, allow_long_max_model_len: bool = False,
                  **options: Any):
-        if not hasattr(model, "parameters") or not hasattr(model, "config"):
-            raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
-                            "e.g. nbhelpers.models.load_model(name)[0].")
+        check_causal_lm(model)
         check_options(options)
         check_limits(max_num_seqs, max_prefill_tokens)
         check_flag("share_prefix", share_prefix, "prefill the n samples of a prompt once")
@@ -95,12 +96,17 @@ class LLM:
         self._next_id = 0
 
     # ---------------------------------------------------------------- public API
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]] | list[dict[str, list[int]]],
+                 sampling: SamplingParams | None = None, *,
+                 sampling_params: SamplingParams | None = None,
+                 **unsupported: Any) -> list[Completion]:
         """Generate ``sampling.n`` completions per prompt; see the module docstring.
 
         ``sampling_params=`` is vLLM's name for ``sampling`` and is accepted as an alias (as in
-        every rollout backend, :func:`nbhelpers.config.resolve_sampling`).
+        every rollout backend, :func:`nbhelpers.config.resolve_sampling`). A prompt is a list of
+        token ids or vLLM's ``TokensPrompt`` dict ``{"prompt_token_ids": ids}``; any other
+        keyword (``max_tokens=``, ``temperature=``, ``use_tqdm=``...) raises ``TypeError`` naming
+        where it belongs (:func:`~nbhelpers.engine.llm_checks.check_generate_kwargs`).
 
         Sets :attr:`last_stats`. Per call (this ``generate`` only): ``wall_s`` (seconds of the
         scheduling loop, prompt checks excluded), ``num_preemptions``, and the runner's counters
@@ -114,11 +120,13 @@ class LLM:
 
         Raises:
             TypeError: both or neither of ``sampling`` / ``sampling_params`` given, or not a
-                ``SamplingParams``; prompts that are not token-id lists.
-            ValueError: an empty prompt, ids outside the vocabulary, or prompt +
+                ``SamplingParams``; prompts that are not token-id lists (a tokenizer's
+                ``BatchEncoding``: pass its ``.input_ids``); a keyword ``generate`` lacks.
+            ValueError: an empty prompt, prompt or stop ids outside the vocabulary, or prompt +
                 ``max_new_tokens`` above ``max_model_len``.
             RuntimeError: called after :meth:`sleep` without :meth:`wake_up`.
         """
+        check_generate_kwargs(unsupported)
         sampling = resolve_sampling("LLM", sampling, sampling_params)
         prompts = normalize_prompts(prompts)
         self._check(prompts, sampling)
@@ -169,6 +177,10 @@ class LLM:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i}: token ids must be in [0, vocab_size={vocab}); got "
                                  f"{min(p)}..{max(p)}: tokenize with the model's tokenizer.")
+        if bad := sorted(t for t in sampling.stop_token_ids if t >= vocab):
+            raise ValueError(f"SamplingParams.stop_token_ids: {bad} outside [0, vocab_size="
+                             f"{vocab}): such an id is never sampled, so it never stops a "
+                             "sequence; take the ids from the model's tokenizer.")
 
     def _make_seqs(self, prompts: list[list[int]], sampling: SamplingParams,
                    sched: Scheduler) -> list[Sequence]:

@@ -1,8 +1,9 @@
 """The argument checks of :class:`nbhelpers.engine.llm.LLM`: each refuses bad input before any
 engine state is built, with a message that names the fix.
 
-Contract: :func:`normalize_prompts` reads ``generate``'s prompts; the others check constructor
-arguments (:func:`check_options` names, :func:`check_limits` scheduler limits,
+Contract: :func:`normalize_prompts` reads ``generate``'s prompts (:func:`check_generate_kwargs`
+its other keywords); the others check constructor arguments (:func:`check_causal_lm` the model,
+:func:`check_options` names, :func:`check_limits` scheduler limits,
 :func:`check_cuda_graphs`, :func:`check_flag` booleans, :func:`eos_ids` the stop ids,
 :func:`fit_max_model_len` the context length against the model's). Pure functions over plain
 values and the HF config; imports only the engine's own modules and :mod:`nbhelpers.config`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from nbhelpers.config import token_ids
@@ -24,17 +26,64 @@ LLM_ARGS = ("eos_token_id", "max_num_seqs", "max_prefill_tokens", "share_prefix"
 """``LLM``'s own keyword arguments (the rest are :class:`RunnerOptions` fields)."""
 
 
+def check_causal_lm(model: Any) -> None:
+    """Raise ``TypeError`` unless ``model`` (or the model under its PEFT wrapper) is a loaded HF
+    causal LM: parameters, a config and an LM head (``lm_head``), so a base ``LlamaModel`` /
+    ``Qwen3Model`` (``causal_lm.model``) is refused before the engine reads its layers."""
+    if not hasattr(model, "parameters") or not hasattr(model, "config"):
+        raise TypeError(f"LLM(model) takes a loaded HF causal LM, got {type(model).__name__}: "
+                        "e.g. nbhelpers.models.load_model(name)[0].")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "lm_head", None) is None:
+        raise TypeError(f"LLM(model): {type(base).__name__} has no LM head (lm_head), so it "
+                        "cannot give next-token logits: pass the *ForCausalLM model (e.g. "
+                        "transformers.AutoModelForCausalLM.from_pretrained(...) or "
+                        "nbhelpers.models.load_model(name)[0]), not its .model.")
+
+
+PROMPT_KEYS = ("prompt_token_ids",)
+"""The keys a dict prompt may have: vLLM's ``TokensPrompt`` form (``{"prompt_token_ids": ids}``,
+vllm/inputs/data.py); no multi-modal data, no text (``TextPrompt``'s ``prompt``)."""
+
+
+def _dict_prompt(i: int, row: Any) -> Any:
+    """The ids of vLLM's ``TokensPrompt`` ``{"prompt_token_ids": ids}``; ``TypeError`` naming
+    the fix for text (``{"prompt": ...}``) or any other key."""
+    if "prompt" in row and "prompt_token_ids" not in row:
+        raise TypeError(f"prompt {i} is a vLLM TextPrompt ({{'prompt': text}}): the flex engine "
+                        "takes token ids: pass {'prompt_token_ids': tokenizer(text).input_ids} "
+                        "or the id list itself.")
+    if other := sorted(str(k) for k in row if k not in PROMPT_KEYS):
+        raise TypeError(f"prompt {i}: dict prompts take only {list(PROMPT_KEYS)} (vLLM's "
+                        f"TokensPrompt), got the key(s) {other}: drop them, or pass the id "
+                        "list itself.")
+    if "prompt_token_ids" not in row:
+        raise TypeError(f"prompt {i} is an empty dict: pass {{'prompt_token_ids': ids}}.")
+    return row["prompt_token_ids"]
+
+
 def normalize_prompts(prompts: Any) -> list[list[int]]:
     """``prompts`` as a list of token-id lists: any iterable of sequences of ints (a generator is
-    read once; 1-D tensors/arrays become lists).
+    read once; 1-D tensors/arrays become lists), each also as vLLM's ``TokensPrompt``
+    ``{"prompt_token_ids": ids}`` (:data:`PROMPT_KEYS`).
 
     Raises:
-        TypeError: a string, a flat list of ints, or ids that are not ints (the message says what
-            to pass instead).
+        TypeError: a string, a flat list of ints, ids that are not ints, a tokenizer's
+            ``BatchEncoding`` (or any mapping) instead of its ``input_ids``, or a dict prompt
+            with text or other keys (the message says what to pass instead).
     """
     if isinstance(prompts, (str, bytes)):
         raise TypeError("LLM.generate takes token ids, not text: pass "
                         "[tokenizer(text).input_ids, ...].")
+    if isinstance(prompts, Mapping) and "prompt_token_ids" in prompts:
+        raise TypeError("LLM.generate(prompts) got one TokensPrompt dict: wrap it in a list, "
+                        "[{'prompt_token_ids': ids}].")
+    if isinstance(prompts, Mapping):  # BatchEncoding is a UserDict: list() would give its keys
+        what = ("a tokenizer BatchEncoding" if "input_ids" in prompts
+                else f"a {type(prompts).__name__} with keys {sorted(map(str, prompts))[:4]}")
+        raise TypeError(f"LLM.generate(prompts) got {what}: pass its .input_ids as a list of "
+                        "lists, e.g. tokenizer(texts).input_ids (no padding and no "
+                        "return_tensors: pad ids would become prompt tokens).")
     try:
         rows = list(prompts)
     except TypeError as exc:
@@ -45,6 +94,8 @@ def normalize_prompts(prompts: Any) -> list[list[int]]:
         if isinstance(row, (int, float)) and not isinstance(row, bool):
             raise TypeError("LLM.generate(prompts) got a flat list of ids: wrap one prompt as "
                             "[prompt_ids].")
+        if isinstance(row, Mapping):
+            row = _dict_prompt(i, row)
         if isinstance(row, (str, bytes)):
             raise TypeError(f"prompt {i} is text: pass tokenizer(text).input_ids.")
         row = row.tolist() if hasattr(row, "tolist") else list(row)
@@ -107,16 +158,27 @@ def check_cuda_graphs(model: Any, use_cuda_graphs: Any) -> None:
 
 def eos_ids(config: Any, eos_token_id: Any) -> frozenset[int]:
     """The ids that end a sequence: ``eos_token_id`` (an int or a sequence of ints), else
-    ``config.eos_token_id`` (``None``: none).
+    ``config.eos_token_id`` (``None``: none); each in ``[0, vocab_size)`` of the (text) config,
+    as prompt ids are (an id outside could never be sampled, so the sequence would never stop).
 
     Raises:
         nbhelpers.token_ids.TokenIdsError: (a ``TypeError``) text, floats or a mapping, naming
             the fix.
+        ValueError: an id < 0 or >= ``vocab_size`` (names the range and where the id came from).
     """
-    if eos_token_id is None:
-        return frozenset(token_ids("model.config.eos_token_id",
-                                   getattr(config, "eos_token_id", None), allow_single=True))
-    return frozenset(token_ids("LLM: eos_token_id", eos_token_id, allow_single=True))
+    owner = "model.config.eos_token_id" if eos_token_id is None else "LLM: eos_token_id"
+    given = getattr(config, "eos_token_id", None) if eos_token_id is None else eos_token_id
+    ids = frozenset(token_ids(owner, given, allow_single=True))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, numbers.Integral) and (bad := sorted(t for t in ids
+                                                               if not 0 <= t < vocab)):
+        fix = ("pass LLM(model, eos_token_id=tokenizer.eos_token_id)" if eos_token_id is None
+               else "pass the tokenizer's id, e.g. eos_token_id=tokenizer.eos_token_id")
+        raise ValueError(f"{owner}={given!r}: {bad} outside the vocabulary [0, vocab_size="
+                         f"{vocab}), so it could never be sampled and never end a sequence: "
+                         f"{fix}.")
+    return ids
 
 
 def model_context_len(config: Any) -> int | None:
@@ -160,3 +222,33 @@ def fit_max_model_len(config: Any, options: dict[str, Any], allow_long: Any) -> 
                          "max_new_tokens), or pass allow_long_max_model_len=True to use "
                          f"{value} anyway (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).")
     return options
+
+
+_GENERATE_ONLY = {
+    "use_tqdm": "the flex engine shows no progress bar: leave it out",
+    "lora_request": "the engine runs the PEFT model's live LoRA (nbhelpers.engine.lora): load the "
+                    "adapter into the model, leave lora_request out",
+}
+
+
+def check_generate_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` naming the fix for a keyword ``LLM.generate`` does not take:
+    ``max_tokens`` and the other sampling names (``SamplingParams`` fields, or the vLLM names
+    of :data:`nbhelpers.config_types.UNSUPPORTED_SAMPLING_ARGS`) belong in the
+    ``SamplingParams``; vLLM's ``use_tqdm`` / ``lora_request`` are not supported."""
+    from nbhelpers.config import UNSUPPORTED_SAMPLING_ARGS, SamplingParams
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name in kwargs:
+        if name == "max_tokens":
+            fix = ("the length limit is a sampling setting: pass "
+                   "SamplingParams(max_new_tokens=...) (vLLM's max_tokens)")
+        elif name in fields:
+            fix = f"sampling settings go in the SamplingParams: SamplingParams({name}=...)"
+        elif name in UNSUPPORTED_SAMPLING_ARGS:
+            fix = UNSUPPORTED_SAMPLING_ARGS[name]
+        elif name in _GENERATE_ONLY:
+            fix = _GENERATE_ONLY[name]
+        else:
+            fix = ("unexpected keyword argument: generate takes prompts, sampling (or "
+                   "sampling_params=)")
+        raise TypeError(f"LLM.generate({name}=...): {fix}.")

@@ -80,9 +80,11 @@ class Scheduler:
                              f"{self.max_num_seqs}: raise max_num_seqs or lower n.")
         need = self._group_pages(group) + len(group)
         if need > self.pool.num_pages - 1:
-            raise ValueError(f"a request group needs {need} pages, the pool has "
-                             f"{self.pool.num_pages - 1}: raise num_pages (or lower n / "
-                             "max_new_tokens / prompt length).")
+            raise ValueError(f"a request group needs {need} pages (its prompt's plus one per "
+                             f"sample), the pool has {self.pool.num_pages - 1} usable: "
+                             f"num_pages={self.pool.num_pages} counts page 0, the null page "
+                             "that unused block-table slots point at; raise num_pages to >= "
+                             f"{need + 1} (or lower n / max_new_tokens / prompt length).")
         self.waiting.append(group)
 
     @property

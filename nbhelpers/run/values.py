@@ -9,7 +9,8 @@ from its folder (:func:`nbhelpers.run.phases.phase_of`), picks the dataclasses i
 from their parameters (:data:`CONFIG_FIELDS`), and each mapped parameter is put into its field
 and the dataclass constructed. So ``num_generations`` must be >= 2 in phases 0 and 2
 (``GRPOSettings``) and >= 1 in phase 3 (``SamplingParams.n``). Count parameters no dataclass
-holds have their lower bound in :data:`NOTEBOOK_MINIMA`. ``model`` must be a registry name / hub
+holds have their lower bound in :data:`NOTEBOOK_MINIMA`; every float parameter is finite, and a
+few have a range (:data:`NOTEBOOK_RANGES`). ``model`` must be a registry name / hub
 id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
 phase (each once), phase 1's ``engine_options`` keyed by backends of the run
 (:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
@@ -21,6 +22,7 @@ checked in the notebook, which knows the model and device).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,11 @@ NOTEBOOK_MINIMA = {"n_questions": 1, "n_prompts": 1, "parity_prompts": 1, "parit
 """Lower bounds of count parameters that no config dataclass holds (``skip_first >= max_steps``
 is allowed: the summary then notes that no post-warm-up step is left)."""
 
+NOTEBOOK_RANGES = {"vllm_gpu_memory_utilization": (0.0, 1.0), "timeout_s": (0.0, math.inf),
+                   "bandwidth_tb_s": (0.0, math.inf)}
+"""``(low, high]`` of float parameters that no config dataclass holds (every float parameter
+must also be finite: :func:`_check_floats`)."""
+
 Where = Callable[[str], str]
 
 
@@ -117,6 +124,20 @@ def _check_minima(params: dict[str, Any], notebook: Path, where: Where) -> None:
         if name not in held and isinstance(value, int) and not isinstance(value, bool) \
                 and value < low:
             raise UserInputError(f"{where(name)}: {name}={value} must be >= {low}.")
+
+
+def _check_floats(params: dict[str, Any], where: Where) -> None:
+    """No float parameter is NaN or infinite (a tolerance of NaN fails every claim, an inf
+    limit disables it silently); :data:`NOTEBOOK_RANGES` bounds a few more."""
+    for name, value in params.items():
+        if not isinstance(value, float):
+            continue
+        low, high = NOTEBOOK_RANGES.get(name, (-math.inf, math.inf))
+        if math.isfinite(value) and low < value <= high:
+            continue
+        span = "" if name not in NOTEBOOK_RANGES else (
+            f" in ({low:g}, {high:g}]" if high < math.inf else f" > {low:g}")
+        raise UserInputError(f"{where(name)}: {name}={value}: must be a finite number{span}.")
 
 
 def _check_model_and_dataset(params: dict[str, Any], where: Where) -> None:
@@ -241,6 +262,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
 
     check_config_fields(params, notebook, where)
     _check_minima(params, notebook, where)
+    _check_floats(params, where)
     _check_model_and_dataset(params, where)
     _check_questions(params, where)
     _check_backends(params, notebook, where)

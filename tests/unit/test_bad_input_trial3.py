@@ -64,6 +64,23 @@ def test_phase2_values_fail_before_any_name_is_claimed(tmp_path, name, value, ma
     assert not (tmp_path / "executed").exists()
 
 
+@pytest.mark.parametrize("name, value, match", [
+    ("kl_tolerance", ".nan", r"-p kl_tolerance .*kl_tolerance=nan: must be a finite number\."),
+    ("vllm_gpu_memory_utilization", "1.5", r"=1.5: must be a finite number in \(0, 1\]"),
+    ("vllm_gpu_memory_utilization", "0.0", r"=0.0: must be a finite number in \(0, 1\]"),
+])
+def test_phase2_notebook_floats_must_be_finite_and_in_range(name, value, match):
+    with pytest.raises(UserInputError, match=match):
+        plan_parameters([NB20], "cpu", parse_overrides([(name, value)]), REPO)
+
+
+def test_phase1_floats_outside_any_config_are_checked_too():
+    with pytest.raises(UserInputError, match=r"timeout_s=inf: must be a finite number > 0"):
+        plan_parameters([NB10], "cpu", {"timeout_s": math.inf}, REPO)
+    ((_, params),) = plan_parameters([NB10], "cpu", {"timeout_s": 30.0}, REPO)
+    assert params["timeout_s"] == 30.0
+
+
 def test_phase1_duplicate_backends_are_refused_too():
     with pytest.raises(UserInputError, match=r"\['hf_cb'\] more than once"):
         plan_parameters([NB10], "cpu", {"backends": ["hf_cb", "hf_generate", "hf_cb"]}, REPO)

@@ -190,6 +190,33 @@ def _partials(job: Job, repo: Path) -> str:
     return "\npartial sidecars: " + ", ".join(repo_path(p, repo) for p in found) if found else ""
 
 
+START_RETRIES = 2
+"""Extra attempts when the kernel dies before its first reply (no cell has run yet)."""
+_START_DEATH = "Kernel died before replying to kernel_info"
+
+
+def _execute_with_start_retry(pm: Any, spec: dict[str, Any]) -> None:
+    """``pm.execute_notebook`` for ``spec``; a kernel that dies before replying to
+    ``kernel_info`` (nbclient's startup check: no cell ran, nothing to lose) is started again up
+    to :data:`START_RETRIES` times. Seen once on a shared host when two notebook kernels started
+    in the same moment: jupyter_client picks free TCP ports by binding and releasing them, so a
+    concurrent start can take the port first ("ZMQError: Address already in use", 2026-12-01).
+    Any other failure propagates at once."""
+    import time
+    for attempt in range(START_RETRIES + 1):
+        try:
+            pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
+                                kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True,
+                                stdout_file=sys.stdout, stderr_file=sys.stderr)
+            return
+        except RuntimeError as exc:
+            if _START_DEATH not in str(exc) or attempt == START_RETRIES:
+                raise
+            print(f"kernel died at startup ({exc}); starting it again "
+                  f"({attempt + 1} of {START_RETRIES})", file=sys.stderr)
+            time.sleep(1.0 + attempt)
+
+
 def _execute_in_child(spec: dict[str, Any]) -> int:
     """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel; the cells'
     text output is also streamed to this terminal as it comes (``stdout_file``/``stderr_file``),
@@ -205,9 +232,7 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     error_file = Path(spec["error_file"]) if spec.get("error_file") else None
     try:
-        pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
-                            kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True,
-                            stdout_file=sys.stdout, stderr_file=sys.stderr)
+        _execute_with_start_retry(pm, spec)
     except pm.PapermillExecutionError as exc:
         msg = (f"{exc.ename}: {exc.evalue} (cell {exc.cell_index}, execution count "
                f"{exc.exec_count})")

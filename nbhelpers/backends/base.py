@@ -22,11 +22,14 @@ class RolloutBackend(Protocol):
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None: ...
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | None = None,
+                 **unexpected: Any) -> list[Completion]:
         """Generate ``sampling.n`` completions per prompt, ordered prompt-major
         (``[p0s0, p0s1, ..., p1s0, ...]``). ``sampling_params=`` (vLLM's name) is an alias of
         ``sampling``; both or neither given raise ``TypeError`` naming the fix
-        (:func:`nbhelpers.config.resolve_sampling`)."""
+        (:func:`nbhelpers.config.resolve_sampling`); any other keyword (vLLM's ``max_tokens=``,
+        ``presence_penalty=``...) raises ``TypeError`` naming where it belongs
+        (:func:`nbhelpers.engine.llm_checks.check_generate_kwargs`)."""
         ...
 
     def close(self) -> None: ...

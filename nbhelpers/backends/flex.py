@@ -27,6 +27,7 @@ from typing import Any
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
+from nbhelpers.engine.llm_checks import check_generate_kwargs
 from nbhelpers.engine.runner_options import option_names
 
 _LOAD_OPTIONS = {"device", "adapter_path", "seed", "kv_tokens", "adapter_dtype"}
@@ -73,8 +74,10 @@ class FlexBackend:
                      "num_pages": self.llm.opt.num_pages}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | None = None,
+                 **unexpected: Any) -> list[Completion]:
         """The engine's completions (``sampling_params=``: vLLM's name, an alias)."""
+        check_generate_kwargs(unexpected, owner=self.name)  # vLLM names: TypeError naming the fix
         sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.llm is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")

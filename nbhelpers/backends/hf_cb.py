@@ -26,6 +26,7 @@ from typing import Any
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import BackendNotInstalled, Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
+from nbhelpers.engine.llm_checks import check_generate_kwargs
 
 CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
               "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
@@ -165,10 +166,12 @@ class HFCBBackend:
             self._cached_key = key
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | None = None,
+                 **unexpected: Any) -> list[Completion]:
         """Continuous-batching completions (``sampling_params=``: vLLM's name, an alias)."""
         import torch
 
+        check_generate_kwargs(unexpected, owner=self.name)  # vLLM names: TypeError naming the fix
         sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.model is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")

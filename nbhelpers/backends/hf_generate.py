@@ -16,6 +16,7 @@ from typing import Any
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
+from nbhelpers.engine.llm_checks import check_generate_kwargs
 
 
 class HFGenerateBackend:
@@ -44,8 +45,10 @@ class HFGenerateBackend:
         self.pad_id = _common.pad_id_of(self.tokenizer, self.eos)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | None = None,
+                 **unexpected: Any) -> list[Completion]:
         """One left-padded ``model.generate`` (``sampling_params=``: vLLM's name, an alias)."""
+        check_generate_kwargs(unexpected, owner=self.name)  # vLLM names: TypeError naming the fix
         sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.model is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")

@@ -25,6 +25,7 @@ from typing import Any
 from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
+from nbhelpers.engine.llm_checks import check_generate_kwargs
 
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 LLM_DEFAULTS: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 1024,
@@ -104,8 +105,10 @@ class VLLMBackend:
         self.info = {"vllm_args": {k: v for k, v in kw.items() if k != "model"}}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None, *,
-                 sampling_params: SamplingParams | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | None = None,
+                 **unexpected: Any) -> list[Completion]:
         """vLLM's completions (``sampling_params=``, vLLM's own name, is an alias)."""
+        check_generate_kwargs(unexpected, owner=self.name)  # vLLM names: TypeError naming the fix
         sampling = resolve_sampling(self.name, sampling, sampling_params)
         if self.llm is None:
             raise RuntimeError(f"{self.name}.generate before load(): call load(model, lora) first.")

@@ -231,8 +231,9 @@ _GENERATE_ONLY = {
 }
 
 
-def check_generate_kwargs(kwargs: dict[str, Any]) -> None:
-    """Raise ``TypeError`` naming the fix for a keyword ``LLM.generate`` does not take:
+def check_generate_kwargs(kwargs: dict[str, Any], owner: str = "LLM") -> None:
+    """Raise ``TypeError`` naming the fix for a keyword ``<owner>.generate`` does not take (the
+    flex ``LLM`` and every rollout backend of ``nbhelpers.backends``):
     ``max_tokens`` and the other sampling names (``SamplingParams`` fields, or the vLLM names
     of :data:`nbhelpers.config_types.UNSUPPORTED_SAMPLING_ARGS`) belong in the
     ``SamplingParams``; vLLM's ``use_tqdm`` / ``lora_request`` are not supported."""
@@ -251,4 +252,4 @@ def check_generate_kwargs(kwargs: dict[str, Any]) -> None:
         else:
             fix = ("unexpected keyword argument: generate takes prompts, sampling (or "
                    "sampling_params=)")
-        raise TypeError(f"LLM.generate({name}=...): {fix}.")
+        raise TypeError(f"{owner}.generate({name}=...): {fix}.")

@@ -176,3 +176,19 @@ def test_last_stats_counters_are_per_call_and_totals_cumulative(model):
     llm.reset_timings()
     llm.generate([[1, 2]], GREEDY)
     assert llm.last_stats["prefill_tokens"] == llm.last_stats["total_prefill_tokens"] == 2
+
+
+@pytest.mark.parametrize("backend_name", ["hf_generate", "hf_cb", "vllm", "flex"])
+def test_every_backend_generate_names_the_fix_for_vllm_keywords(backend_name):
+    """``backend.generate(prompts, max_tokens=8)`` (vLLM's call) is a TypeError naming
+    ``SamplingParams(max_new_tokens=...)``, raised before any engine work (checked on the class:
+    no model needs to load)."""
+    import importlib
+    mod = importlib.import_module(f"nbhelpers.backends.{backend_name}")
+    cls = next(v for v in vars(mod).values() if isinstance(v, type)
+               and getattr(v, "name", None) == backend_name and hasattr(v, "generate"))
+    fake = object.__new__(cls)
+    with pytest.raises(TypeError, match=r"max_new_tokens"):
+        cls.generate(fake, [[1, 2]], max_tokens=8)
+    with pytest.raises(TypeError, match=r"not implemented|penalt"):
+        cls.generate(fake, [[1, 2]], presence_penalty=0.5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,19 +77,29 @@ class Tuner:
         self.table: dict[str, dict] = self._load()
 
     def _load(self) -> dict[str, dict]:
+        """The stored table; a file that does not parse as a JSON object is re-tuned and
+        replaced at the next save, with a warning (a missing file is just empty)."""
+        if not self.path.exists():
+            return {}
         try:
             table = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as err:
+            table = err
+        if not isinstance(table, dict):
+            warnings.warn(f"{self.path.stem} tuner: cache {self.path} is not a JSON object "
+                          f"({table!r:.80}); re-tuning and replacing it.", stacklevel=3)
             return {}
-        return table if isinstance(table, dict) else {}
+        return table
 
-    def choose(self, key: str, candidates: dict[str, Callable[[], Any]]) -> str:
-        """Name of the fastest of ``candidates`` (name -> zero-argument launch) for ``key``;
-        timed once, then read from the table (a stored name no longer offered is re-timed)."""
+    def choose(self, key: str, candidates: dict[str, Callable[[], Any]],
+               per_call: int = 1) -> str:
+        """Name of the fastest of ``candidates`` (name -> zero-argument launch of ``per_call``
+        GEMMs) for ``key``; timed once, then read from the table (a stored name no longer offered
+        is re-timed). Stores ``ms`` per GEMM."""
         entry = self.table.get(key)
         if entry and entry.get("choice") in candidates:
             return entry["choice"]
-        times = {name: self._time(fn) for name, fn in candidates.items()}
+        times = {name: self._time(fn) / per_call for name, fn in candidates.items()}
         best = min(times, key=times.get)
         self.table[key] = {"choice": best, "ms": times}
         self._save()

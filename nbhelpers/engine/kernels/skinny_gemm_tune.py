@@ -21,7 +21,6 @@ best) with the key extended by the device and cached on disk as vLLM's fused-MoE
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -87,39 +86,12 @@ def graph_ms(fn: Callable[[], Any], reps: int = REPS) -> float:
 
 
 class SkinnyTuner(Tuner):
-    """:class:`.lora_gemm_tune.Tuner` (same file format, atomic save) with a warning for a cache
-    file that does not parse, and :meth:`choose_gemm` for cold-weight timing of one GEMM.
+    """:class:`.lora_gemm_tune.Tuner` (same file format, atomic save, a warning for a cache file
+    that does not parse) with :meth:`choose_gemm` for cold-weight timing of one GEMM.
     ``timer(fn) -> ms`` (default :func:`graph_ms`)."""
 
     def __init__(self, path: Path | None = None, timer: Callable[[Callable], float] | None = None):
         super().__init__(path if path is not None else cache_path(), timer or graph_ms)
-
-    def _load(self) -> dict[str, dict]:
-        if not self.path.exists():
-            return {}
-        try:
-            table = json.loads(self.path.read_text())
-        except (OSError, ValueError) as err:
-            table = err
-        if not isinstance(table, dict):
-            warnings.warn(f"skinny_gemm tuner: cache {self.path} is not a JSON object "
-                          f"({table!r:.80}); re-tuning and replacing it.", stacklevel=3)
-            return {}
-        return table
-
-    def choose(self, key: str, candidates: dict[str, Callable[[], Any]],
-               per_call: int = 1) -> str:
-        """Name of the fastest of ``candidates`` (name -> zero-argument launch of ``per_call``
-        GEMMs) for ``key``; timed once, then read from the table (a stored name no longer offered
-        is re-timed). Stores ``ms`` per GEMM."""
-        entry = self.table.get(key)
-        if entry and entry.get("choice") in candidates:
-            return entry["choice"]
-        times = {name: self._time(fn) / per_call for name, fn in candidates.items()}
-        best = min(times, key=times.get)
-        self.table[key] = {"choice": best, "ms": times}
-        self._save()
-        return best
 
     def choose_gemm(self, key: str, x: Any, w: Any, bias: Any, configs: dict[str, Any],
                     launch: Callable[..., Any]) -> str:

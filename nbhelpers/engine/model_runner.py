@@ -85,7 +85,7 @@ class ModelRunner:
             group.set_lora_expand(self.lora_expand)
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
-        self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, on_cuda))  # decode GEMMs
+        self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, self.kernels_ok))  # decode GEMMs
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
         if fused_mode != "off":

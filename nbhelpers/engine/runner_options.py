@@ -103,16 +103,18 @@ class RunnerOptions:
     fp32, nothing to shadow). Why: fp32 adapters cost +2.1 ms a decode step over cuBLAS alone at
     batch 4 on the H200 against +0.5 ms for bf16 ones (``scripts/device/ab_lora_gemm.py``,
     2026-12-01)."""
-    skinny_gemm: str = "off"
+    skinny_gemm: str = "auto"
     """Decode GEMMs of at most 16 rows (every projection group's base GEMM, LoRA A's ``ext``
     rows included, and the LM head; 16/32-bit weights, CUDA or ``TRITON_INTERPRET=1``) as one
     split-K Triton launch each (``engine/kernels/skinny_gemm.py``, ``engine/skinny_linear.py``),
     each shape tuned once with cold weights against cuBLAS and the choice cached on disk
     (``engine/kernels/skinny_gemm_tune.py``; cuBLAS kept where it wins): ``"triton"``, ``"off"``
-    (the default) or ``"auto"``, which resolves to ``"off"`` until an H200 A/B of the engine
-    says otherwise. Why try it: cold-weight GEMMs at batch 4 on the H200, 36 layers + lm_head,
-    cuBLAS 2.66 ms vs a simple split-K Triton kernel 2.42 ms (``gemv_roofline.py``,
-    2026-12-01). Prefill and ``compile_decode`` keep cuBLAS."""
+    or ``"auto"`` (the default): ``"triton"`` on CUDA for 16/32-bit models when the triton
+    package imports, else ``"off"``. Why: the engine A/B on the H200 (``scripts/bench_flex.py
+    --points qwen3-4b:fp32:4,qwen3-4b:none:4``, one process per variant, 256 new tokens,
+    2026-12-01, step ``n1d`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.99 ->
+    3.77 ms with PEFT fp32 adapters and 3.47 -> 3.26 ms without LoRA, 624 -> 551 and 480 -> 407
+    kernels a step. Prefill, more than 16 rows and ``compile_decode`` keep cuBLAS."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -202,11 +204,13 @@ def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
     return "off" if opt.lora_fused == "auto" else opt.lora_fused
 
 
-def resolve_skinny_gemm(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.skinny_gemm`` with ``"auto"`` resolved to ``"off"`` (no engine A/B on the H200 yet;
-    ``on_cuda`` is where a winning kernel would pick ``"triton"``)."""
-    del on_cuda  # auto -> off on every device for now
-    return "off" if opt.skinny_gemm == "auto" else opt.skinny_gemm
+def resolve_skinny_gemm(opt: RunnerOptions, kernels_ok: bool) -> str:
+    """``opt.skinny_gemm`` with ``"auto"`` resolved: ``"triton"`` when ``kernels_ok`` (CUDA and a
+    16/32-bit model, ``ModelRunner.kernels_ok``) and the triton package imports, else ``"off"``
+    (the H200 A/B is in :attr:`RunnerOptions.skinny_gemm`)."""
+    if opt.skinny_gemm != "auto":
+        return opt.skinny_gemm
+    return "triton" if kernels_ok and importlib.util.find_spec("triton") is not None else "off"
 
 
 def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:

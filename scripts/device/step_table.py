@@ -206,4 +206,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N1_BENCH}, 220, 280, 0)]),
     "n1d": ([], [], [
         (BENCH, {"args": N1D_BENCH}, 240, 330, 0)]),
+    # session 7 (after m2a, m2b; skinny_gemm "auto" -> "triton"): the whole suite at the new
+    # default + 33 with PEFT's fp32 adapters, "default" vs "skinny_off" (session 6's default);
+    # then 33 without LoRA and with bf16 adapters, "default" only (n1d has their batch-4 A/B;
+    # batches > 16 run the same cuBLAS path in both variants).
+    "n7a": ([], ["gguf2"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 200, 300, 0),
+        (N33, {"lora_modes": "[fp32]"}, 270, 330, 0)]),
+    "n7b": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}]"}, 260, 330, 0)]),
 }

@@ -109,10 +109,9 @@ def test_33_configs_pass_the_runner_and_the_sweep_checks(profile):
     fc.sweep_settings(**{k: params[k] for k in SETTINGS})
     if profile.startswith("h200"):
         assert params["batches"] == [4, 8, 32, 64, 128, 256] and params["profile"] is True
-        assert {c.variant for c in cfgs} == {"default", "previous"}
-        prev = next(c for c in cfgs if c.variant == "previous")
-        assert prev.options == {"fused_elementwise": "compile", "lora_dtype": "adapter",
-                                "decode_kernel_options": {"kernel": "v1"}}
+        assert {c.variant for c in cfgs} == {"default", "skinny_off"}
+        prev = next(c for c in cfgs if c.variant == "skinny_off")
+        assert prev.options == {"skinny_gemm": "off"}
     modes = {profile: {c.lora_mode for c in cfgs}}
     assert modes == {"h200": {"h200": {"none", "bf16"}}, "h200_fp32": {"h200_fp32": {"fp32"}},
                      "cpu": {"cpu": {"none", "bf16"}}}[profile]

@@ -215,4 +215,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"lora_modes": "[fp32]"}, 270, 330, 0)]),
     "n7b": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}]"}, 260, 330, 0)]),
+    # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
+    "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (P2, {"backends": "[flex]"}, 130, 200, 0)]),
 }

@@ -232,7 +232,12 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     error_file = Path(spec["error_file"]) if spec.get("error_file") else None
     try:
-        _execute_with_start_retry(pm, spec)
+        try:
+            _execute_with_start_retry(pm, spec)
+        except Exception as exc:
+            if _interrupted(exc):
+                raise KeyboardInterrupt from None
+            raise
     except pm.PapermillExecutionError as exc:
         msg = (f"{exc.ename}: {exc.evalue} (cell {exc.cell_index}, execution count "
                f"{exc.exec_count})")
@@ -249,6 +254,21 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
             error_file.write_text(f"{type(exc).__name__}: {exc}")
         raise
     return 0
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the stop signal: nbclient answers a ``KeyboardInterrupt`` by
+    interrupting the kernel, and when the kernel's reply (its cell's ``KeyboardInterrupt``) wins
+    the race, a ``CellExecutionError`` / ``PapermillExecutionError`` escapes instead, with the
+    ``KeyboardInterrupt`` as its context (seen under a 12-worker suite on the H200, 2026-12-01)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, KeyboardInterrupt) or getattr(cur, "ename", None) == "KeyboardInterrupt":
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ class SkinnyLinear:
         default = sg.default_config(n, k)
         if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
             return default
-        cfgs = {tune.config_name(c): c for c in (default, *sg.CONFIGS)}
+        limit = getattr(torch.cuda.get_device_properties(x2.device),
+                        "shared_memory_per_block_optin", 232448)  # H200's when torch lacks it
+        cfgs = {tune.config_name(c): c for c in (default, *sg.CONFIGS)
+                if sg.fits(c, w.element_size(), limit)}
         choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm)
         self.choices[key] = cfgs.get(choice)  # None: cuBLAS
         return self.choices[key]

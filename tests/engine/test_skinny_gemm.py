@@ -110,6 +110,16 @@ def test_unsupported_operands():
 # ---------------------------------------------------------------------- the tuner
 
 
+def test_shared_memory_estimate_prunes_what_cannot_launch():
+    """The H200 run of 2026-12-01: Triton asked 294,912 B for n128/k256/3 stages in fp32 (limit
+    232,448) and the tuner warned for every fp32 shape; such configs are now left out."""
+    big = sg.Config(128, 256, 1, 8, 3)
+    assert sg.shared_memory_bytes(big, 4) == 294912
+    assert not sg.fits(big, 4, 232448) and sg.fits(big, 2, 232448)
+    assert all(sg.fits(c, 2, 232448) for c in sg.CONFIGS)  # bf16: every candidate on the H200
+    assert sg.fits(sg.default_config(2560, 9728), 4, 232448)  # the untuned default always runs
+
+
 def test_shape_key_names_device_bucket_and_shape():
     key = tune.shape_key("cpu", 3, 6144, 2560, BF16, False)
     assert key.startswith(tune.device_name("cpu") + "|skinny|")

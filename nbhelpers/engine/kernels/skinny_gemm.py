@@ -63,6 +63,20 @@ CONFIGS = (Config(64, 128, 1), Config(64, 256, 1), Config(128, 128, 1), Config(1
 narrower tiles with more splits for the small o/down shapes."""
 
 
+def shared_memory_bytes(cfg: Config, elem_size: int) -> int:
+    """Shared memory the pipelined K loop asks for, in bytes: ``num_stages - 1`` buffers of the
+    ``[BLOCK_M, BLOCK_K]`` x tile and the ``[BLOCK_N, BLOCK_K]`` W tile. Matches the 294,912 B
+    Triton 3.6 reported for ``Config(128, 256, 1, 8, 3)`` in fp32 on the H200 (2026-12-01)."""
+    return (cfg.num_stages - 1) * (BLOCK_M + cfg.block_n) * cfg.block_k * elem_size
+
+
+def fits(cfg: Config, elem_size: int, limit_bytes: int) -> bool:
+    """Whether ``cfg`` fits a device with ``limit_bytes`` of shared memory per block (the
+    tuner leaves out the configs that cannot launch, e.g. fp32 with 128 x 256 tiles and 3
+    stages on the H200's 232,448 B, instead of warning about each shape)."""
+    return shared_memory_bytes(cfg, elem_size) <= limit_bytes
+
+
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
     """``acc + a @ b``: IEEE fp32 for fp32 operands (no TF32) and under the interpreter (its

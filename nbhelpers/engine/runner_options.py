@@ -40,8 +40,11 @@ class RunnerOptions:
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
     ``engine/kernels/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
     16-bit base also get LoRA A as one kernel, ``engine/kernels/lora_shrink.py``) or ``"auto"``
-    (triton on CUDA with triton, else addmm; never ``"consumer"``), or ``"consumer"`` (opt-in,
-    not yet A/B'd on the H200): ``"triton"``, except that decode groups of at most
+    (triton on CUDA with triton, else addmm; never ``"consumer"``), or ``"consumer"`` (opt-in;
+    it lost the H200 A/B, ``scripts/bench_flex.py`` step ``n1c``, 2026-12-01: Qwen3-4B batch 4
+    3.99 -> 4.41 ms a step with fp32 or bf16 adapters, batch 32 bf16 4.49 -> 5.23 ms; 144 fewer
+    launches and 0.4 ms less GEMM time, but the elementwise class 0.31 -> 1.22 ms at batch 4):
+    ``"triton"``, except that decode groups of at most
     ``lora_pending.CONSUMER_MAX_ROWS`` rows leave LoRA B to the kernel that reads the projection
     next (add+RMSNorm for o/down, SiLU x up for gate_up, q/k norm + RoPE + KV write for
     qkv), removing the four expand launches a decode layer; it needs

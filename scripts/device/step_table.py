@@ -215,6 +215,16 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"lora_modes": "[fp32]"}, 270, 330, 0)]),
     "n7b": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}]"}, 260, 330, 0)]),
+    # next session (docs/h200_runbook.md section 11): after m2a, m2b, the suite at HEAD (232 s
+    # at 7bd3c6b with skinny tuning in the GPU tests) and 33 none+bf16 with the new default;
+    # then 34 without hf_cb (transformers 5.17's CB cache fails on Gemma-4's per-layer head_dim)
+    # at batches 8 and 32 (hf_generate did not finish batch 64 within 190 s at aad060e).
+    "n8a": ([], ["gguf2"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 240, 330, 0),
+        (N33, {"variants": "[{name: default, options: {}}]"}, 260, 300, 0)]),
+    "n8g": (["notebooks"], ["tok", "gsm8k"], [
+        (N34, {"backends": "[flex, hf_generate]", "batch_sizes": "[8, 32]", "rounds": "1",
+               "probe_kernels_s": "0"}, 300, 420, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

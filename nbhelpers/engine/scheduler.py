@@ -78,13 +78,24 @@ class Scheduler:
         if len(group) > self.max_num_seqs:
             raise ValueError(f"a request group has n={len(group)} samples > max_num_seqs="
                              f"{self.max_num_seqs}: raise max_num_seqs or lower n.")
+        usable, page = self.pool.num_pages - 1, self.pool.page_size
         need = self._group_pages(group) + len(group)
-        if need > self.pool.num_pages - 1:
+        if need > usable:
             raise ValueError(f"a request group needs {need} pages (its prompt's plus one per "
                              f"sample), the pool has {self.pool.num_pages - 1} usable: "
                              f"num_pages={self.pool.num_pages} counts page 0, the null page "
                              "that unused block-table slots point at; raise num_pages to >= "
                              f"{need + 1} (or lower n / max_new_tokens / prompt length).")
+        lead = group[0]
+        # one sample's pages at its last token (KV for prompt + max_new_tokens - 1 positions):
+        # refused here, before any work, not mid-decode where finished completions would be lost
+        longest = self.pool.pages_for(len(lead.prompt_ids) + lead.max_new_tokens - 1)
+        if longest > usable:
+            raise ValueError(f"a {len(lead.prompt_ids)}-token prompt + max_new_tokens="
+                             f"{lead.max_new_tokens} needs {longest} pages of {page} tokens; the "
+                             f"pool has {usable} usable (num_pages={self.pool.num_pages} counts "
+                             f"page 0, the null page): raise num_pages to >= {longest + 1} (or "
+                             "lower max_new_tokens / the prompt length).")
         self.waiting.append(group)
 
     @property

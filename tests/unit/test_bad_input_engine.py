@@ -88,6 +88,28 @@ def test_a_pool_too_small_explains_the_reserved_null_page(model):
     assert "; raise num_pages to >= 4" in msg
 
 
+def test_a_request_that_cannot_finish_in_the_pool_is_refused_before_any_step(model, monkeypatch):
+    """Admission counted the prompt's pages plus one a sample, so a short prompt's completion
+    was decoded and then lost when a long one ran out of pages mid-decode (fresh-user report,
+    2026-12-01); the whole request is now checked against prompt + max_new_tokens first."""
+    from nbhelpers.engine import LLM
+    small = LLM(model, page_size=16, num_pages=9, max_model_len=256)  # 8 usable pages
+    sampling = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    real_step = small._step
+    monkeypatch.setattr(small, "_step", lambda *a, **k: pytest.fail("a step ran"))
+    with pytest.raises(ValueError) as err:
+        small.generate([[5] * 10, [6] * 100], sampling)
+    msg = str(err.value)
+    assert "a 100-token prompt + max_new_tokens=40 needs 9 pages of 16 tokens" in msg
+    assert "8 usable" in msg and "raise num_pages to >= 10" in msg
+    monkeypatch.setattr(small, "_step", real_step)
+    # exactly at the edge: 100 + 29 new tokens = 128 KV positions = 8 pages (the last sampled
+    # token needs no KV slot); the engine still serves after the refusal
+    edge = SamplingParams(temperature=0, max_new_tokens=29, ignore_eos=True)
+    (out,) = small.generate([[6] * 100], edge)
+    assert len(out.token_ids) == 29
+
+
 # ------------------------------------------------------------- prompts
 def test_a_tokenizer_batch_encoding_says_to_pass_its_input_ids(no_step):
     from transformers import BatchEncoding

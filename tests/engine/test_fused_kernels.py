@@ -198,8 +198,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
-NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False)
-LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False)  # lora_expand="consumer"
+NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False, USE_GDC=False)  # PDL: test_pdl.py
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False)  # lora_expand="consumer"
 cases = [
     (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
                                O_STYLE=1, O_W=True, BLOCK=4096, **NO_LORA)),

@@ -203,7 +203,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
-LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False)
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False)
 cases = [(fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False,
                                     STORE_RES=True, O_STYLE=1, O_W=True, BLOCK=4096, **LORA)),
          (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **LORA)),

@@ -129,7 +129,7 @@ fn = ls._lora_shrink_gemm
 ints = ["n_rows", "k", "r_total", "stride_x", "stride_a", "stride_xa", "k_per_split"]
 for x, split in (("bf16", 1), ("bf16", 8), ("fp16", 4)):
     sig = {"x_ptr": "*" + x, "a_ptr": "*fp32", "xa_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
-    consts = {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 128, "SPLIT_K": split}
+    consts = {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 128, "SPLIT_K": split, "USE_GDC": False}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

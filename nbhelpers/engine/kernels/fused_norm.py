@@ -26,6 +26,10 @@ in one pass, one block per token), Liger-Kernel ``ops/rms_norm.py`` (Triton RMSN
 per row, ``casting_mode`` "llama" vs "gemma") and ``ops/swiglu.py`` / ``ops/geglu.py`` (SiLU and
 GELU-tanh gated products); FlashInfer ``norm.cuh`` ``FusedAddRMSNormKernel``.
 
+PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): both kernels ``gdc_wait()`` first in
+every program and ``gdc_launch_dependents()`` once their inputs are read (only the stores
+remain).
+
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_fused_kernels.py``).
 """
 
@@ -37,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nbhelpers.engine.kernels import lora_prologue as lp
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.lora_prologue import add_lora
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -75,7 +80,9 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
                      HAS_X: tl.constexpr, D_STYLE: tl.constexpr, D_W: tl.constexpr,
                      HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
                      O_W: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K: tl.constexpr,
-                     LORA_RNE: tl.constexpr, BLOCK: tl.constexpr):
+                     LORA_RNE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL (pdl.py): the row comes from the previous kernel
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -91,6 +98,8 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
                  DT)
     if HAS_SCALE:
         y = _rnd(y * tl.load(s_ptr).to(tl.float32), DT)
+    if USE_GDC:  # every input read: the next kernel may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     if STORE_RES:
         tl.store(res_ptr + row * n_cols + cols, y.to(DT), mask=m)
     if O_STYLE != 0:
@@ -101,7 +110,10 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
 @triton.jit
 def _act_mul_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_cols, stride_g, stride_u,
                     stride_xa, r_g, r_u, scaling, ACT: tl.constexpr, HAS_LORA: tl.constexpr,
-                    LORA_K: tl.constexpr, LORA_RNE: tl.constexpr, BLOCK: tl.constexpr):
+                    LORA_K: tl.constexpr, LORA_RNE: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL (pdl.py): gate and up come from the previous kernel
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -116,6 +128,8 @@ def _act_mul_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_cols, stride_
         a = g * tl.sigmoid(g)  # silu
     else:  # gelu tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)
         a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    if USE_GDC:  # every input read: the next kernel may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(o_ptr + row * n_cols + cols, (_rnd(a, DT) * u).to(DT), mask=m)
 
 
@@ -175,7 +189,8 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
         O_W=on[0] is not None, HAS_LORA=lora is not None, LORA_K=lp.LORA_K,
         LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n),
         num_warps=_warps(n) if lora is None else lp.warps_for(triton.next_power_of_2(n),
-                                                              _warps(n)))
+                                                              _warps(n)),
+        **pdl.launch_kwargs())
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)
@@ -220,5 +235,5 @@ def act_mul(gate: Any, up: Any, act: str = "silu", lora: Any = None) -> Any:
     _act_mul_kernel[(rows, triton.cdiv(n, block))](
         g2, u2, out, xa, bg, bu, n, g2.stride(0), u2.stride(0), sxa, rg, ru, s, ACT=ACTS[act],
         HAS_LORA=lora is not None, LORA_K=lp.LORA_K, LORA_RNE=lp.rne(gate.dtype), BLOCK=block,
-        num_warps=4)
+        num_warps=4, **pdl.launch_kwargs())
     return out.view(gate.shape)

@@ -30,6 +30,10 @@ slices), each slice its own B pointer and output offset). Here there is one adap
 LoRA mapping), and the parts are few, so their pointers are kernel arguments instead of vLLM's
 device pointer table.
 
+PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in every program
+(xa and y are the previous kernels' outputs), ``gdc_launch_dependents()`` after the rank loop
+(the read-add-store of y remains).
+
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_expand.py``).
 """
 
@@ -39,6 +43,8 @@ from typing import Any
 
 import triton
 import triton.language as tl
+
+from nbhelpers.engine.kernels import pdl
 
 MAX_PARTS = 3
 """Parts one launch serves (q/k/v is the widest group)."""
@@ -55,7 +61,10 @@ BLOCK_OUT_CHOICES = (64, 128, 32, 16)
 def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, stride_y,
                    end0, end1, roff1, roff2, r0, r1, r2, scaling,
                    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr):
+                   BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr,
+                   USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL (pdl.py): xa and y come from the previous kernels
+        tl.extra.cuda.gdc_wait()
     col0 = tl.program_id(1) * BLOCK_OUT  # first output column of this tile (global)
     b_ptr, start, roff, rank = b0_ptr, end0 * 0, roff1 * 0, r0  # part 0
     # constexpr tests stand alone so the compiler prunes unused parts
@@ -81,6 +90,8 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if USE_GDC:  # rank loop done: the next kernel may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
     y = tl.load(y_ptrs, mask=row_ok, other=0.0).to(tl.float32)
     out = y + scaling * acc
@@ -150,4 +161,4 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
                          NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
                          DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,
                          BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16,
-                         num_warps=4)
+                         num_warps=4, **pdl.launch_kwargs())

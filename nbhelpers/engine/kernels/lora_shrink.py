@@ -25,6 +25,9 @@ Source: vLLM's LoRA shrink kernel (``vllm/lora/ops/triton_ops/lora_shrink_op.py`
 into a zero-initialised output when ``SPLIT_K > 1``), after Punica's SGMV shrink (Chen et al.
 2023, arXiv:2310.18547). One adapter here, so no token -> LoRA index.
 
+PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in every program,
+``gdc_launch_dependents()`` after the K loop (the store or ``atomic_add`` of xa remains).
+
 Tests: ``tests/engine/test_lora_shrink.py`` (CPU, ``TRITON_INTERPRET=1``).
 """
 
@@ -34,6 +37,8 @@ from typing import Any
 
 import triton
 import triton.language as tl
+
+from nbhelpers.engine.kernels import pdl
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """``TRITON_INTERPRET=1`` when this module was imported (CPU tensors then)."""
@@ -45,7 +50,9 @@ TARGET_PROGRAMS = 128
 @triton.jit(do_not_specialize=["n_rows", "k", "r_total"])
 def _lora_shrink_gemm(x_ptr, a_ptr, xa_ptr, n_rows, k, r_total, stride_x, stride_a, stride_xa,
                       k_per_split, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL (pdl.py): x and the zeroed xa come from the previous kernels
+        tl.extra.cuda.gdc_wait()
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     rs = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     k_start = tl.program_id(2) * k_per_split
@@ -62,6 +69,8 @@ def _lora_shrink_gemm(x_ptr, a_ptr, xa_ptr, n_rows, k, r_total, stride_x, stride
         a = tl.load(a_ptr + rs[None, :].to(tl.int64) * stride_a + kk[:, None],
                     mask=r_ok & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_R] = A^T tile
         acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    if USE_GDC:  # K loop done: the next kernel may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()
     out_ptrs = xa_ptr + rows[:, None] * stride_xa + rs[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc, mask=row_ok & r_ok)
@@ -109,5 +118,5 @@ def lora_shrink(x: Any, a: Any, splits: int | None = None) -> Any:
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(r_total, block_r), s)
     _lora_shrink_gemm[grid](x, a, xa, n_rows, k, r_total, x.stride(0), a.stride(0), xa.stride(0),
                             k_per_split, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                            SPLIT_K=s, num_warps=4)
+                            SPLIT_K=s, num_warps=4, **pdl.launch_kwargs())
     return xa

@@ -25,6 +25,10 @@ form, one block per token over its heads) and ``csrc/cache_kernels.cu`` ``reshap
 (slot_mapping -> physical slot); SGLang's fused q/k-norm + RoPE (``sgl-kernel``
 ``fused_qk_norm_rope``) and vLLM's ``fused_qk_norm_rope`` custom op (Qwen3 per-head norms folded
 into the RoPE kernel); FlashInfer ``apply_rope_pos_ids`` + ``append_paged_kv_cache``.
+
+PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in every program,
+``gdc_launch_dependents()`` after the program's last load (a q head: before its stores; a k/v
+head: before the v store, the k store already issued: the loads and stores keep today's order).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from nbhelpers.engine.kernels import lora_prologue as lp
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES, lora_supported
 from nbhelpers.engine.kernels.lora_prologue import add_lora
 
@@ -97,7 +102,9 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                           r_q, r_k, r_v, eps_qk, eps_v, scaling,
                           QK_STYLE: tl.constexpr, QK_W: tl.constexpr, V_STYLE: tl.constexpr,
                           HAS_LORA: tl.constexpr, LORA_K: tl.constexpr, LORA_RNE: tl.constexpr,
-                          BLOCK_H: tl.constexpr):
+                          BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # PDL (pdl.py): q/k/v, cos/sin and slots come from the previous kernels
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half = head_dim // 2
@@ -115,6 +122,8 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                             h * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H, LORA_K)
         o1, o2 = _head(x1, x2, wq_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
                        QK_W, True, DT)
+        if USE_GDC:  # every input read: the next kernel may start its prologue
+            tl.extra.cuda.gdc_launch_dependents()
         dst = qo_ptr + (t * n_q + h) * head_dim
         tl.store(dst + c, o1.to(DT), mask=m)
         tl.store(dst + half + c, o2.to(DT), mask=m)
@@ -134,6 +143,8 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                             DT, LORA_RNE, BLOCK_H, LORA_K)
         v1, v2 = _head(x1, x2, wk_ptr, c, m, half, eps_v, cos1, cos2, sin1, sin2, V_STYLE,
                        False, False, DT)
+        if USE_GDC:  # every input read: the next kernel may start its prologue
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(vc_ptr + off + c, v1.to(DT), mask=m)
         tl.store(vc_ptr + off + half + c, v2.to(DT), mask=m)
 
@@ -200,5 +211,5 @@ def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int
         V_STYLE=STYLES[v_norm[1]] if v_norm else 0, HAS_LORA=lora is not None,
         LORA_K=lp.LORA_K, LORA_RNE=lp.rne(q.dtype),
         BLOCK_H=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=1 if head_dim <= 128
-        else 2)
+        else 2, **pdl.launch_kwargs())
     return qo

@@ -21,6 +21,16 @@ Stream-K (Osama et al., arXiv:2301.03598), without the memset of :mod:`.lora_gem
 The interpreter runs programs one after another, so the last ticket is drawn by the last split
 and the pattern is exact there too (tested).
 
+PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): each program loads its first W tile, then
+``gdc_wait()``, then everything else (x, the partial stores, the ticket, the counter reset, y),
+so W's first HBM round trip overlaps the previous kernel's tail, as CUTLASS example 63
+prefetches weights before the wait. Sound because no kernel of a decode step writes W: the
+``ext`` rows and bf16 shadows are refreshed by torch copies before the step
+(``ModelRunner.refresh_weights``), and a PDL launch can only overlap the kernel right before
+it. ``gdc_launch_dependents()`` follows the K loop (what remains is the epilogue and, for
+``SPLIT``, the fix-up of the tile's last program). With ``USE_GDC=False`` the peeled branch is
+pruned and the kernel is the plain loop.
+
 Why: cuBLAS reads cold decode weights at 1.9-3.8 TB/s for Qwen3-4B's o/qkv/down/gate_up shapes
 at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 2.66 ms for the
 36 layers + lm_head (``/work/shared/tools/gemv_roofline.py``, DESIGN.md's floors). The tuner
@@ -36,6 +46,7 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.lora_expand import _bf16_rne
 
 MAX_ROWS = 16
@@ -90,7 +101,7 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride_x, stride_w,
                  stride_y, k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, BF16_RNE: tl.constexpr):
+                 UPCAST: tl.constexpr, BF16_RNE: tl.constexpr, USE_GDC: tl.constexpr):
     tile = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,7 +109,18 @@ def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if USE_GDC:  # PDL (pdl.py): the first K tile peeled, its W load before the wait
+        kk0 = k_lo + tl.arange(0, BLOCK_K)  # own names: nothing new is loop-carried below
+        k0_ok = kk0 < k_hi
+        w0 = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk0[None, :],
+                     mask=col_ok[:, None] & k0_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        tl.extra.cuda.gdc_wait()  # x, y, ws and the counters only after the previous kernel
+        x0 = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + kk0[None, :],
+                     mask=row_ok[:, None] & k0_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc = _dot(x0, tl.trans(w0), acc, UPCAST)
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_hi
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
@@ -106,6 +128,8 @@ def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = _dot(x, tl.trans(w), acc, UPCAST)
+    if USE_GDC:  # K loop done: the next kernel may start its prologue (the epilogue is short)
+        tl.extra.cuda.gdc_launch_dependents()
     out_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT:  # serial split-K: publish the partial, the tile's last ticket sums them in order
         ws = ws_ptr + rows[:, None] * n + cols[None, :]  # this split's slice is added below
@@ -203,5 +227,5 @@ def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) 
         y.stride(0), k_per, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRETED,
         BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **pdl.launch_kwargs())
     return y

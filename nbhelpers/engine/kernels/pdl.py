@@ -1,0 +1,115 @@
+"""Programmatic Dependent Launch (PDL) of the engine's decode kernels (runner option ``pdl``).
+
+What: on Hopper and later (compute capability 9.0+) a kernel launched with the
+programmatic-stream-serialization attribute may start while the kernel before it in the stream
+is still running. It must execute ``griddepcontrol.wait`` before it reads anything the previous
+kernel wrote *and* before it writes anything (a buffer it writes may still be read there); the
+previous kernel may execute ``griddepcontrol.launch_dependents`` to let the next one start
+before its own epilogue. Decode launches ~550 small latency-bound kernels a step back to back,
+so each launch's ramp-up can overlap the previous kernel's tail. Sources: CUDA C++ Programming
+Guide, section "Programmatic Dependent Launch and Synchronization"; CUTLASS
+``media/docs/cpp/dependent_kernel_launch.md`` (a PDL kernel waits for the prior kernel's memory
+flush before it touches what that kernel may write; its example 63,
+``63_hopper_gemm_with_weight_prefetch``, prefetches the weights, which no earlier kernel
+writes, before the wait: :mod:`.skinny_gemm` loads its first W tile there); Triton's tutorial
+``python/tutorials/11-programmatic-dependent-launch.py``.
+
+Contract: every launcher of a decode kernel here (``skinny_gemm``, ``lora_expand``,
+``lora_shrink``, ``fused_norm``'s add+RMSNorm and act x up, ``qk_rope_cache``, the two paged
+decode stages) passes ``**pdl.launch_kwargs()``: ``{"USE_GDC": False}`` normally (the kernel
+compiles to the code it had before this option: the ``USE_GDC`` branches are pruned, and the
+launch keeps Triton's default ``launch_pdl=False``), ``{"USE_GDC": True, "launch_pdl": True}``
+inside :func:`scope` ``(True)``. One flag for both, so no kernel is PDL-launched without its wait.
+The runner enters ``scope(self.pdl)`` around its decode step body, which warm-up, CUDA-graph
+capture, eager steps and the profiler all run, so the captured graph and the eager path launch
+the same way; prefill and everything outside see off. The flag is a module global read at
+launch (the engine decodes from one thread), not a ContextVar, so a torch.compile trace of a
+launcher reads a plain constant.
+
+Kernel rules (each kernel says where it follows them): ``gdc_wait()`` unconditionally in every
+program, before any store and any load of an activation (weights, never written during decode,
+may be read before it); ``gdc_launch_dependents()`` once the program's main loop is done (what
+remains is its epilogue: the next kernel's programs can take free SM slots and run their
+prologue up to their own wait). A wait in *every* program matters: ``griddepcontrol.wait``
+waits for the kernel right before, which completes only after each of its programs passed its
+own wait, so the guarantee chains back through a run of PDL kernels; one program that skipped
+its wait would break the chain. Kernels launched without the attribute (cuBLAS, torch, inductor)
+start only after the previous kernel completed, as always.
+
+Triton API (3.6 on the H200 image, 3.9 on the CPU host): ``tl.extra.cuda.gdc_wait()`` /
+``gdc_launch_dependents()`` (inline PTX ``griddepcontrol.wait`` / ``.launch_dependents`` in 3.6,
+``triton/language/extra/cuda/gdc.py``; a builtin op in 3.9; both no-ops when the launch had no
+PDL attribute) and the launch keyword ``launch_pdl=True`` (``CUDAOptions.launch_pdl`` of
+``triton/backends/nvidia/compiler.py``; the driver launcher then sets
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, ``backends/nvidia/driver.py``).
+Neither exists in the interpreter, so :func:`scope` stays off under ``TRITON_INTERPRET=1``.
+
+Tests: ``tests/engine/test_pdl.py`` (sm_90 PTX of every kernel, option resolution, and on a GPU
+greedy parity of ``pdl="on"`` against ``"off"`` under CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+PDL_MODES = ("off", "on")
+"""Resolved values of ``RunnerOptions.pdl`` (``"auto"`` resolves to one of them)."""
+
+MIN_CAPABILITY = 9
+"""Compute capability major version with PDL (Hopper, sm_90)."""
+
+_ON = False
+
+
+def check_pdl(mode: str) -> str:
+    """``mode`` if it is one of :data:`PDL_MODES`, else ``ValueError`` naming them."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"pdl={mode!r}: must be one of {PDL_MODES} (or 'auto' in "
+                         "RunnerOptions).")
+    return mode
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``); False without
+    the triton package."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+    return bool(triton.knobs.runtime.interpret)
+
+
+def supported(device: Any) -> bool:
+    """Whether kernels on ``device`` (a ``torch.device``) can be PDL-launched: a CUDA device of
+    compute capability >= :data:`MIN_CAPABILITY`, the triton package, no interpreter."""
+    if getattr(device, "type", str(device)) != "cuda" or importlib.util.find_spec(
+            "triton") is None or interpreted():
+        return False
+    import torch
+    return torch.cuda.get_device_capability(device)[0] >= MIN_CAPABILITY
+
+
+def active() -> bool:
+    """Whether launches now are PDL launches (inside :func:`scope` ``(True)``)."""
+    return _ON
+
+
+@contextlib.contextmanager
+def scope(on: bool) -> Iterator[None]:
+    """Within this block the kernels above launch with PDL iff ``on`` (a resolved value: the
+    caller checked :func:`supported`); under the interpreter it stays off. Restores the previous
+    state on exit (nesting is fine)."""
+    global _ON
+    old, _ON = _ON, bool(on) and not interpreted()
+    try:
+        yield
+    finally:
+        _ON = old
+
+
+def launch_kwargs() -> dict[str, bool]:
+    """Keyword arguments for a kernel launch: ``USE_GDC`` (the kernel's constexpr) and, when on,
+    ``launch_pdl=True`` (module docstring)."""
+    return {"USE_GDC": True, "launch_pdl": True} if _ON else {"USE_GDC": False}

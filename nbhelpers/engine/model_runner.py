@@ -26,6 +26,7 @@ from nbhelpers.engine.attention import (
     sdpa_supports,
 )
 from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
 from nbhelpers.engine.models import build_engine_model
@@ -42,6 +43,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     resolve_kernels,
     resolve_lora_dtype,
     resolve_lora_fused,
+    resolve_pdl,
     resolve_prefill,
     resolve_skinny_gemm,
 )
@@ -86,6 +88,7 @@ class ModelRunner:
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
         self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, self.kernels_ok))  # decode GEMMs
+        self.pdl = resolve_pdl(opt, next(iter(model.parameters())).device)  # decode kernels
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
         if fused_mode != "off":
@@ -273,7 +276,9 @@ class ModelRunner:
 
     def _step_body(self, st: DecodeState, use_sort: bool) -> None:
         compute = self._decode_compiled or self._decode_compute
-        with self.skinny.decoding():  # decode GEMMs (skinny_gemm option; prefill: cuBLAS)
+        # decode GEMMs (skinny_gemm option; prefill: cuBLAS); PDL launches (pdl option): the
+        # same body runs warm-up, capture and eager steps, so graph and eager launch alike
+        with self.skinny.decoding(), pdl.scope(self.pdl):
             tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature,
                               st.min_p, st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))

@@ -8,6 +8,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbhelpers.engine.kernels import pdl as pdl_launch  # pure python, no triton at import
 from nbhelpers.engine.kernels.paged_decode_plan import pick_kernel  # pure python, no triton
 from nbhelpers.engine.lora import (
     LORA_DTYPES,
@@ -118,6 +119,18 @@ class RunnerOptions:
     2026-12-01, step ``n1d`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.99 ->
     3.77 ms with PEFT fp32 adapters and 3.47 -> 3.26 ms without LoRA, 624 -> 551 and 480 -> 407
     kernels a step. Prefill, more than 16 rows and ``compile_decode`` keep cuBLAS."""
+    pdl: str = "auto"
+    """Programmatic Dependent Launch of the decode step's Triton kernels (skinny GEMM, LoRA
+    shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
+    2; ``engine/kernels/pdl.py``): each may start while the kernel before it finishes, waits
+    (``griddepcontrol.wait``) before touching what that kernel may write, and lets the next one
+    start after its main loop. ``"on"``, ``"off"`` or ``"auto"`` (the default), which resolves
+    to ``"off"`` until an H200 A/B shows a win (``scripts/bench_flex.py --points ... --variants
+    ... {"pdl": "on"}``). ``"on"`` needs compute capability >= 9 (Hopper) at runtime and
+    applies to decode steps only (warm-up, CUDA-graph capture, eager steps; prefill keeps
+    ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs and with
+    ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) it resolves to
+    off without an error (:func:`resolve_pdl`)."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -159,6 +172,9 @@ class RunnerOptions:
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
+        if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
+            raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
+                             f"{('auto', *pdl_launch.PDL_MODES)}.")
         if self.fused_elementwise not in FUSED_ELEMENTWISE:
             raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
                              f"be one of {FUSED_ELEMENTWISE}.")
@@ -214,6 +230,14 @@ def resolve_skinny_gemm(opt: RunnerOptions, kernels_ok: bool) -> str:
     if opt.skinny_gemm != "auto":
         return opt.skinny_gemm
     return "triton" if kernels_ok and importlib.util.find_spec("triton") is not None else "off"
+
+
+def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
+    """Whether the decode kernels launch with PDL: ``opt.pdl == "on"`` (``"auto"`` resolves to
+    ``"off"``: no H200 A/B yet, :attr:`RunnerOptions.pdl`), ``device`` supports it
+    (``pdl.supported``: CUDA with compute capability >= 9, triton, no interpreter) and
+    ``compile_decode`` is off; anything else is off, silently (the option is a speed knob)."""
+    return opt.pdl == "on" and not opt.compile_decode and pdl_launch.supported(device)
 
 
 def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:

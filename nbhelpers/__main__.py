@@ -1,10 +1,11 @@
-"""CLI: ``python -m nbhelpers run|fetch|index``.
+"""CLI: ``python -m nbhelpers run|fetch|index|report``.
 
-- ``run TARGET [--profile cpu|h200] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
+- ``run TARGET [--profile cpu|h200|...] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
   (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run.runner);
   exits 1 when any notebook failed (a phase's compare notebook is then skipped, with a line
   saying why). Every notebook's config and ``-p`` values are checked
-  against its ``parameters`` cell before anything runs; in a phase run, a notebook without a
+  against its ``parameters`` cell (names, types, and the ranges of nbhelpers.run.values) before
+  anything runs; a ``-p`` goes to the notebooks of the run that declare it; in a phase run, a notebook without a
   config for the profile is skipped with a note (``19_compare`` is CPU-only).
 - ``fetch NAME ...``: download model / dataset assets into the cache (nbhelpers.models).
 - ``index``: regenerate ``executed/INDEX.md`` from the sidecars.
@@ -30,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute notebooks into executed/")
     run.add_argument("target", help="phase0|phase1|phase2|phase3 or notebooks/...ipynb")
-    run.add_argument("--profile", default="cpu", help="configs/<stem>.<profile>.yaml (cpu|h200)")
+    run.add_argument("--profile", default="cpu",
+                     help="configs/<stem>.<profile>.yaml: " + "|".join(_profile_names())
+                     + " (default: cpu)")
     run.add_argument("--gpus", default=None, help="comma-separated GPU ids, one worker each")
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
                      help="override a parameter (VALUE read as a YAML literal)")
@@ -134,6 +137,14 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_names() -> list[str]:
+    """The profiles of ``configs/`` (cpu first), for ``--help``."""
+    from nbhelpers.run import runner as run
+    from nbhelpers.run.params import profiles
+    known = sorted(profiles(run.REPO / "configs"))
+    return sorted(known, key=lambda p: (p != "cpu", p)) or ["cpu"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -151,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # run() already stopped its children and wrote their sidecars
-        print("interrupted: the partial notebook is kept and marked failed in executed/INDEX.md",
+        index = Path(args.executed) / "INDEX.md" if getattr(args, "executed", None) \
+            else Path("executed") / "INDEX.md"
+        print(f"interrupted: the partial notebook is kept and marked failed in {index}",
               file=sys.stderr)
         return 130
     from nbhelpers.run import runner as run

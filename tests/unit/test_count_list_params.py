@@ -1,0 +1,35 @@
+"""Batch lists (34's ``batch_sizes``, 33's ``batches``) are checked before a notebook runs: an
+empty list or a bad entry failed minutes in, naming ``Workload.n_prompts`` or ``max()`` (fresh-user
+report, 2026-12-01)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nbhelpers.run.params import UserInputError, parse_overrides, plan_parameters
+
+REPO = Path(__file__).resolve().parents[2]
+NB33 = REPO / "notebooks" / "phase3_flex" / "33_flex_vs_baselines.ipynb"
+NB34 = REPO / "notebooks" / "phase3_flex" / "34_gemma4.ipynb"
+
+
+@pytest.mark.parametrize("nb,name", [(NB34, "batch_sizes"), (NB33, "batches")])
+@pytest.mark.parametrize("value,what", [
+    ("[]", "is empty"),
+    ("[1, -2]", r"has \[-2\]"),
+    ("[0]", r"has \[0\]"),
+    ("[4, 4]", "repeats an entry"),
+    ("[4, true]", r"has \[True\]"),
+])
+def test_bad_batch_lists_are_refused_before_the_run(nb, name, value, what):
+    with pytest.raises(UserInputError, match=rf"-p {name} .*{name}=.* {what}: give a non-empty "
+                                             r"list of distinct ints >= 1, e\.g\. \[4, 8\]"):
+        plan_parameters([nb], "cpu", parse_overrides([(name, value)]), REPO)
+
+
+@pytest.mark.parametrize("nb,name", [(NB34, "batch_sizes"), (NB33, "batches")])
+def test_good_batch_lists_pass(nb, name):
+    [(_, params)] = plan_parameters([nb], "cpu", parse_overrides([(name, "[1, 8]")]), REPO)
+    assert params[name] == [1, 8]

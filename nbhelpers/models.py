@@ -109,8 +109,15 @@ def get_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` for a registry name, a hub id (``org/name``) or an existing folder.
 
     Raises:
+        TypeError: ``name`` is not a string (a path is given as ``str(path)``).
         ValueError: ``name`` is none of those (message lists the registry).
     """
+    if isinstance(name, Path):
+        name = str(name)
+    if not isinstance(name, str):
+        raise TypeError(f"model name {name!r} ({type(name).__name__}): give a registry name "
+                        f"({', '.join(list_models())}), a Hugging Face hub id 'org/name' or a "
+                        "local folder path, as a str.")
     if name in REGISTRY:
         entry = REGISTRY[name]
         return ModelSpec(name=name, kind=entry.kind, architecture=entry.architecture)

@@ -159,6 +159,17 @@ def test_pip_without_network_says_how_to_stage_the_asset(tmp_path, monkeypatch):
     assert [c[3] for c in calls] == ["install", "download"]  # it did try pip each time
 
 
+@pytest.mark.parametrize("bad", [None, 3, ["qwen3-4b"]])
+def test_a_non_string_model_name_names_the_accepted_forms(bad):
+    with pytest.raises(TypeError, match=r"give a registry name .*smollm2-135m-instruct.*hub id "
+                                        r"'org/name' or a local folder path, as a str"):
+        models.load_model(bad)
+
+
+def test_a_path_object_is_taken_as_its_folder(tmp_path):
+    assert models.get_spec(tmp_path).kind == "hub"  # an existing folder, as str(tmp_path)
+
+
 def test_folder_without_config_gives_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="local folder with config.json"):
         models.load_model(str(tmp_path))

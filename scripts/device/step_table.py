@@ -66,6 +66,14 @@ N1D_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "{\"name\": \"skinny_consumer\", \"options\": {\"skinny_gemm\": \"triton\", "
              "\"lora_expand\": \"consumer\"}}'")
 
+# next session: PDL (pdl="on", opt-in, never run on a GPU) against the default at the GRPO
+# rollout shape and without LoRA; its GPU tests (parity under CUDA graphs, launch_pdl on the
+# compiled kernels) run in n8a's suite. Watch the log for "CUDA graph capture failed".
+N8P_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:fp32:4,qwen3-4b:none:4 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"pdl\", \"options\": {\"pdl\": \"on\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -225,6 +233,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n8g": (["notebooks"], ["tok", "gsm8k"], [
         (N34, {"backends": "[flex, hf_generate]", "batch_sizes": "[8, 32]", "rounds": "1",
                "probe_kernels_s": "0"}, 300, 420, 0)]),
+    "n8p": ([], [], [  # after n8a, whose suite runs the PDL GPU tests
+        (BENCH, {"args": N8P_BENCH}, 130, 200, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

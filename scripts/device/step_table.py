@@ -27,6 +27,7 @@ GGUF_PARTS = 3
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit XML to $OUT
 AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
+AB_FLEX_IS = "scripts/ab_flex_is.py"  # same-process A/B: flex IS ratio at loss time vs extra forward
 AB_ATTN = "scripts/device/ab_paged_decode.py"  # grouped vs per-head paged decode attention
 # engine A/B at the GRPO rollout shape and W (one process per point x variant, floor + profile)
 K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --no-floor-gemms --points "
@@ -235,6 +236,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                "probe_kernels_s": "0"}, 300, 420, 0)]),
     "n8p": ([], [], [  # after n8a, whose suite runs the PDL GPU tests
         (BENCH, {"args": N8P_BENCH}, 130, 200, 0)]),
+    # next session: phase 2's flex trainer at the Qwen3-4B shape, both IS paths in one process
+    # (2 lead-in + 4 rounds x 2 variants x 8 steps = 66 steps, 28 kept per variant; helper-30's
+    # estimate ~210 s from the 20427d5 steps of 1.7-2.1 s)
+    "n9i": (["trl"], ["tok", "gsm8k"], [
+        (AB_FLEX_IS, {"args": "--profile h200 --steps 8 --rounds 4 --out $OUT/ab_flex_is"},
+         220, 330, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

@@ -148,11 +148,17 @@ def parse_overrides(pairs: list[tuple[str, str]] | list[list[str]] | None) -> di
     ``1e-5``, a string to YAML 1.1, -> float).
 
     Raises:
-        UserInputError: a VALUE that is not valid YAML (the message names that ``-p``).
+        UserInputError: a VALUE that is not valid YAML (the message names that ``-p``), or a
+            NAME given twice (which one should win is the user's call, not argparse order's).
     """
     import yaml
-    out = {}
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for name, value in pairs or []:
+        if name in seen:
+            raise UserInputError(f"-p {name} given twice ({seen[name]!r} and {value!r}): keep "
+                                 "the one you mean.")
+        seen[name] = value
         try:
             out[name] = yaml.safe_load(value)
             if isinstance(out[name], str) and _SCI_FLOAT.fullmatch(value.strip()):

@@ -1,6 +1,6 @@
 """Batch lists (34's ``batch_sizes``, 33's ``batches``) are checked before a notebook runs: an
 empty list or a bad entry failed minutes in, naming ``Workload.n_prompts`` or ``max()`` (fresh-user
-report, 2026-12-01)."""
+report, 2026-12-01), and so is a `-p NAME` given twice (the last one won silently)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,11 @@ def test_bad_batch_lists_are_refused_before_the_run(nb, name, value, what):
 def test_good_batch_lists_pass(nb, name):
     [(_, params)] = plan_parameters([nb], "cpu", parse_overrides([(name, "[1, 8]")]), REPO)
     assert params[name] == [1, 8]
+
+
+def test_a_parameter_given_twice_is_refused():
+    from nbhelpers.run.params import parse_overrides
+    with pytest.raises(UserInputError, match=r"-p max_steps given twice \('2' and '3'\): keep "
+                                             "the one you mean"):
+        parse_overrides([("max_steps", "2"), ("max_steps", "3")])
+    assert parse_overrides([("max_steps", "2"), ("seed", "1")]) == {"max_steps": 2, "seed": 1}

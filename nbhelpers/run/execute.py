@@ -160,7 +160,8 @@ def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0,
     and keeps the partial notebook), SIGKILL after ``grace_s``; every job that had not finished
     gets a failed sidecar (``interrupted (<reason>)``, default :func:`stop_reason`) naming its
     partial notebook and the partial ``<run>__<backend>.json`` sidecars beside it (kept as they
-    are), so INDEX.md lists it."""
+    are), so INDEX.md lists it; one that never started gets :func:`write_not_started` in place
+    of its empty claimed notebook."""
     import signal
     import time
     why = reason or stop_reason()
@@ -181,6 +182,25 @@ def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0,
                     f"{repo_path(job.output, repo)}{_partials(job, repo)}" if started
                     else f"interrupted ({why}) before it started")
             mark_failed(job, what)
+            if not started:
+                write_not_started(job.output, job.notebook.name, what)
+
+
+def write_not_started(output: Path, notebook: str, what: str) -> None:
+    """Replace the claimed, still empty ``output`` (0 bytes) with a one-cell nbformat-4 notebook
+    saying that the run never started and why, so INDEX.md's link opens in Jupyter (an empty
+    file does not). A file papermill already wrote is left alone."""
+    try:
+        if output.stat().st_size:
+            return
+    except OSError:
+        return
+    cell = {"cell_type": "markdown", "metadata": {}, "id": "not-started",
+            "source": f"# {notebook}: not run\n\n{what}; no cell ran. Its sidecar (the JSON "
+                      "file of the same name) records the failure."}
+    doc = {"nbformat": 4, "nbformat_minor": 5, "cells": [cell],
+           "metadata": {"nbhelpers": {"status": "failed", "error": what}}}
+    output.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def _partials(job: Job, repo: Path) -> str:

@@ -18,7 +18,11 @@ from nbhelpers.engine.lora import (
     check_lora_expand,
     check_lora_fused,
 )
-from nbhelpers.engine.skinny_linear import SKINNY_GEMM_MODES, check_skinny_gemm
+from nbhelpers.engine.skinny_linear import (
+    SKINNY_GEMM_MODES,
+    check_skinny_gemm,
+    check_skinny_gemm_max_rows,
+)
 
 FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
 DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
@@ -118,7 +122,13 @@ class RunnerOptions:
     --points qwen3-4b:fp32:4,qwen3-4b:none:4``, one process per variant, 256 new tokens,
     2026-12-01, step ``n1d`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.99 ->
     3.77 ms with PEFT fp32 adapters and 3.47 -> 3.26 ms without LoRA, 624 -> 551 and 480 -> 407
-    kernels a step. Prefill, more than 16 rows and ``compile_decode`` keep cuBLAS."""
+    kernels a step. Prefill, more than ``skinny_gemm_max_rows`` rows and ``compile_decode``
+    keep cuBLAS."""
+    skinny_gemm_max_rows: int = 16
+    """Most rows a decode GEMM may have for ``skinny_gemm``: 16 (the default) or 32 (opt-in,
+    the kernel's 32-row tile; batch 32 GEMMs of Qwen3-4B: cuBLAS 2.79 ms vs a split-K sweep
+    2.65 ms, ``/work/shared/tools/gemv_roofline.py``, 2026-12-01). 16 until an H200 A/B:
+    ``engine/skinny_linear.py`` ``SkinnyLinear``."""
     pdl: str = "auto"
     """Programmatic Dependent Launch of the decode step's Triton kernels (skinny GEMM, LoRA
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
@@ -172,6 +182,7 @@ class RunnerOptions:
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
+        check_skinny_gemm_max_rows(self.skinny_gemm_max_rows, "RunnerOptions.skinny_gemm_max_rows")
         if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
             raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
                              f"{('auto', *pdl_launch.PDL_MODES)}.")

@@ -6,7 +6,7 @@ carry LoRA A's rows, the ``ext`` layout, so ``y`` and ``x A^T`` still come out o
 the LM head (``layers.EngineModel.logits``). Calling it is ``F.linear(x2, w, bias)``: in mode
 ``"triton"``, inside :meth:`decoding` (the runner's decode step body: warm-up, capture, eager
 steps, the profiler's steps) and for operands :func:`.kernels.skinny_gemm.supported` serves
-(at most 16 rows, 16/32-bit, CUDA or the interpreter) it launches
+(at most ``max_rows`` rows, 16/32-bit, CUDA or the interpreter) it launches
 :func:`.kernels.skinny_gemm.skinny_gemm` with the config the tuner chose for the shape, or keeps
 ``F.linear`` where cuBLAS won (:mod:`.kernels.skinny_gemm_tune`). Prefill, more rows,
 torch.compile tracing (``compile_decode``) and unsupported operands keep ``F.linear``. Weights
@@ -25,7 +25,10 @@ from typing import Any
 from nbhelpers.engine.lora_fused import check_kernel_mode
 
 SKINNY_GEMM_MODES = ("off", "triton")
-"""Whether decode GEMMs of at most 16 rows may run as the split-K Triton kernel."""
+"""Whether decode GEMMs of at most ``max_rows`` rows may run as the split-K Triton kernel."""
+SKINNY_GEMM_MAX_ROWS = (16, 32)
+"""Allowed ``max_rows`` (runner option ``skinny_gemm_max_rows``): one 16-row tile (the default)
+or, opt-in, the 32-row tile for 17-32 rows (:class:`SkinnyLinear`)."""
 
 
 def check_skinny_gemm(mode: str) -> str:
@@ -34,15 +37,31 @@ def check_skinny_gemm(mode: str) -> str:
     return check_kernel_mode("skinny_gemm", mode, SKINNY_GEMM_MODES)
 
 
+def check_skinny_gemm_max_rows(rows: int, owner: str = "SkinnyLinear.max_rows") -> int:
+    """``rows`` if it is an int in :data:`SKINNY_GEMM_MAX_ROWS`; else ``ValueError`` naming
+    ``owner`` and the allowed values."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows not in SKINNY_GEMM_MAX_ROWS:
+        raise ValueError(f"{owner}={rows!r}: must be one of {SKINNY_GEMM_MAX_ROWS}.")
+    return rows
+
+
 class SkinnyLinear:
     """``F.linear`` with the skinny kernel for decode (module docstring).
 
     ``choices`` maps a ``skinny_gemm_tune.shape_key`` to the chosen ``skinny_gemm.Config`` or
-    ``None`` (cuBLAS). Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES`.
+    ``None`` (cuBLAS). ``max_rows``: decode GEMMs of at most this many rows are served, 16 (the
+    default: one 16-row tile) or 32 (opt-in: 17-32 rows run the kernel's 32-row tile). Why 32
+    is offered: Qwen3-4B's cold-weight decode GEMMs at batch 32 on the H200 took 2.79 ms in
+    cuBLAS against 2.65 ms for a split-K Triton sweep (36 layers + lm_head,
+    ``/work/shared/tools/gemv_roofline.py``, 2026-12-01). It stays 16 until an engine A/B on the
+    H200 (``scripts/bench_flex.py --variants`` with ``skinny_gemm_max_rows: 32``) shows a win.
+    Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES` or ``max_rows`` outside
+    :data:`SKINNY_GEMM_MAX_ROWS`.
     """
 
-    def __init__(self, mode: str = "off"):
+    def __init__(self, mode: str = "off", max_rows: int = 16):
         self.mode = check_skinny_gemm(mode)
+        self.max_rows = check_skinny_gemm_max_rows(max_rows)
         self.decode = False
         self.choices: dict[str, Any] = {}
         self.kernel = self.tune = None
@@ -66,7 +85,8 @@ class SkinnyLinear:
     def serves(self, x2: Any, w: Any, bias: Any = None) -> bool:
         """Whether this call would run the kernel (mode on, decoding, not traced, operands)."""
         import torch
-        return (self.kernel is not None and self.decode and not torch.compiler.is_compiling()
+        return (self.kernel is not None and self.decode and x2.dim() == 2
+                and x2.shape[0] <= self.max_rows and not torch.compiler.is_compiling()
                 and self.kernel.supported(x2, w, bias))
 
     def __call__(self, x2: Any, w: Any, bias: Any = None) -> Any:
@@ -92,8 +112,7 @@ class SkinnyLinear:
             return default
         limit = getattr(torch.cuda.get_device_properties(x2.device),
                         "shared_memory_per_block_optin", 232448)  # H200's when torch lacks it
-        cfgs = {tune.config_name(c): c for c in (default, *sg.CONFIGS)
-                if sg.fits(c, w.element_size(), limit)}
+        cfgs = tune.candidates(m, n, k, w.element_size(), limit)  # pruned at this BLOCK_M
         choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm)
         self.choices[key] = cfgs.get(choice)  # None: cuBLAS
         return self.choices[key]

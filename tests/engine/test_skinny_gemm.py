@@ -95,8 +95,8 @@ def test_launch_split_never_empty():
 
 
 def test_unsupported_operands():
-    x, w, _, _ = _operands(17, 32, 64, torch.float32, False)
-    assert not sg.supported(x, w)  # more than MAX_ROWS rows: cuBLAS
+    x, w, _, _ = _operands(33, 32, 64, torch.float32, False)
+    assert not sg.supported(x, w)  # more than MAX_ROWS (32) rows: cuBLAS
     with pytest.raises(ValueError, match="use F.linear"):
         sg.skinny_gemm(x, w)
     x, w, _, _ = _operands(4, 32, 64, torch.float32, False)

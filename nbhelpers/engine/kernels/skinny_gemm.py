@@ -1,20 +1,21 @@
 """Skinny decode GEMM ``y = x W^T (+ bias)`` as one split-K Triton launch (``skinny_gemm``).
 
 Contract: :func:`skinny_gemm` returns ``y [M, N]`` in x's dtype for ``x [M, K]`` (``M <=
-MAX_ROWS``, unit column stride, any row stride) and ``W [N, K]`` (nn.Linear layout, unit column
-stride; a LiveGroup's fused buffer, its ``ext`` rows of LoRA A included, or ``lm_head.weight``),
+MAX_ROWS = 32``, unit column stride, any row stride) and ``W [N, K]`` (nn.Linear layout, unit
+column stride; a LiveGroup's fused buffer, its ``ext`` rows of LoRA A included, or ``lm_head.weight``),
 optional ``bias [N]``. fp32 accumulation (IEEE fp32 dot for fp32 operands, no TF32), one rounding
 to the output dtype. Works on CUDA and under ``TRITON_INTERPRET=1``.
 
-Design (grid ``(cdiv(N, BLOCK_N), SPLIT)``; rows padded to ``BLOCK_M = 16``, the smallest
-``tl.dot`` tile). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
-fp32 partial into its own slice of a workspace ``[SPLIT, 16, N]`` (plain stores: no memset
+Design (grid ``(cdiv(N, BLOCK_N), SPLIT)``; rows padded to ``BLOCK_M`` (:func:`block_m`: 16, the
+smallest ``tl.dot`` tile, for ``M <= 16``; 32 for 17-32 rows, one launch either way; the engine
+routes 17-32 rows only with ``skinny_gemm_max_rows=32``). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
+fp32 partial into its own slice of a workspace ``[SPLIT, BLOCK_M, N]`` (plain stores: no memset
 needed), then ``tl.debug_barrier()`` (every thread's stores issued) and takes a ticket with
 ``tl.atomic_add(counter + tile, 1, sem="acq_rel")``; the program that draws the last ticket
 reads the ``SPLIT`` partials in fixed split order (deterministic, unlike ``atomic_add`` into the
 output), adds the bias, writes ``y`` and resets the counter to 0 for the next call. One launch
 per GEMM, no host sync, no allocation but ``y``: the workspace and counters are allocated once per
-(device, N, split) (:func:`workspace`) and reused, so the launch is CUDA-graph capturable. Calls
+(device, N, split, BLOCK_M) (:func:`workspace`) and reused, so the launch is CUDA-graph capturable. Calls
 must be stream-ordered (one stream: the engine's). This is CUTLASS's "serial split-K" (the
 ``Semaphore`` of ``cutlass/gemm/kernel/gemm.h``, ``SplitKSerial``) and the fix-up step of
 Stream-K (Osama et al., arXiv:2301.03598), without the memset of :mod:`.lora_gemm`'s variant.
@@ -33,10 +34,11 @@ pruned and the kernel is the plain loop.
 
 Why: cuBLAS reads cold decode weights at 1.9-3.8 TB/s for Qwen3-4B's o/qkv/down/gate_up shapes
 at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 2.66 ms for the
-36 layers + lm_head (``/work/shared/tools/gemv_roofline.py``, DESIGN.md's floors). The tuner
-(:mod:`.skinny_gemm_tune`) keeps cuBLAS where it wins.
+36 layers + lm_head (``/work/shared/tools/gemv_roofline.py``, DESIGN.md's floors); at M=32
+(``BLOCK_M = 32``) 2.65 ms against cuBLAS's 2.79 ms (same tool, 2026-12-01), hence the opt-in
+32-row tile. The tuner (:mod:`.skinny_gemm_tune`) keeps cuBLAS where it wins.
 
-Tests: ``tests/engine/test_skinny_gemm.py``.
+Tests: ``tests/engine/test_skinny_gemm.py``, ``tests/engine/test_skinny_gemm_rows32.py``.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ import triton.language as tl
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.lora_expand import _bf16_rne
 
-MAX_ROWS = 16
-"""Rows served (one 16-row tile); more rows keep cuBLAS."""
+MAX_ROWS = 32
+"""Rows served (one 16- or 32-row tile); more rows keep cuBLAS."""
 BLOCK_M = 16
+"""The row tile for ``M <= 16``; the default of :func:`shared_memory_bytes` and :func:`fits`."""
+BLOCK_MS = (16, 32)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
@@ -74,18 +78,29 @@ CONFIGS = (Config(64, 128, 1), Config(64, 256, 1), Config(128, 128, 1), Config(1
 narrower tiles with more splits for the small o/down shapes."""
 
 
-def shared_memory_bytes(cfg: Config, elem_size: int) -> int:
+def block_m(m: int) -> int:
+    """The row tile for ``m`` rows: 16 for ``m <= 16``, 32 for 17-32. Raises ``ValueError``
+    beyond :data:`MAX_ROWS` (keep ``F.linear`` there)."""
+    for bm in BLOCK_MS:
+        if m <= bm:
+            return bm
+    raise ValueError(f"skinny_gemm: {m} rows > MAX_ROWS={MAX_ROWS}; use F.linear.")
+
+
+def shared_memory_bytes(cfg: Config, elem_size: int, block_m: int = BLOCK_M) -> int:
     """Shared memory the pipelined K loop asks for, in bytes: ``num_stages - 1`` buffers of the
-    ``[BLOCK_M, BLOCK_K]`` x tile and the ``[BLOCK_N, BLOCK_K]`` W tile. Matches the 294,912 B
-    Triton 3.6 reported for ``Config(128, 256, 1, 8, 3)`` in fp32 on the H200 (2026-12-01)."""
-    return (cfg.num_stages - 1) * (BLOCK_M + cfg.block_n) * cfg.block_k * elem_size
+    ``[block_m, BLOCK_K]`` x tile and the ``[BLOCK_N, BLOCK_K]`` W tile. Matches the 294,912 B
+    Triton 3.6 reported for ``Config(128, 256, 1, 8, 3)`` in fp32 on the H200 (2026-12-01,
+    ``block_m=16``)."""
+    return (cfg.num_stages - 1) * (block_m + cfg.block_n) * cfg.block_k * elem_size
 
 
-def fits(cfg: Config, elem_size: int, limit_bytes: int) -> bool:
-    """Whether ``cfg`` fits a device with ``limit_bytes`` of shared memory per block (the
-    tuner leaves out the configs that cannot launch, e.g. fp32 with 128 x 256 tiles and 3
-    stages on the H200's 232,448 B, instead of warning about each shape)."""
-    return shared_memory_bytes(cfg, elem_size) <= limit_bytes
+def fits(cfg: Config, elem_size: int, limit_bytes: int, block_m: int = BLOCK_M) -> bool:
+    """Whether ``cfg`` fits a device with ``limit_bytes`` of shared memory per block at row
+    tile ``block_m`` (the tuner leaves out the configs that cannot launch, e.g. fp32 with
+    128 x 256 tiles and 3 stages on the H200's 232,448 B, instead of warning about each
+    shape)."""
+    return shared_memory_bytes(cfg, elem_size, block_m) <= limit_bytes
 
 
 @triton.jit
@@ -196,21 +211,22 @@ def default_config(n: int, k: int) -> Config:
 _WORKSPACES: dict[tuple, tuple[Any, Any]] = {}
 
 
-def workspace(device: Any, n: int, split: int) -> tuple[Any, Any]:
-    """``(ws [split * 16 * n] fp32, counters [cdiv(n, 16)] int32 zeros)`` for this (device, N,
-    split), allocated at the first call and reused (the kernel leaves the counters at 0)."""
+def workspace(device: Any, n: int, split: int, block_m: int = BLOCK_M) -> tuple[Any, Any]:
+    """``(ws [split * block_m * n] fp32, counters [cdiv(n, 16)] int32 zeros)`` for this
+    (device, N, split, block_m), allocated at the first call and reused (the kernel leaves the
+    counters at 0)."""
     import torch
-    key = (str(device), n, split)
+    key = (str(device), n, split, block_m)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(split * BLOCK_M * n, dtype=torch.float32, device=device),
+        _WORKSPACES[key] = (torch.empty(split * block_m * n, dtype=torch.float32, device=device),
                             torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
 
 def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) -> Any:
     """``x W^T (+ bias)`` in one launch (module docstring). Shapes: ``x [M, K]``, ``w [N, K]``,
-    ``bias [N]`` or ``None``; returns a new contiguous ``y [M, N]`` in x's dtype. ``config``:
-    default :func:`default_config`. Raises ``ValueError`` when :func:`supported` is false."""
+    ``bias [N]`` or ``None``; returns a new contiguous ``y [M, N]`` in x's dtype, rows padded
+    to :func:`block_m` inside the kernel. ``config``: default :func:`default_config`. Raises ``ValueError`` when :func:`supported` is false."""
     import torch
     if not supported(x, w, bias):
         raise ValueError(f"skinny_gemm: unsupported operands x {tuple(x.shape)} {x.dtype} "
@@ -220,11 +236,12 @@ def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) 
     n = w.shape[0]
     cfg = config or default_config(n, k)
     split, k_per = launch_split(k, cfg)
+    bm = block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws, cnt = workspace(x.device, n, split) if split > 1 else (y, y)
+    ws, cnt = workspace(x.device, n, split, bm) if split > 1 else (y, y)
     _skinny_gemm[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y if bias is None else bias, y, ws, cnt, m, n, k, x.stride(0), w.stride(0),
-        y.stride(0), k_per, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=BLOCK_M,
+        y.stride(0), k_per, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRETED,
         BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_kwargs())

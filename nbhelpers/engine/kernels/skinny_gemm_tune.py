@@ -33,7 +33,8 @@ ROTATE_BYTES = 256 << 20
 MAX_COPIES = 64
 """At most this many copies (weights under 4 MB, tiny test models, stay partly in L2)."""
 REPS = 4
-__all__ = ["CUBLAS", "SkinnyTuner", "cache_path", "config_name", "graph_ms", "shape_key", "tuner"]
+__all__ = ["CUBLAS", "SkinnyTuner", "cache_path", "candidates", "config_name", "graph_ms",
+           "shape_key", "tuner"]
 
 
 def cache_path() -> Path:
@@ -43,7 +44,8 @@ def cache_path() -> Path:
 
 
 def m_bucket(m: int) -> int:
-    """The engine's decode bucket holding ``m`` rows (1, 2, 4, 8 or 16): one key each."""
+    """The engine's decode bucket holding ``m`` rows (1, 2, 4, 8, 16 or 32): one key each (one
+    :func:`.skinny_gemm.block_m` per bucket: 16 up to the 16 bucket, 32 for the 32 one)."""
     return 1 << (m - 1).bit_length()
 
 
@@ -56,6 +58,17 @@ def shape_key(device: Any, m: int, n: int, k: int, dtype: Any, bias: bool) -> st
 def config_name(cfg: Any) -> str:
     """``"n64_k128_s4_w4_st3"`` for a :class:`.skinny_gemm.Config`."""
     return f"n{cfg.block_n}_k{cfg.block_k}_s{cfg.split}_w{cfg.num_warps}_st{cfg.num_stages}"
+
+
+def candidates(m: int, n: int, k: int, elem_size: int, limit_bytes: int) -> dict[str, Any]:
+    """``{config_name: Config}`` the tuner times for an ``[m, k] x [n, k]^T`` GEMM: the
+    :func:`.skinny_gemm.default_config` and :data:`.skinny_gemm.CONFIGS` that fit
+    ``limit_bytes`` of shared memory at the row tile ``m`` launches with
+    (:func:`.skinny_gemm.block_m`: a 32-row tile needs more than a 16-row one)."""
+    from nbhelpers.engine.kernels import skinny_gemm as sg
+    bm = sg.block_m(m)
+    return {config_name(c): c for c in (sg.default_config(n, k), *sg.CONFIGS)
+            if sg.fits(c, elem_size, limit_bytes, bm)}
 
 
 def graph_ms(fn: Callable[[], Any], reps: int = REPS) -> float:

@@ -96,11 +96,14 @@ def test_shared_memory_and_pruning_use_the_row_tile():
     assert tune.m_bucket(17) == tune.m_bucket(32) == 32 != tune.m_bucket(16)
 
 
-def test_kernel_compiles_for_sm90_with_32_row_tile():
+@pytest.mark.parametrize("gdc", [False, True], ids=["plain", "pdl"])
+def test_kernel_compiles_for_sm90_with_32_row_tile(gdc):
     """The 32-row tile builds to an sm_90 cubin (bf16 and fp32 ``tl.dot``, the ticket
-    atomics), the AOT script of ``test_skinny_gemm.py`` with ``BLOCK_M`` 32."""
-    src = _AOT.replace('"BLOCK_M": 16', '"BLOCK_M": 32')
-    assert src != _AOT
+    atomics), the AOT script of ``test_skinny_gemm.py`` with ``BLOCK_M`` 32, with and without
+    the PDL branch (``USE_GDC``)."""
+    src = _AOT.replace('"BLOCK_M": 16', '"BLOCK_M": 32').replace('"USE_GDC": False',
+                                                                  f'"USE_GDC": {gdc}')
+    assert '"BLOCK_M": 32' in src and f'"USE_GDC": {gdc}' in src
     assert_compiles_for_sm90(src)
 
 

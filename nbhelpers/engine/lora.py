@@ -17,8 +17,9 @@ one Triton launch for all parts (:mod:`nbhelpers.engine.kernels.lora_expand`). W
 its LoRA as one kernel (:mod:`nbhelpers.engine.kernels.lora_gemm`) where the per-shape tuner
 (:mod:`nbhelpers.engine.kernels.lora_gemm_tune`) found it faster than that path; that path lives
 in :mod:`nbhelpers.engine.lora_fused` (:class:`LoraFusedGemm`, one per group). With the runner
-option ``skinny_gemm="triton"`` the base GEMM of decode calls (<= 16 rows) runs as a split-K Triton
-kernel where its tuner found it faster than cuBLAS (:mod:`nbhelpers.engine.skinny_linear`).
+option ``skinny_gemm`` on (``"auto"`` on CUDA) the base GEMM of decode calls (<= 16 rows, or
+``skinny_gemm_max_rows``) runs as a split-K Triton kernel where its tuner found it faster than
+cuBLAS (:mod:`nbhelpers.engine.skinny_linear`).
 
 :func:`storage_signature` lists the ``data_ptr`` of every tensor a captured graph reads; the runner
 re-captures when it changes (an optimizer or ``load_state_dict`` that replaced storage).

@@ -75,6 +75,13 @@ N8P_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "'{\"name\": \"default\", \"options\": {}};"
              "{\"name\": \"pdl\", \"options\": {\"pdl\": \"on\"}}'")
 
+# next session: decode GEMMs of 17-32 rows through the skinny kernel (skinny_gemm_max_rows=32,
+# opt-in, never run on a GPU) against the default (cuBLAS there) at batch 32.
+N8S_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:bf16:32,qwen3-4b:none:32 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"skinny32\", \"options\": {\"skinny_gemm_max_rows\": 32}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -236,6 +243,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                "probe_kernels_s": "0"}, 300, 420, 0)]),
     "n8p": ([], [], [  # after n8a, whose suite runs the PDL GPU tests
         (BENCH, {"args": N8P_BENCH}, 130, 200, 0)]),
+    "n8s": ([], [], [  # the 32-row tile's GPU tests also run in n8a's suite
+        (BENCH, {"args": N8S_BENCH}, 150, 220, 0)]),
     # next session: phase 2's flex trainer at the Qwen3-4B shape, both IS paths in one process
     # (2 lead-in + 4 rounds x 2 variants x 8 steps = 66 steps, 28 kept per variant; helper-30's
     # estimate ~210 s from the 20427d5 steps of 1.7-2.1 s)

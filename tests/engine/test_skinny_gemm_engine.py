@@ -93,9 +93,10 @@ def _count(monkeypatch):
     return calls
 
 
-def _generate(model, prompts, **options):
-    llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, **options)
-    outs = llm.generate(prompts, GREEDY)
+def _generate(model, prompts, num_pages=8, sampling=GREEDY, **options):
+    """Greedy ``(token_ids, logprobs)`` per prompt of a fresh engine over ``model``."""
+    llm = LLM(model, page_size=64, num_pages=num_pages, max_model_len=64, **options)
+    outs = llm.generate(prompts, sampling)
     if DEV == "cuda":
         assert llm.runner.timings["graph_captures"] > 0  # parity under CUDA graphs
     return [(o.token_ids, o.logprobs) for o in outs]

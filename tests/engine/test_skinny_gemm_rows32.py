@@ -20,6 +20,7 @@ from _kernels import DEV, assert_compiles_for_sm90, skip_unless_runnable
 from _tiny import random_prompts, tiny_model
 from test_skinny_gemm import _AOT, _assert_matches, _operands
 from test_skinny_gemm_engine import _count, _force_kernel
+from test_skinny_gemm_engine import _generate as engine_generate
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
@@ -141,11 +142,7 @@ def test_max_rows_option_values():
 
 
 def _generate(model, prompts, **options):
-    llm = LLM(model, page_size=64, num_pages=24, max_model_len=64, **options)
-    outs = llm.generate(prompts, GREEDY)
-    if DEV == "cuda":
-        assert llm.runner.timings["graph_captures"] > 0  # parity under CUDA graphs
-    return [(o.token_ids, o.logprobs) for o in outs]
+    return engine_generate(model, prompts, num_pages=24, sampling=GREEDY, **options)
 
 
 def test_engine_batch_20_matches_off(monkeypatch):

@@ -17,7 +17,7 @@ one Triton launch for all parts (:mod:`nbhelpers.engine.kernels.lora_expand`). W
 its LoRA as one kernel (:mod:`nbhelpers.engine.kernels.lora_gemm`) where the per-shape tuner
 (:mod:`nbhelpers.engine.kernels.lora_gemm_tune`) found it faster than that path; that path lives
 in :mod:`nbhelpers.engine.lora_fused` (:class:`LoraFusedGemm`, one per group). With the runner
-option ``skinny_gemm`` on (``"auto"`` on CUDA) the base GEMM of decode calls (<= 16 rows, or
+option ``skinny_gemm`` on (``"auto"`` on CUDA) the base GEMM of decode calls (<= 32 rows by default, or
 ``skinny_gemm_max_rows``) runs as a split-K Triton kernel where its tuner found it faster than
 cuBLAS (:mod:`nbhelpers.engine.skinny_linear`).
 

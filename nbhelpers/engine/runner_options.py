@@ -124,23 +124,28 @@ class RunnerOptions:
     3.77 ms with PEFT fp32 adapters and 3.47 -> 3.26 ms without LoRA, 624 -> 551 and 480 -> 407
     kernels a step. Prefill, more than ``skinny_gemm_max_rows`` rows and ``compile_decode``
     keep cuBLAS."""
-    skinny_gemm_max_rows: int = 16
-    """Most rows a decode GEMM may have for ``skinny_gemm``: 16 (the default) or 32 (opt-in,
-    the kernel's 32-row tile; batch 32 GEMMs of Qwen3-4B: cuBLAS 2.79 ms vs a split-K sweep
-    2.65 ms, ``/work/shared/tools/gemv_roofline.py``, 2026-12-01). 16 until an H200 A/B:
+    skinny_gemm_max_rows: int = 32
+    """Most rows a decode GEMM may have for ``skinny_gemm``: 32 (the default: the kernel's
+    32-row tile serves 17-32 rows) or 16. Why 32: the engine A/B on the H200 (``scripts/
+    bench_flex.py --points qwen3-4b:bf16:32,qwen3-4b:none:32 --variants ...
+    {"skinny_gemm_max_rows": 32}``, one process per variant, 256 new tokens, 2026-12-01, step
+    ``n8s`` of ``docs/h200_runbook.md``): Qwen3-4B batch 32 decode step 4.50 -> 4.40 ms with bf16
+    adapters and 4.00 -> 3.89 ms without LoRA (GEMM class 3.15 -> 3.06 and 2.69 -> 2.58 ms).
     ``engine/skinny_linear.py`` ``SkinnyLinear``."""
     pdl: str = "auto"
     """Programmatic Dependent Launch of the decode step's Triton kernels (skinny GEMM, LoRA
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
     2; ``engine/kernels/pdl.py``): each may start while the kernel before it finishes, waits
     (``griddepcontrol.wait``) before touching what that kernel may write, and lets the next one
-    start after its main loop. ``"on"``, ``"off"`` or ``"auto"`` (the default), which resolves
-    to ``"off"`` until an H200 A/B shows a win (``scripts/bench_flex.py --points ... --variants
-    ... {"pdl": "on"}``). ``"on"`` needs compute capability >= 9 (Hopper) at runtime and
-    applies to decode steps only (warm-up, CUDA-graph capture, eager steps; prefill keeps
-    ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs and with
-    ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) it resolves to
-    off without an error (:func:`resolve_pdl`)."""
+    start after its main loop. ``"on"``, ``"off"`` or ``"auto"`` (the default) = ``"on"``. Why:
+    the engine A/B on the H200 (``scripts/bench_flex.py --points qwen3-4b:fp32:4,qwen3-4b:none:4
+    --variants ... {"pdl": "on"}``, one process per variant, 256 new tokens, 2026-12-01, step
+    ``n8p`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.77 -> 3.65 ms with PEFT
+    fp32 adapters and 3.27 -> 3.24 ms without LoRA. PDL needs compute capability >= 9 (Hopper)
+    at runtime and applies to decode steps only (warm-up, CUDA-graph capture, eager steps;
+    prefill keeps ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs
+    and with ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) both
+    ``"on"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`)."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -244,11 +249,11 @@ def resolve_skinny_gemm(opt: RunnerOptions, kernels_ok: bool) -> str:
 
 
 def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
-    """Whether the decode kernels launch with PDL: ``opt.pdl == "on"`` (``"auto"`` resolves to
-    ``"off"``: no H200 A/B yet, :attr:`RunnerOptions.pdl`), ``device`` supports it
+    """Whether the decode kernels launch with PDL: ``opt.pdl`` is ``"on"`` or ``"auto"`` (the
+    H200 A/B is in :attr:`RunnerOptions.pdl`), ``device`` supports it
     (``pdl.supported``: CUDA with compute capability >= 9, triton, no interpreter) and
     ``compile_decode`` is off; anything else is off, silently (the option is a speed knob)."""
-    return opt.pdl == "on" and not opt.compile_decode and pdl_launch.supported(device)
+    return opt.pdl != "off" and not opt.compile_decode and pdl_launch.supported(device)
 
 
 def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:

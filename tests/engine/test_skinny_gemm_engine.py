@@ -62,7 +62,7 @@ def test_route_runs_kernel_only_while_decoding(monkeypatch):
     assert not calls  # outside a decode window: F.linear
     with route.decoding():
         torch.testing.assert_close(route(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
-        route(torch.randn(17, 64, device=DEV), w)  # more than 16 rows: F.linear
+        route(torch.randn(33, 64, device=DEV), w)  # more than max_rows (32) rows: F.linear
     assert calls == [(3, 40)] and not route.decode
     assert not SkinnyLinear("off").enabled
 

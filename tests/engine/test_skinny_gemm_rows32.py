@@ -112,24 +112,24 @@ def test_kernel_compiles_for_sm90_with_32_row_tile(gdc):
 
 
 def test_route_serves_up_to_max_rows(monkeypatch):
-    """``max_rows=32``: 24 rows run the kernel, 33 keep F.linear; the default 16: 24 rows keep
-    F.linear."""
+    """``max_rows=32`` (the default): 24 rows run the kernel, 33 keep F.linear; ``max_rows=16``:
+    24 rows keep F.linear."""
     _force_kernel(monkeypatch)
     calls = _count(monkeypatch)
     w = torch.randn(40, 64, device=DEV)
     x24, x33 = torch.randn(24, 64, device=DEV), torch.randn(33, 64, device=DEV)
-    wide, default = SkinnyLinear("triton", max_rows=32), SkinnyLinear("triton")
-    assert default.max_rows == 16
-    with wide.decoding(), default.decoding():
+    wide, narrow = SkinnyLinear("triton"), SkinnyLinear("triton", max_rows=16)
+    assert wide.max_rows == 32
+    with wide.decoding(), narrow.decoding():
         torch.testing.assert_close(wide(x24, w), x24 @ w.t(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(wide(x33, w), x33 @ w.t())
-        torch.testing.assert_close(default(x24, w), x24 @ w.t())
+        torch.testing.assert_close(narrow(x24, w), x24 @ w.t())
     assert calls == [(24, 40)]
 
 
 def test_max_rows_option_values():
-    assert RunnerOptions().skinny_gemm_max_rows == 16
-    assert RunnerOptions(skinny_gemm_max_rows=32).skinny_gemm_max_rows == 32
+    assert RunnerOptions().skinny_gemm_max_rows == 32
+    assert RunnerOptions(skinny_gemm_max_rows=16).skinny_gemm_max_rows == 16
     for bad in (24, 64, "32", 32.0, True):
         with pytest.raises(ValueError, match=r"RunnerOptions.skinny_gemm_max_rows=.*must be "
                            r"one of \(16, 32\)"):
@@ -147,14 +147,14 @@ def _generate(model, prompts, **options):
 
 def test_engine_batch_20_matches_off(monkeypatch):
     """Tiny Qwen3, 20 requests decoding together (bucket 32): with ``skinny_gemm_max_rows=32``
-    the tokens of ``skinny_gemm="off"`` and its logprobs (|dlogprob| < 1e-4, fp32, the
-    bound of ``test_skinny_gemm_engine.py``), every decode GEMM through the 32-row tile; with
-    the default 16 no kernel launch at that batch."""
+    (the default) the tokens of ``skinny_gemm="off"`` and its logprobs (|dlogprob| < 1e-4,
+    fp32, the bound of ``test_skinny_gemm_engine.py``), every decode GEMM through the 32-row
+    tile; with ``skinny_gemm_max_rows=16`` no kernel launch at that batch."""
     model = tiny_model("qwen3").to(DEV)
     prompts = random_prompts(20, 5, 12, seed=6)
     calls = _count(monkeypatch)
     want = _generate(model, prompts, skinny_gemm="off")
-    got = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=32)
+    got = _generate(model, prompts, skinny_gemm="triton")
     for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
         assert gt == wt
         assert max(abs(a - b) for a, b in zip(glp, wlp, strict=True)) < 1e-4
@@ -162,5 +162,6 @@ def test_engine_batch_20_matches_off(monkeypatch):
         assert len(calls) == 9 * (GREEDY.max_new_tokens - 1)
         assert {m for m, _ in calls} == {32}  # the bucket's rows, 12 of them padding
     calls.clear()
-    assert _generate(model, prompts, skinny_gemm="triton") == want  # 16: F.linear, same bits
+    narrow = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=16)
+    assert narrow == want  # 16: F.linear, same bits
     assert not calls

@@ -63,3 +63,15 @@ def test_prefetch_logs_what_is_not_staged_and_a_failure_without_raising(suite, m
     lines.clear()
     suite.prefetch(lines.append)
     assert any("FAILED (not fatal): no exit within" in x for x in lines)
+
+
+def test_paths_replaces_the_tests_folder_and_checks_each(suite):
+    """``--paths a,b`` runs those instead of ``tests``; other args pass through; a missing value
+    or a path outside the checkout stops before pytest, naming the fix."""
+    assert suite._paths(["--tb=short"]) == (["--tb=short"], ["tests"])
+    assert suite._paths(["--tb=short", "--paths", "tests/engine,tests/gpu", "-x"]) == \
+        (["--tb=short", "-x"], ["tests/engine", "tests/gpu"])
+    with pytest.raises(SystemExit, match=r"--paths needs a value, e\.g\. --paths tests/engine"):
+        suite._paths(["--paths", "-x"])
+    with pytest.raises(SystemExit, match=r"\['tests/nope'\] not in .*give paths under tests/"):
+        suite._paths(["--paths", "tests/engine,tests/nope"])

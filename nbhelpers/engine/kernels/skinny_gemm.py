@@ -8,7 +8,7 @@ to the output dtype. Works on CUDA and under ``TRITON_INTERPRET=1``.
 
 Design (grid ``(cdiv(N, BLOCK_N), SPLIT)``; rows padded to ``BLOCK_M`` (:func:`block_m`: 16, the
 smallest ``tl.dot`` tile, for ``M <= 16``; 32 for 17-32 rows, one launch either way; the engine
-routes 17-32 rows only with ``skinny_gemm_max_rows=32``). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
+routes 17-32 rows by default, ``skinny_gemm_max_rows=32``). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
 fp32 partial into its own slice of a workspace ``[SPLIT, BLOCK_M, N]`` (plain stores: no memset
 needed), then ``tl.debug_barrier()`` (every thread's stores issued) and takes a ticket with
 ``tl.atomic_add(counter + tile, 1, sem="acq_rel")``; the program that draws the last ticket

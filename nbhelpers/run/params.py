@@ -48,16 +48,24 @@ _CHECKS = {
 
 
 def _parameters_source(notebook: Path) -> str | None:
-    import nbformat
+    """The source of ``notebook``'s cell tagged ``parameters`` (``None`` without one), read as
+    JSON with the standard library (nbformat 4 stores cells as JSON: ``source`` a string or a
+    list of lines), so the checks run where nbformat is not installed (the H200 image).
+
+    Raises:
+        UserInputError: the file is not a readable notebook (names the file and the fix).
+    """
+    import json
     try:
-        nb = nbformat.read(notebook, as_version=4)
-    except Exception as exc:
+        cells = json.loads(Path(notebook).read_text(encoding="utf-8"))["cells"]
+        for cell in cells:
+            if "parameters" in (cell.get("metadata") or {}).get("tags", []):
+                src = cell.get("source", "")
+                return src if isinstance(src, str) else "".join(src)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserInputError(f"{notebook}: not a readable Jupyter notebook ({type(exc).__name__}:"
                              f" {str(exc).splitlines()[0] if str(exc) else ''}); give one of the "
                              "notebooks/<phase>/*.ipynb files.") from exc
-    for cell in nb.cells:
-        if "parameters" in cell.get("metadata", {}).get("tags", []):
-            return cell.source
     return None
 
 

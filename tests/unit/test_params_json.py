@@ -1,0 +1,40 @@
+"""``nbhelpers.run.params`` reads a notebook's parameters cell with the standard library only (the
+H200 image has no nbformat): list or string ``source``, no cell, and unreadable files."""
+
+import json
+import sys
+
+import pytest
+
+from nbhelpers.run.params import UserInputError, notebook_parameters
+
+NOTEBOOK = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
+
+
+def _nb(tmp_path, cells, name="x.ipynb"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                "nbformat_minor": 5}))
+    return path
+
+
+def test_without_nbformat(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "nbformat", None)  # import nbformat would raise
+    got = notebook_parameters(__import__("pathlib").Path(NOTEBOOK))
+    assert got["model"] == "str" and got["max_steps"] == "int"
+    tagged = {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "outputs": []}
+    lines = _nb(tmp_path, [{**tagged, "source": ["a: int = 1\n", "b = 'x'\n"]}], "lines.ipynb")
+    assert notebook_parameters(lines) == {"a": "int", "b": None}
+    text = _nb(tmp_path, [{**tagged, "source": "c: float = 2.0"}], "text.ipynb")
+    assert notebook_parameters(text) == {"c": "float"}
+    untagged = _nb(tmp_path, [{"cell_type": "code", "metadata": {}, "source": "d = 1"}])
+    assert notebook_parameters(untagged) is None
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"cells": 3}', ""])
+def test_unreadable_notebook_names_the_fix(tmp_path, content):
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text(content)
+    with pytest.raises(UserInputError, match=r"bad\.ipynb: not a readable Jupyter notebook .*"
+                       r"give one of the notebooks/<phase>/\*\.ipynb files"):
+        notebook_parameters(bad)

@@ -222,13 +222,18 @@ def prefill_sdpa_mask(block_tables: list[list[int]], spans: list[tuple[int, int]
 
 def paged_attention(flex: Callable) -> Callable:
     """flex_attention's signature over the paged pool, routing ``block_mask=SdpaMask`` plans to
-    SDPA (:meth:`SdpaMask.attend`) and everything else to ``flex``.
+    SDPA (:meth:`SdpaMask.attend`), plans tagged ``kernel == "fa4"`` (``prefill_fa4.Fa4Prefill``,
+    not imported here: it imports nothing of this module either) to FlashAttention-4, and
+    everything else to ``flex``.
 
     Raises:
         ValueError: an ``SdpaMask`` with a ``score_mod`` (the runner's auto choice avoids it).
     """
     def attention(q: Any, k: Any, v: Any, score_mod: Any = None, block_mask: Any = None,
                   scale: float | None = None, enable_gqa: bool = False, **kw: Any) -> Any:
+        if getattr(block_mask, "kernel", None) == "fa4":
+            return block_mask.attend(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale,
+                                     score_mod)
         if isinstance(block_mask, SdpaMask):
             if score_mod is not None:
                 raise ValueError("SDPA attention cannot apply a score_mod: use "

@@ -30,6 +30,7 @@ from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
 from nbhelpers.engine.models import build_engine_model
+from nbhelpers.engine.prefill_fa4 import check_fa4_prefill
 from nbhelpers.engine.runner_batches import (
     layer_masks,
     pack_prefill,
@@ -121,7 +122,9 @@ class ModelRunner:
 
         Raises:
             ValueError: ``"sdpa"`` asked for a model whose score_mod/masks SDPA cannot express,
-                or SDPA decode with CUDA graphs (its gather width is sized on the host).
+                SDPA decode with CUDA graphs (its gather width is sized on the host), or
+                ``prefill_attention="fa4"`` for a model or GPU FA4 cannot serve
+                (``prefill_fa4.check_fa4_prefill``; ImportError when FA4 is missing).
         """
         spec = self.model.spec
         why = sdpa_supports(spec.attn_score_mod,
@@ -132,6 +135,8 @@ class ModelRunner:
             self.opt, self.kernels_ok, self.model.decode_kernels,
             sdpa_ok=ok and not self.use_graphs and not on_cuda)
         self.prefill_attention = resolve_prefill(self.opt, on_cuda, sdpa_ok=ok)
+        if self.prefill_attention == "fa4":
+            check_fa4_prefill(self.model)
         if why is not None and "sdpa" in (self.decode_attention, self.prefill_attention):
             raise ValueError(f"attention 'sdpa' cannot run this model: {why}; use 'flex'.")
         if self.decode_attention == "sdpa" and self.use_graphs:

@@ -14,6 +14,7 @@ from typing import Any
 from nbhelpers.engine.attention import prefill_block_mask, prefill_pages, prefill_sdpa_mask
 from nbhelpers.engine.kv_cache import phys_to_logical
 from nbhelpers.engine.layers import AttnBatch
+from nbhelpers.engine.prefill_fa4 import fa4_prefill_plan
 from nbhelpers.engine.scheduler import Sequence
 
 
@@ -38,15 +39,17 @@ def prefill_attention_batch(model: Any, opt: Any, seqs: list[Sequence], rows: li
                             pos: list[int], attention: str, max_pages: int,
                             kv: Any) -> AttnBatch:
     """Per-layer prefill masks for the packed batch of ``seqs`` (``rows``/``pos`` from
-    :func:`pack_prefill`): SDPA page spans when ``attention == "sdpa"``, else flex BlockMasks
-    (with ``opt.prefill_kernel_options`` on CUDA) over the pool ``kv``."""
+    :func:`pack_prefill`): SDPA page spans when ``attention == "sdpa"``, FA4 varlen plans
+    (``prefill_fa4.fa4_prefill_plan``) when ``"fa4"``, else flex BlockMasks (with
+    ``opt.prefill_kernel_options`` on CUDA) over the pool ``kv``."""
     import torch
     dev, ps, n_rows = model.device, opt.page_size, len(seqs)
     tables = [s.block_table for s in seqs]
-    if attention == "sdpa":
+    if attention in ("sdpa", "fa4"):
         ends = [sum(s.num_tokens for s in seqs[:i + 1]) for i in range(n_rows)]
         spans = list(zip([0] + ends[:-1], ends))
-        return layer_masks(model, lambda extra: prefill_sdpa_mask(
+        plan = prefill_sdpa_mask if attention == "sdpa" else fa4_prefill_plan
+        return layer_masks(model, lambda extra: plan(
             tables, spans, [0] * n_rows, ps, dev, extra), is_decode=False)
     bt = torch.zeros(n_rows + 1, max_pages, dtype=torch.long)
     for r, t in enumerate(tables):

@@ -18,6 +18,7 @@ from nbhelpers.engine.lora import (
     check_lora_expand,
     check_lora_fused,
 )
+from nbhelpers.engine.prefill_fa4 import check_fa4_importable  # pure python, no torch
 from nbhelpers.engine.skinny_linear import (
     SKINNY_GEMM_MODES,
     check_skinny_gemm,
@@ -26,7 +27,7 @@ from nbhelpers.engine.skinny_linear import (
 
 FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
 DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
-PREFILL_ATTENTION = ("auto", "flex", "sdpa")
+PREFILL_ATTENTION = ("auto", "flex", "sdpa", "fa4")
 
 
 @dataclass
@@ -98,7 +99,11 @@ class RunnerOptions:
     when the model's score_mod/masks allow it, else flex). Decode ``"sdpa"``: the rows' pages
     gathered into ``[B, H_kv, L, D]`` + SDPA (CPU; needs ``use_cuda_graphs`` off). Why auto
     picks sdpa on the CPU: eager flex_attention scores the whole pool (SmolLM2-135M fp32, one
-    69-token prompt, 32 tokens: 140 s vs HF 1.9 s; ``scripts/cpu_speed.py``)."""
+    69-token prompt, 32 tokens: 140 s vs HF 1.9 s; ``scripts/cpu_speed.py``). ``"fa4"``:
+    FlashAttention-4's varlen kernel over the packed prompts (``engine/prefill_fa4.py``; CUDA
+    compute capability 9/10, bf16/fp16, FA4 head dims, so not Gemma-4 E2B; ImportError naming
+    how to stage the fa4 bundle when ``flash_attn.cute`` is missing). ``"auto"`` stays flex on
+    CUDA until an H200 A/B (notebook 33) shows FA4's prefill faster."""
     decode_kernel_options: dict | None = None
     lora_expand: str = "auto"
     lora_fused: str = "off"
@@ -167,6 +172,8 @@ class RunnerOptions:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"RunnerOptions.prefill_attention={self.prefill_attention!r}: must "
                              f"be one of {PREFILL_ATTENTION}.")
+        if self.prefill_attention == "fa4":
+            check_fa4_importable()  # before any weights load (backends/flex.py _preflight)
         if self.decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.decode_attention='triton' needs triton: "
                               "pip install triton (GPU hosts: the gpu extra pins it).")

@@ -15,10 +15,14 @@ call's arguments in ``calls``.
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
 import torch
+
+# transformers probes flash_attn with find_spec at import: let it see the real environment first
+import transformers.modeling_flash_attention_utils  # noqa: F401
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, scale, causal=True, window=(None, None), softcap=0.0):
@@ -70,6 +74,9 @@ def install(monkeypatch):
     cute.flash_attn_varlen_func = flash_attn_varlen_func
     pkg = types.ModuleType("flash_attn")
     pkg.__path__ = []  # a package
+    for mod in (pkg, cute):  # find_spec reads __spec__ of modules in sys.modules
+        mod.__spec__ = importlib.machinery.ModuleSpec(mod.__name__, None,
+                                                      is_package=mod is pkg)
     pkg.cute = cute
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)

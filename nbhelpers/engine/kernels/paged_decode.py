@@ -22,8 +22,11 @@ stage 2; ``"v2"`` sizes the grid to the SMs (:func:`plan_num_splits`: ``B * H_kv
 SMs``), gives every split of a row at least ``min_split_tokens`` (short rows use fewer splits, as
 SGLang's ``python/sglang/srt/layers/attention/triton_ops/decode_attention.py`` with per-request
 ``num_kv_splits`` and ``MIN_BLOCK_KV``) and, at ``S == 1``, writes the output from stage 1 (no
-stage 2, no workspace). Default :data:`DEFAULT_KERNEL` = "auto": v1 for small batch buckets, v2
-from :data:`V2_MIN_BATCH` rows (:func:`pick_kernel`; the H200 numbers are in its docstring). Head dims up to 512 (Gemma-4 full layers):
+stage 2, no workspace). ``"fused"`` (opt-in, :mod:`.paged_decode_fused`): one launch at any
+split count, the splits merged in-kernel by the last program of each (row, kv head), splits from
+:func:`plan_num_splits_fused` (one wave of resident programs). Default :data:`DEFAULT_KERNEL` =
+"auto": v1 for small batch buckets, v2 from :data:`V2_MIN_BATCH` rows (:func:`pick_kernel`; the
+H200 numbers are in its docstring). Head dims up to 512 (Gemma-4 full layers):
 ``BLOCK_D`` = next power of two, ``BLOCK_N`` from :func:`default_block_n`.
 
 CUDA graphs: no host sync; shapes (hence grid and workspace) depend only on ``B``, ``H``, ``D`` and
@@ -48,6 +51,7 @@ from typing import Any
 
 import torch
 
+from nbhelpers.engine.kernels.paged_decode_fused import new_counters
 from nbhelpers.engine.kernels.paged_decode_kernel import (  # noqa: F401 (re-exported)
     _paged_attention_stage1,
     _paged_attention_stage2,
@@ -62,12 +66,15 @@ from nbhelpers.engine.kernels.paged_decode_plan import (  # noqa: F401 (re-expor
     MIN_SPLIT_TOKENS,
     MIN_SPLIT_TOKENS_V2,
     PROGRAMS_PER_SM,
+    RESIDENT_PROGRAMS,
     TARGET_WAVES,
     V2_MIN_BATCH,
     choose_num_splits,
     default_block_n,
     pick_kernel,
     plan_num_splits,
+    plan_num_splits_fused,
+    resident_programs,
 )
 
 
@@ -97,10 +104,13 @@ class PagedDecode:
     Reads each layer's sliding window and the soft-cap from the :class:`ArchSpec` (the factories
     of ``attention.py`` tag their closures with ``window`` / ``cap``), picks ``num_splits`` per
     batch bucket and layer shape (kernel "v1": :func:`choose_num_splits`; "v2":
-    :func:`plan_num_splits`; or ``options["num_splits"]``) and keeps one workspace per
-    ``(B, H, S, D)``. ``options`` (``RunnerOptions.decode_kernel_options``): ``kernel``
-    (default :data:`DEFAULT_KERNEL`), ``num_splits``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
-    ``programs_per_sm`` (v1), ``waves`` and ``min_split_tokens`` (v2).
+    :func:`plan_num_splits`; "fused": :func:`plan_num_splits_fused`; or
+    ``options["num_splits"]``) and keeps one workspace per ``(B, H, S, D)`` (and, for "fused",
+    one ticket counter buffer per ``(B, H_kv)``). ``options``
+    (``RunnerOptions.decode_kernel_options``): ``kernel`` (default :data:`DEFAULT_KERNEL`),
+    ``num_splits``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
+    ``programs_per_sm`` (v1; "fused": default :func:`resident_programs` of the head dim),
+    ``waves`` (v2) and ``min_split_tokens`` (v2, "fused").
 
     Raises:
         ValueError: an unknown option or kernel, or a layer mask / score_mod the kernel cannot
@@ -123,19 +133,26 @@ class PagedDecode:
         self.kernel = opts.pop("kernel", DEFAULT_KERNEL)
         pick_kernel(self.kernel, 1)  # ValueError for an unknown kernel, before any launch
         self.num_splits = opts.pop("num_splits", None)
-        self.programs_per_sm = opts.pop("programs_per_sm", PROGRAMS_PER_SM)
+        self.programs_per_sm = opts.pop("programs_per_sm", None)
         self.waves = opts.pop("waves", TARGET_WAVES)
         self.launch = {"block_n": opts.pop("BLOCK_N", None), **opts}
         self.workspaces: dict[tuple, tuple[Any, Any]] = {}
+        self.counters: dict[tuple, Any] = {}
 
-    def splits_for(self, batch: int, num_kv_heads: int | None = None) -> int:
-        """Grid splits for a batch bucket (and a layer's KV heads; default the model's)."""
+    def splits_for(self, batch: int, num_kv_heads: int | None = None, head_dim: int = 128) -> int:
+        """Grid splits for a batch bucket (and a layer's KV heads, default the model's, and
+        head dim, which sets the fused kernel's resident programs and tile)."""
         kv_heads = num_kv_heads or self.num_kv_heads
         if self.num_splits:
             return self.num_splits
-        if pick_kernel(self.kernel, batch) == "v1":
+        kernel = pick_kernel(self.kernel, batch)
+        if kernel == "v1":
             return choose_num_splits(batch, kv_heads, self.max_model_len, self.num_sms,
-                                     self.programs_per_sm)
+                                     self.programs_per_sm or PROGRAMS_PER_SM)
+        if kernel == "fused":
+            return plan_num_splits_fused(batch, kv_heads, self.max_model_len, self.num_sms,
+                                      self.programs_per_sm or resident_programs(head_dim),
+                                      self.launch.get("block_n") or default_block_n(head_dim))
         return plan_num_splits(batch, kv_heads, self.max_model_len, self.num_sms, self.waves,
                                self.launch.get("min_split_tokens", MIN_SPLIT_TOKENS_V2))
 
@@ -146,14 +163,22 @@ class PagedDecode:
     def _layer(self, block_table: Any, seq_lens: Any, i: int, q: Any, k_cache: Any,
                v_cache: Any, scale: float) -> Any:
         bsz, heads, dim = q.shape
-        splits = self.splits_for(bsz, k_cache.shape[1])
+        kv_heads = k_cache.shape[1]
+        splits = self.splits_for(bsz, kv_heads, dim)
         kernel = pick_kernel(self.kernel, bsz)
         key = (bsz, heads, splits, dim, str(q.device))
-        if key not in self.workspaces and not (kernel == "v2" and splits == 1):
+        if key not in self.workspaces and not (kernel in ("v2", "fused") and splits == 1):
             self.workspaces[key] = new_workspace(bsz, heads, splits, dim, q.device)
+        extra = {}
+        if kernel == "fused":  # tickets shared by all layers (they run in order on one stream)
+            ckey = (bsz, kv_heads, str(q.device))
+            if ckey not in self.counters:
+                self.counters[ckey] = new_counters(bsz, kv_heads, q.device)
+            extra["counters"] = self.counters[ckey]
         return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                                       self.page_size, splits, self.windows[i], self.soft_cap,
-                                      self.workspaces.get(key), kernel=kernel, **self.launch)
+                                      self.workspaces.get(key), kernel=kernel, **self.launch,
+                                      **extra)
 
 
 def _window(mask: Any, layer: int) -> int | None:

@@ -1,7 +1,7 @@
 """Split planning of the paged decode kernel (:mod:`.paged_decode`): pure host-side policy.
 
-Constants and the ``num_splits`` / ``BLOCK_N`` heuristics of kernels "v1" and "v2"; no torch or
-triton import, so the planners can be called (and tested) without them.
+Constants and the ``num_splits`` / ``BLOCK_N`` heuristics of kernels "v1", "v2" and "fused"; no
+torch or triton import, so the planners can be called (and tested) without them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TARGET_WAVES = 2.0
 """Kernel "v2": stage-1 programs per SM the grid aims at (``B * H_kv * S >= 2 * num_SMs``)."""
 MIN_SPLIT_TOKENS_V2 = 128
 """Kernel "v2": fewest tokens per split of a row (2 pages of 64 on the H200 configs)."""
-KERNELS = ("v1", "v2")
+KERNELS = ("v1", "v2", "fused")
 DEFAULT_KERNEL = "auto"
 """The engine's choice per batch bucket (:func:`pick_kernel`): "v1" under
 :data:`V2_MIN_BATCH` rows, "v2" from there."""
@@ -28,6 +28,14 @@ batch 32-64 (20.7 vs 23.2 us a layer) and 7 % slower at batch 4; in the whole de
 midpoint, to be checked."""
 KERNEL_OPTIONS = ("kernel", "num_splits", "BLOCK_N", "num_warps", "num_stages",
                   "programs_per_sm", "waves", "min_split_tokens")
+RESIDENT_PROGRAMS = ((128, 5), (256, 4), (512, 3))
+"""Kernel "fused": ``(max head dim, programs resident per SM)`` on the H200 at the default
+``BLOCK_N``, 4 warps, 2 stages, from the sm_90 builds of ``_paged_attention_fused`` under
+Triton 3.6 (the H200 image's; ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` and its
+bundled ``ptxas -v``, no GPU; 2026-12-02): D 128 (BLOCK_N 64): 78-96 registers, 38.9 KB shared
+-> 5 (65,536 / (96 x 128) registers; 5 x 39.9 KB of 228 KB); D 256 (BLOCK_N 32): 101-111
+registers, 42.0 KB -> 4; D 512 (BLOCK_N 16): 140-144 registers, 49.7 KB -> 3. Stage 1 of v1/v2
+gives the same counts. Re-derive after a Triton upgrade or another ``BLOCK_N``/``num_warps``."""
 
 
 def pick_kernel(kernel: str, batch: int) -> str:
@@ -77,6 +85,39 @@ def plan_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
                          f"{min_split_tokens}: all must be >= 1.")
     want = int(-(-waves * num_sms // (batch * num_kv_heads)))
     return max(1, min(want, MAX_SPLITS, -(-max_seq_len // min_split_tokens)))
+
+
+def resident_programs(head_dim: int) -> int:
+    """Programs of kernel "fused" an H200 SM holds at once at ``head_dim``
+    (:data:`RESIDENT_PROGRAMS`)."""
+    return next((n for d, n in RESIDENT_PROGRAMS if head_dim <= d), RESIDENT_PROGRAMS[-1][1])
+
+
+def plan_num_splits_fused(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                       programs_per_sm: int, block_n: int) -> int:
+    """Kernel "fused" splits: as many as one wave of resident programs holds, >= 1 tile each.
+
+    ``S = floor(programs_per_sm * num_sms / (batch * num_kv_heads))`` clipped to ``[1,
+    min(MAX_SPLITS, ceil(max_seq_len / block_n))]``: the grid never needs a second wave (a
+    second wave of short programs is the tail that v1's ``4 x SMs`` target pays: 768 programs
+    for 660 slots at batch 32), and below one wave more splits mean shorter serial chains per
+    program (the small-batch case is latency-bound), while the in-kernel merge costs 4 B x D per
+    extra split and head, not a launch. FlashInfer's decode planner does the same
+    (``max_grid_size = num_blocks_per_sm * num_sm`` from the occupancy API, no split when
+    ``batch * num_kv_heads >= max_grid_size``, else chunks sized so the work fits one grid;
+    ``include/flashinfer/attention/scheduler.cuh``). H200 (132 SMs, 5 programs per SM at D 128:
+    660 slots), Qwen3-4B (8 KV heads), ``max_seq_len`` 726 (workload W), ``block_n`` 64:
+    batch 4 -> 12 (ceil(726 / 64) caps 20), 8 -> 10, 16 -> 5, 32 -> 2, 64 and up -> 1.
+
+    Raises:
+        ValueError: an argument below 1.
+    """
+    args = (batch, num_kv_heads, max_seq_len, num_sms, programs_per_sm, block_n)
+    if min(args) < 1:
+        raise ValueError(f"plan_num_splits_fused: batch, num_kv_heads, max_seq_len, num_sms, "
+                         f"programs_per_sm, block_n = {args}: all must be >= 1.")
+    fit = programs_per_sm * num_sms // (batch * num_kv_heads)
+    return max(1, min(fit, MAX_SPLITS, -(-max_seq_len // block_n)))
 
 
 def default_block_n(head_dim: int) -> int:

@@ -202,15 +202,17 @@ _AOT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nbhelpers.engine.kernels import fused_norm as fn, qk_rope_cache as qrc
+from nbhelpers.engine.kernels import fused_norm as fn, lora_act_mul as lam, qk_rope_cache as qrc
 LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False)
 cases = [(fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False,
                                     STORE_RES=True, O_STYLE=1, O_W=True, BLOCK=4096, **LORA)),
-         (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **LORA)),
-         (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64, **LORA))]
+         (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64,
+                                          **{**LORA, "LORA_K": 32}))]
 lora_ptrs = {"xa_ptr", "b_ptr", "bg_ptr", "bu_ptr", "bq_ptr", "bk_ptr", "bv_ptr"}
 for model_dt, lora_dt in (("bf16", "fp32"), ("fp16", "fp16")):
-    for kern, consts in cases:
+    act = (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
+                                          DOT_FP32=lora_dt == "fp32", RNE=False, USE_GDC=False))
+    for kern, consts in (*cases, act):
         sig = {a: ("*i64" if a == "slot_ptr" else "*" + (lora_dt if a in lora_ptrs else model_dt))
                if a.endswith("_ptr") else "fp32" if a.startswith("eps") or a == "scaling"
                else "i32" for a in kern.arg_names}
@@ -224,8 +226,31 @@ print("compiled")
 
 
 def test_consumer_kernels_compile_for_sm90():
-    """The compiled consumers with the LoRA prologue build to sm_90 cubins (triton's bundled
-    ptxas, no GPU): fp32 adapters on a bf16 model (TRL's default, ``lora_dtype="adapter"``) and
-    fp16 throughout (bf16 throughout: ``test_fused_kernels.test_kernels_compile_for_sm90``)."""
+    """The compiled consumers with LoRA B build to sm_90 cubins (triton's bundled ptxas, no
+    GPU): fp32 adapters on a bf16 model (TRL's default, ``lora_dtype="adapter"``: IEEE fp32
+    ``tl.dot`` in ``lora_act_mul``) and fp16 throughout (fp16 ``tl.dot``; bf16 throughout:
+    ``test_fused_kernels.test_kernels_compile_for_sm90``)."""
     from _kernels import assert_compiles_for_sm90
     assert_compiles_for_sm90(_AOT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled tl.dot consumer: run on the "
+                    "H200 host (python3 scripts/device/suite.py, or pytest -m gpu there)")
+@pytest.mark.parametrize("rows,y_dtype,b_dtype", [(4, torch.bfloat16, torch.float32),
+                                                   (32, torch.bfloat16, torch.bfloat16)],
+                         ids=["b4_fp32_adapters", "b32_bf16"])
+def test_gpu_act_mul_lora_matches_expand_then_act_mul(rows, y_dtype, b_dtype):
+    """The two points of issue 12's A/B at Qwen3-4B's gate_up (I 9728, r 32): the consumer
+    (``lora_act_mul``, B through ``tl.dot`` per column block) against what ``"triton"`` runs
+    (``lora_expand`` in place, then the plain SiLU x up kernel): within one bf16 rounding of
+    gate/up (the two kernels sum r in their own order) and the record's ``y`` unchanged."""
+    p = _pending([9728, 9728], [32, 32], rows, y_dtype, b_dtype, seed=3)
+    gate, up = p.y.view(1, rows, -1).split(9728, -1)
+    y_before = p.y.clone()
+    got = fn.act_mul(gate, up, lora=p)
+    assert torch.equal(p.y, y_before)
+    y = p.y.clone()
+    le.lora_expand(y, p.xa, p.bs, p.sizes, p.ranks, p.scaling)
+    want = fn.act_mul(*y.view(1, rows, -1).split(9728, -1))
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2 ** -7)

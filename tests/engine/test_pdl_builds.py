@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, lora_expand as le, lora_shrink as ls
+from nbhelpers.engine.kernels import lora_act_mul as lam
 from nbhelpers.engine.kernels import paged_decode_kernel as pk, qk_rope_cache as qrc
 from nbhelpers.engine.kernels import skinny_gemm as sg
 NO, LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False), dict(HAS_LORA=True, LORA_K=4,
@@ -49,7 +50,9 @@ CASES = {
     "add_norm_lora": (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False,
                                                 HAS_SCALE=False, STORE_RES=True, O_STYLE=1,
                                                 O_W=True, BLOCK=4096, **LORA), {}, True, False),
-    "act_mul": (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, **NO), {}, True, False),
+    "act_mul": (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024), {}, True, False),
+    "act_mul_lora": (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
+                                                    DOT_FP32=False, RNE=False), {}, True, False),
     "qk_rope_cache": (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0,
                                                       BLOCK_H=64, **NO), I64, True, False),
     "stage1": (pk._paged_attention_stage1, dict(NUM_SPLITS=4, MIN_SPLIT_TILES=0, DIRECT=False,

@@ -90,7 +90,7 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
     y = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_LORA:  # delta = y_base + s * xa @ B^T, rounded once (lora_prologue.py)
         y = add_lora(y, xa_ptr + row * stride_xa, b_ptr, rank, cols, m, scaling, DT, LORA_RNE,
-                     BLOCK, LORA_K)
+                     BLOCK, LORA_K, 0)
     if D_STYLE != 0:
         y = _rms(y, wd_ptr, cols, m, n_cols, eps_d, D_STYLE, D_W, DT)
     if HAS_X:
@@ -108,10 +108,17 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
 
 
 @triton.jit
-def _act_mul_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_cols, stride_g, stride_u,
-                    stride_xa, r_g, r_u, scaling, ACT: tl.constexpr, HAS_LORA: tl.constexpr,
-                    LORA_K: tl.constexpr, LORA_RNE: tl.constexpr, BLOCK: tl.constexpr,
-                    USE_GDC: tl.constexpr):
+def act_fn(g, ACT: tl.constexpr):
+    """SiLU (``ACT`` 0) or GELU-tanh (1) of fp32 ``g``: gelu tanh 0.5 g (1 + tanh(z)) =
+    g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)."""
+    if ACT == 0:
+        return g * tl.sigmoid(g)
+    return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+
+
+@triton.jit
+def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, ACT: tl.constexpr,
+                    BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     if USE_GDC:  # PDL (pdl.py): gate and up come from the previous kernel
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -120,14 +127,7 @@ def _act_mul_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_cols, stride_
     DT: tl.constexpr = o_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
-    if HAS_LORA:  # gate/up = base + s * xa_part @ B_part^T, each rounded once (lora_prologue.py)
-        xa_row = xa_ptr + row * stride_xa
-        g = add_lora(g, xa_row, bg_ptr, r_g, cols, m, scaling, DT, LORA_RNE, BLOCK, LORA_K)
-        u = add_lora(u, xa_row + r_g, bu_ptr, r_u, cols, m, scaling, DT, LORA_RNE, BLOCK, LORA_K)
-    if ACT == 0:
-        a = g * tl.sigmoid(g)  # silu
-    else:  # gelu tanh: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)
-        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    a = act_fn(g, ACT)
     if USE_GDC:  # every input read: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(o_ptr + row * n_cols + cols, (_rnd(a, DT) * u).to(DT), mask=m)
@@ -213,7 +213,8 @@ def act_mul(gate: Any, up: Any, act: str = "silu", lora: Any = None) -> Any:
     """``act(gate) * up``, ``[..., I]`` each (strided views such as a gate_up split are fine),
     rounded like HF (``act`` to the dtype, then the product); ``act`` in :data:`ACTS`.
     ``lora``: the gate_up group's two-part ``lora_pending.PendingLora`` whose ``y`` holds
-    ``gate`` and ``up``: each is read as ``y_base + scaling * xa_part @ B_part^T``.
+    ``gate`` and ``up``: each is read as ``y_base + scaling * xa_part @ B_part^T``
+    (:mod:`.lora_act_mul`: a rows x column-block grid, B read once per block).
 
     Raises:
         ValueError: shapes or dtypes differ, an unknown ``act``, or a ``lora`` that
@@ -229,11 +230,12 @@ def act_mul(gate: Any, up: Any, act: str = "silu", lora: Any = None) -> Any:
     g2, u2 = _rows(gate), _rows(up)
     rows, n = g2.shape
     out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    if lora is not None:  # rows x column blocks, B read once per block (lora_act_mul.py)
+        from nbhelpers.engine.kernels import lora_act_mul
+        lora_act_mul.act_mul_lora(g2, u2, out, ACTS[act], lora)
+        return out.view(gate.shape)
     block = min(1024, triton.next_power_of_2(n))
-    xa, sxa, bg, bu, rg, ru, _, _, s = (lp.kernel_args(lora) if lora is not None
-                                        else (g2, 0, g2, g2, 0, 0, 0, 0, 0.0))
     _act_mul_kernel[(rows, triton.cdiv(n, block))](
-        g2, u2, out, xa, bg, bu, n, g2.stride(0), u2.stride(0), sxa, rg, ru, s, ACT=ACTS[act],
-        HAS_LORA=lora is not None, LORA_K=lp.LORA_K, LORA_RNE=lp.rne(gate.dtype), BLOCK=block,
-        num_warps=4, **pdl.launch_kwargs())
+        g2, u2, out, n, g2.stride(0), u2.stride(0), ACT=ACTS[act], BLOCK=block, num_warps=4,
+        **pdl.launch_kwargs())
     return out.view(gate.shape)

@@ -13,9 +13,13 @@ base), so the consumer gives the separate expand's result up to fp32 summation o
 Reduction shape: punica's / vLLM's ``bgmv_expand`` (Chen et al. 2023, "Punica: Multi-Tenant LoRA
 Serving", arXiv:2310.18547; vLLM ``vllm/lora/ops/triton_ops/`` ``bgmv_expand``): one token row
 against a ``[out, r]`` slice, r reduced in registers, ``LORA_K`` ranks per step (a
-``[cols, LORA_K]`` tile of B: 8-byte loads for bf16 at ``LORA_K=4``). Unlike sgmv there is no
-row block and no ``tl.dot``: each row program re-reads B from L2, which is why
-``engine/lora_pending.py`` defers only up to ``CONSUMER_MAX_ROWS`` rows.
+``[cols, LORA_K]`` tile of B). ``STEPS`` 0 loops over r (a wide row: add+RMSNorm's 2560
+columns, one ``[4096, 4]`` tile live); ``STEPS`` 1 with ``LORA_K >= r`` (:func:`one_load_k`)
+loads every rank at once (one q/k/v head: ``[64, 32]``), so a program waits for one load
+instead of r / 4 dependent ones. Unlike sgmv there is no row block and no ``tl.dot``: each row
+program re-reads B from L2. The gate_up consumer (:mod:`.lora_act_mul`) is the sgmv shape
+instead (column blocks over all rows, B once); ``engine/lora_pending.py`` says which groups
+defer and why o_proj / down_proj do not.
 
 :func:`supported` checks a :class:`~nbhelpers.engine.lora_pending.PendingLora` for a consumer.
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_consumer.py``).
@@ -42,40 +46,65 @@ LORA_K = 4
 
 
 @triton.jit
-def lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK: tl.constexpr, LORA_K: tl.constexpr):
+def lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK: tl.constexpr, LORA_K: tl.constexpr,
+              STEPS: tl.constexpr):
     """``sum_k xa_row[k] * B[b_rows, k]`` in fp32, ``[BLOCK]``; ``b_rows`` the output columns
-    (B's rows, within the part), masked by ``m``; B row-major ``[out, rank]``."""
+    (B's rows, within the part), masked by ``m``; B row-major ``[out, rank]``. ``STEPS`` 0: a
+    loop over ``rank`` in steps of ``LORA_K`` (one ``[BLOCK, LORA_K]`` tile live: wide rows);
+    ``STEPS`` > 0: ``STEPS`` unrolled steps, ``STEPS * LORA_K >= rank`` (the caller's promise;
+    straight-line code, so the loads of several calls are in flight together: one head)."""
     ks = tl.arange(0, LORA_K)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, rank, LORA_K):
-        kk = k0 + ks
-        km = kk < rank
-        a = tl.load(xa_row + kk, mask=km, other=0.0).to(tl.float32)  # [LORA_K]
-        b = tl.load(b_ptr + b_rows.to(tl.int64)[:, None] * rank + kk[None, :],
-                    mask=m[:, None] & km[None, :], other=0.0).to(tl.float32)  # [BLOCK, LORA_K]
-        acc += tl.sum(b * a[None, :], axis=1)
+    if STEPS == 0:
+        for k0 in range(0, rank, LORA_K):
+            acc += _lora_step(xa_row, b_ptr, rank, b_rows, m, k0 + ks)
+    else:
+        for i in tl.static_range(STEPS):
+            acc += _lora_step(xa_row, b_ptr, rank, b_rows, m, i * LORA_K + ks)
     return acc
 
 
 @triton.jit
-def add_lora(y, xa_row, b_ptr, rank, b_rows, m, scaling, DT: tl.constexpr, RNE: tl.constexpr,
-             BLOCK: tl.constexpr, LORA_K: tl.constexpr):
-    """``y + scaling * lora_cols(...)`` (fp32 ``y`` ``[BLOCK]``) rounded once to ``DT`` and
-    back to fp32; ``RNE``: round bf16 by bit arithmetic (the interpreter's own cast truncates;
-    the same rounding as ``lora_expand``'s store there)."""
-    out = y + scaling * lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK, LORA_K)
+def _lora_step(xa_row, b_ptr, rank, b_rows, m, kk):
+    """``sum_{k in kk} xa_row[k] * B[b_rows, k]`` (fp32, ``[BLOCK]``), ranks ``>= rank`` masked."""
+    km = kk < rank
+    a = tl.load(xa_row + kk, mask=km, other=0.0).to(tl.float32)  # [LORA_K]
+    b = tl.load(b_ptr + b_rows.to(tl.int64)[:, None] * rank + kk[None, :],
+                mask=m[:, None] & km[None, :], other=0.0).to(tl.float32)  # [BLOCK, LORA_K]
+    return tl.sum(b * a[None, :], axis=1)
+
+
+@triton.jit
+def round_once(out, DT: tl.constexpr, RNE: tl.constexpr):
+    """fp32 ``out`` rounded to ``DT`` and back to fp32; ``RNE``: bf16 by bit arithmetic (the
+    interpreter's own cast truncates; the same rounding as ``lora_expand``'s store there)."""
     if RNE:
         return _bf16_rne(out).to(tl.float32)
     return out.to(DT).to(tl.float32)
 
 
-def warps_for(block: int, warps: int) -> int:
+@triton.jit
+def add_lora(y, xa_row, b_ptr, rank, b_rows, m, scaling, DT: tl.constexpr, RNE: tl.constexpr,
+             BLOCK: tl.constexpr, LORA_K: tl.constexpr, STEPS: tl.constexpr):
+    """``y + scaling * lora_cols(...)`` (fp32 ``y`` ``[BLOCK]``) rounded once to ``DT`` and
+    back to fp32 (:func:`round_once`)."""
+    return round_once(y + scaling * lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK, LORA_K,
+                                              STEPS), DT, RNE)
+
+
+def warps_for(block: int, warps: int, lora_k: int = LORA_K) -> int:
     """Warps for a row program with the prologue: at least ``warps``, doubled (up to 16) until
-    the ``[block, LORA_K]`` B tile is at most 64 fp32 values a thread (a register budget, not a
+    the ``[block, lora_k]`` B tile is at most 64 fp32 values a thread (a register budget, not a
     measured optimum: hidden 2560 -> 4096 columns -> 8 warps instead of add_norm's 4)."""
-    while block * LORA_K > 64 * 32 * warps and warps < 16:
+    while block * lora_k > 64 * 32 * warps and warps < 16:
         warps *= 2
     return warps
+
+
+def one_load_k(ranks: list[int]) -> int:
+    """``LORA_K`` for ``STEPS=1`` (every rank of a part in one load): the power of two >= the
+    largest rank (at most :data:`MAX_RANK`, :func:`supported`), at least :data:`LORA_K`."""
+    return max(LORA_K, triton.next_power_of_2(max(ranks)))
 
 
 def rne(dtype: Any) -> bool:

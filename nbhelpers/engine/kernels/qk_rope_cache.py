@@ -14,7 +14,9 @@ and, in one launch over ``(T, H + H_kv)`` programs (one head of one token each):
 
 With ``k=None`` (a Gemma-4 KV-shared layer) only q is computed. With ``lora`` (the q/k/v group's
 pending LoRA B, ``lora_expand="consumer"``) each head adds its columns of ``scaling * xa @ B^T``
-on load (:mod:`.lora_prologue`), so no expand launch runs before this one. Dtype order as HF: the norm's
+on load (:mod:`.lora_prologue`), so no expand launch runs before this one: all r ranks of a half
+in one ``[D/2, r]`` load (2 dependent loads a q head, 4 a k/v program; the first version looped
+4 ranks a step: 16 and 32, on one warp, which is where its time went at batch 4). Dtype order as HF: the norm's
 output, each RoPE product and their sum are rounded to the model dtype (fp32 math inside), so fp32
 agrees with the torch path to fp32 rounding, bf16 to about one ulp (the interpreter truncates
 fp32 -> bf16 where compiled Triton rounds to nearest even). Norm styles as
@@ -72,13 +74,16 @@ def _load_head(src, c, m, half, xa_row, b_ptr, rank, b_row0, scaling, HAS_LORA: 
                DT: tl.constexpr, RNE: tl.constexpr, BLOCK_H: tl.constexpr,
                LORA_K: tl.constexpr):
     """One head's two halves (fp32); with ``HAS_LORA`` plus ``scaling * xa @ B^T`` for its
-    columns (B rows ``b_row0 + [0, 2 * half)``), rounded once (:mod:`.lora_prologue`)."""
+    columns (B rows ``b_row0 + [0, 2 * half)``), rounded once (:mod:`.lora_prologue`): every
+    rank in one ``[BLOCK_H, LORA_K]`` load a half (``LORA_K >= rank``, the wrapper's
+    ``one_load_k``), both halves' loads in flight together (straight-line code)."""
     x1 = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + c, mask=m, other=0.0).to(tl.float32)
     if HAS_LORA:
-        x1 = add_lora(x1, xa_row, b_ptr, rank, b_row0 + c, m, scaling, DT, RNE, BLOCK_H, LORA_K)
+        x1 = add_lora(x1, xa_row, b_ptr, rank, b_row0 + c, m, scaling, DT, RNE, BLOCK_H, LORA_K,
+                      1)
         x2 = add_lora(x2, xa_row, b_ptr, rank, b_row0 + half + c, m, scaling, DT, RNE, BLOCK_H,
-                      LORA_K)
+                      LORA_K, 1)
     return x1, x2
 
 
@@ -203,13 +208,17 @@ def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int
     c2, s2 = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
     xa, sxa, bq, bk, bv, rq, rk, rv, _, _, _, s = (
         lp.kernel_args(lora) if lora is not None else (q2, 0, q2, q2, q2, 0, 0, 0, 0, 0, 0, 0.0))
+    block_h = triton.next_power_of_2(max(head_dim // 2, 1))
+    warps = 1 if head_dim <= 128 else 2
+    lora_k = lp.one_load_k(lora.ranks) if lora is not None else lp.LORA_K
+    if lora is not None:  # two [BLOCK_H, lora_k] B tiles live (one head's halves)
+        warps = lp.warps_for(2 * block_h, warps, lora_k)
     _qk_rope_cache_kernel[(t, num_heads + num_kv_heads)](
         q2, k2, v2, qo, kc, vc, slot_mapping, c2, s2, wq if wq is not None else q2,
         wk if wk is not None else q2, xa, bq, bk, bv, sq, sk, sv, c2.stride(0),
         kc.stride(1) if k is not None else 0, sxa, num_heads, head_dim, rq, rk, rv, float(eps),
         float(v_norm[0]) if v_norm else 0.0, s, QK_STYLE=STYLES[style], QK_W=wq is not None,
         V_STYLE=STYLES[v_norm[1]] if v_norm else 0, HAS_LORA=lora is not None,
-        LORA_K=lp.LORA_K, LORA_RNE=lp.rne(q.dtype),
-        BLOCK_H=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=1 if head_dim <= 128
-        else 2, **pdl.launch_kwargs())
+        LORA_K=lora_k, LORA_RNE=lp.rne(q.dtype), BLOCK_H=block_h, num_warps=warps,
+        **pdl.launch_kwargs())
     return qo

@@ -1,15 +1,20 @@
-"""GPU A/B of the paged decode attention kernels: ``v1`` (today's engine default) vs ``v2``.
+"""GPU A/B of the paged decode attention kernels: ``v1``, ``v2`` (the engine's "auto" picks v1
+under 16 rows, v2 from there) and the opt-in one-launch ``fused``.
 
-Run on the device (one GPU, < 3 min with Triton compiles): ``python3 scripts/device/
+Run on the device (one GPU, ~2-4 min with Triton compiles): ``python3 scripts/device/
 ab_paged_decode.py --out $OUT`` writes ``$OUT/ab_paged_decode.json`` and prints a table. Check here
 (CPU, Triton interpreter, tiny shapes): ``python scripts/device/ab_paged_decode.py --dry-run``.
 
-Shapes (bf16, page 64, shuffled pages, ragged rows ``ctx - [0, 32)`` tokens): Qwen3-4B (32 q / 8
-kv heads, D 128), Gemma-4 E2B sliding layers (8 / 1, D 256, window 512) and full layers (8 / 1,
-D 512); batch {4, 32, 64} x context {400, 1000}. Variants (``nbhelpers.engine.kernels.
-paged_decode``): ``v1`` (splits from :func:`choose_num_splits` at ``--max-model-len``), ``v2``
-(:func:`plan_num_splits`), ``v2_s1`` (one split, one launch), ``v2_w4`` (4 waves of programs),
-``v2_st3`` (3 pipeline stages).
+Shapes (bf16, page ``--page`` 128 = the engine's CUDA default, shuffled pages, ragged rows ``ctx -
+[0, 32)`` tokens): Qwen3-4B (32 q / 8 kv heads, D 128), Gemma-4 E2B sliding layers (8 / 1, D 256,
+window 512) and full layers (8 / 1, D 512) (``--models``); ``--batches`` x ``--contexts``
+(default 4..256 x {406, 662}: workload W's mean and last context, 150 + 256 and 150 + 512).
+Variants (``nbhelpers.engine.kernels.paged_decode``, splits at ``--max-model-len``, default 726
+= W's): ``v1`` (:func:`choose_num_splits`), ``v2`` (:func:`plan_num_splits`), ``v2_s1`` (one
+split, one launch), ``v2_w4`` (4 waves of programs), ``v2_st3`` (3 pipeline stages), ``fused``
+(:func:`plan_num_splits_fused`: one wave of resident programs, splits merged in-kernel),
+``fused_2x`` (twice the splits: is one wave right?); ``--pdl both`` (default) times each with
+and without Programmatic Dependent Launch (``+pdl`` rows; the engine's default on Hopper).
 
 Timing: KV cold, as in a decode step: each variant is captured in one CUDA graph that runs it once
 on each of ``n`` pool copies (> 256 MB in all), replayed ``--rounds`` times between CUDA events;
@@ -35,7 +40,8 @@ sys.path.insert(0, str(REPO))
 MODELS = {"qwen3_4b": (32, 8, 128, None), "gemma4_sliding": (8, 1, 256, 512),
           "gemma4_full": (8, 1, 512, None)}  # heads, kv heads, head dim, window
 VARIANTS = {"v1": {"kernel": "v1"}, "v2": {"kernel": "v2"}, "v2_s1": {"kernel": "v2", "S": 1},
-            "v2_w4": {"kernel": "v2", "waves": 4.0}, "v2_st3": {"kernel": "v2", "num_stages": 3}}
+            "v2_w4": {"kernel": "v2", "waves": 4.0}, "v2_st3": {"kernel": "v2", "num_stages": 3},
+            "fused": {"kernel": "fused"}, "fused_2x": {"kernel": "fused", "split_x": 2}}
 TOL = 2e-2
 
 
@@ -92,12 +98,16 @@ def graph_us(torch, fns, rounds):
     return statistics.median(times)
 
 
-def splits_of(pd, name, batch, kv_heads, max_len, sms):
+def splits_of(pd, name, batch, kv_heads, dim, max_len, sms, block_n):
     spec = VARIANTS[name]
     if "S" in spec:
         return spec["S"]
     if spec["kernel"] == "v1":
         return pd.choose_num_splits(batch, kv_heads, max_len, sms)
+    if spec["kernel"] == "fused":
+        s = pd.plan_num_splits_fused(batch, kv_heads, max_len, sms, pd.resident_programs(dim),
+                                     block_n or pd.default_block_n(dim))
+        return min(pd.MAX_SPLITS, s * spec.get("split_x", 1))
     return pd.plan_num_splits(batch, kv_heads, max_len, sms, spec.get("waves", pd.TARGET_WAVES))
 
 
@@ -114,17 +124,17 @@ def run_point(torch, pd, model, batch, ctx, args, sms, dev, gen):
     q = torch.randn(batch, heads, dim, device=dev, dtype=dtype)
     ref = reference(torch, q, *pools[0], seq, args.page, window)
     rows = []
-    for name, spec in VARIANTS.items():
-        s = splits_of(pd, name, batch, kvh, args.max_model_len, sms)
+    for name, spec, on in [(n, s, on) for n, s in VARIANTS.items() for on in args.pdl_modes]:
+        s = splits_of(pd, name, batch, kvh, dim, args.max_model_len, sms, args.block_n)
         kw = {"kernel": spec["kernel"], "num_stages": spec.get("num_stages", 2),
               "sliding_window": window}
         if args.block_n:
             kw["block_n"] = args.block_n
-        row = {"model": model, "batch": batch, "ctx": ctx, "variant": name, "num_splits": s,
-               "kv_bytes": nbytes, "copies": copies}
+        row = {"model": model, "batch": batch, "ctx": ctx, "variant": name + "+pdl" * on,
+               "pdl": on, "num_splits": s, "kv_bytes": nbytes, "copies": copies}
         try:
-            fns = [lambda p=p: pd.paged_decode_attention(q, p[0], p[1], p[2], seq, dim ** -0.5,
-                                                          args.page, s, **kw) for p in pools]
+            fns = [lambda p=p, on=on, s=s, kw=kw: _call(pd, on, q, p, seq, dim ** -0.5,
+                                                        args.page, s, kw) for p in pools]
             err = (fns[0]().float() - ref).abs().max().item()
             row.update(max_err=err, ok=err <= TOL)
             row["us"] = (graph_us(torch, fns, args.rounds) if dev == "cuda"
@@ -133,6 +143,14 @@ def run_point(torch, pd, model, batch, ctx, args, sms, dev, gen):
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
         rows.append(row)
     return rows
+
+
+def _call(pd, on, q, pool, seq, scale, page, splits, kw):
+    """One kernel call, PDL-launched iff ``on`` (``pdl.scope``; off under the interpreter)."""
+    from nbhelpers.engine.kernels import pdl
+    with pdl.scope(on):
+        return pd.paged_decode_attention(q, pool[0], pool[1], pool[2], seq, scale, page, splits,
+                                         **kw)
 
 
 def _cpu_us(fn):
@@ -154,10 +172,19 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--page", type=int, default=128, help="the engine's CUDA default")
+    ap.add_argument("--max-model-len", type=int, default=726, help="W: 150 + 512 + 64")
     ap.add_argument("--block-n", type=int, default=None)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"of {list(MODELS)}")
+    ap.add_argument("--batches", default="4,8,32,64,128,256")
+    ap.add_argument("--contexts", default="406,662", help="W's mean and last context")
+    ap.add_argument("--pdl", choices=("off", "on", "both"), default="both")
     args = ap.parse_args(argv)
+    args.pdl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.pdl]
+    if unknown := sorted(set(args.models.split(",")) - set(MODELS)):
+        ap.error(f"--models {unknown}: choose from {list(MODELS)}")
+    for name in set(MODELS) - set(args.models.split(",")):
+        del MODELS[name]
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         MODELS.clear()
@@ -171,8 +198,8 @@ def main(argv=None):
     sms = 132 if args.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
     read_tb_s = None if args.dry_run else read_bandwidth(torch)
     gen = torch.Generator().manual_seed(0)
-    grid = [(2, 40), (3, 23)] if args.dry_run else [(b, c) for b in (4, 32, 64)
-                                                     for c in (400, 1000)]
+    grid = [(2, 40), (3, 23)] if args.dry_run else [
+        (int(b), int(c)) for b in args.batches.split(",") for c in args.contexts.split(",")]
     rows = []
     for model in MODELS:
         for batch, ctx in grid:
@@ -194,14 +221,14 @@ def main(argv=None):
 
 def _print(rows, read_tb_s, out):
     print(f"read bandwidth: {read_tb_s and round(read_tb_s, 2)} TB/s; json: {out}")
-    print(f"{'model':15} {'B':>3} {'ctx':>5} {'variant':8} {'S':>3} {'us':>9} {'TB/s':>6} "
+    print(f"{'model':15} {'B':>3} {'ctx':>5} {'variant':12} {'S':>3} {'us':>9} {'TB/s':>6} "
           f"{'%read':>6} {'err':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:15} {r['batch']:3} {r['ctx']:5} {r['variant']:8} FAILED "
+            print(f"{r['model']:15} {r['batch']:3} {r['ctx']:5} {r['variant']:12} FAILED "
                   f"{r['error']}")
             continue
-        print(f"{r['model']:15} {r['batch']:3} {r['ctx']:5} {r['variant']:8} "
+        print(f"{r['model']:15} {r['batch']:3} {r['ctx']:5} {r['variant']:12} "
               f"{r['num_splits']:3} {r['us']:9.1f} {r.get('tb_s', 0):6.2f} "
               f"{r.get('pct_of_read', 0):6.1f} {r['max_err']:8.1e}" + ("" if r["ok"] else " BAD"))
 

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from nbhelpers.engine.kernels import lora_prologue as lp
 from nbhelpers.engine.kernels import pdl
+from nbhelpers.engine.kernels.act import act_fn
 from nbhelpers.engine.kernels.lora_prologue import add_lora
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -105,15 +106,6 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
     if O_STYLE != 0:
         o = _rms(y, wo_ptr, cols, m, n_cols, eps_o, O_STYLE, O_W, DT)
         tl.store(out_ptr + row * n_cols + cols, o.to(DT), mask=m)
-
-
-@triton.jit
-def act_fn(g, ACT: tl.constexpr):
-    """SiLU (``ACT`` 0) or GELU-tanh (1) of fp32 ``g``: gelu tanh 0.5 g (1 + tanh(z)) =
-    g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3)."""
-    if ACT == 0:
-        return g * tl.sigmoid(g)
-    return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
 
 
 @triton.jit

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from nbhelpers.engine.kernels import lora_prologue as lp
 from nbhelpers.engine.kernels import pdl
-from nbhelpers.engine.kernels.fused_norm import act_fn
+from nbhelpers.engine.kernels.act import act_fn
 from nbhelpers.engine.kernels.lora_prologue import round_once
 
 BLOCK_N = 64

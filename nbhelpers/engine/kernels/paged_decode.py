@@ -51,12 +51,12 @@ from typing import Any
 
 import torch
 
-from nbhelpers.engine.kernels.paged_decode_fused import new_counters
+from nbhelpers.engine.kernels import paged_decode_kernel as _split
+from nbhelpers.engine.kernels.paged_decode_fused import new_counters, paged_decode_fused
 from nbhelpers.engine.kernels.paged_decode_kernel import (  # noqa: F401 (re-exported)
     _paged_attention_stage1,
     _paged_attention_stage2,
     new_workspace,
-    paged_decode_attention,
 )
 from nbhelpers.engine.kernels.paged_decode_plan import (  # noqa: F401 (re-exported)
     DEFAULT_KERNEL,
@@ -76,6 +76,30 @@ from nbhelpers.engine.kernels.paged_decode_plan import (  # noqa: F401 (re-expor
     plan_num_splits_fused,
     resident_programs,
 )
+
+
+def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any,
+                           scale: float, page_size: int, num_splits: int,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           workspace: tuple[Any, Any] | None = None, block_n: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2, kernel: str = "v1",
+                           min_split_tokens: int | None = None, counters: Any = None) -> Any:
+    """Decode attention of ``q [B, H, D]`` over the paged pool; returns ``[B, H, D]``. Arguments,
+    shapes and errors as :func:`.paged_decode_kernel.paged_decode_attention` (kernels ``"v1"``,
+    ``"v2"``); ``kernel="fused"`` launches :func:`.paged_decode_fused.paged_decode_fused` (one
+    launch, the splits merged in-kernel; ``counters``: its ``int32 [B * H_kv]`` zeros,
+    :func:`new_counters`, ``None`` = allocate here). Here, not in the kernel module, because the
+    fused launcher imports that module's helpers (import-linter's acyclic contract)."""
+    if kernel != "fused":
+        return _split.paged_decode_attention(
+            q, k_cache, v_cache, block_table, seq_lens, scale, page_size, num_splits,
+            sliding_window, soft_cap, workspace, block_n, num_warps, num_stages, kernel,
+            min_split_tokens)
+    block_n = block_n or default_block_n(q.shape[2])
+    _split._check(q, k_cache, v_cache, q.shape[1], k_cache.shape[1], block_n, kernel)
+    return paged_decode_fused(q, k_cache, v_cache, block_table, seq_lens, scale, page_size,
+                              num_splits, sliding_window, soft_cap, workspace, counters, block_n,
+                              num_warps, num_stages, min_split_tokens or block_n)
 
 
 def build_paged_decode(model: Any, options: Any) -> PagedDecode | None:

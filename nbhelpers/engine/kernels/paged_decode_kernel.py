@@ -168,7 +168,7 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            workspace: tuple[Any, Any] | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, kernel: str = "v1",
-                           min_split_tokens: int | None = None, counters: Any = None) -> Any:
+                           min_split_tokens: int | None = None) -> Any:
     """Decode attention of ``q [B, H, D]`` over the paged pool; returns ``[B, H, D]``.
 
     Args:
@@ -182,12 +182,11 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
         kernel: ``"v1"`` (each row's tiles split evenly over all ``num_splits``, stage 2 always)
             or ``"v2"`` (splits of at least ``min_split_tokens`` per row; ``num_splits == 1``
             writes the output from stage 1, one launch). Same math, same stage-1 program.
-            ``"fused"``: one launch at any ``num_splits``, the splits merged in-kernel by the
-            last program of each (row, kv head) (:mod:`.paged_decode_fused`).
+            ``"fused"`` (one launch at any ``num_splits``, the splits merged in-kernel by the
+            last program of each (row, kv head)) goes through :func:`.paged_decode.
+            paged_decode_attention` to :mod:`.paged_decode_fused`, which imports this module.
         min_split_tokens: fewest tokens per split of a row (v2, "fused"); default 128 for v2
             (:data:`MIN_SPLIT_TOKENS_V2`), one tile for "fused".
-        counters: the fused kernel's ``int32 [B * H_kv]`` zeros (``new_counters`` of
-            :mod:`.paged_decode_fused`); ``None`` = allocate here.
     Raises:
         ValueError: shapes or dtypes that do not fit (heads, head dim, workspace, block_n), an
             unknown ``kernel``.
@@ -196,11 +195,9 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
     kv_heads = k_cache.shape[1]
     block_n = block_n or default_block_n(dim)
     _check(q, k_cache, v_cache, heads, kv_heads, block_n, kernel)
-    if kernel == "fused":  # imported here: paged_decode_fused imports this module's helpers
-        from nbhelpers.engine.kernels.paged_decode_fused import paged_decode_fused
-        return paged_decode_fused(q, k_cache, v_cache, block_table, seq_lens, scale, page_size,
-                                  num_splits, sliding_window, soft_cap, workspace, counters,
-                                  block_n, num_warps, num_stages, min_split_tokens or block_n)
+    if kernel == "fused":  # its launcher imports this module, so it is dispatched one level up
+        raise ValueError("paged decode: kernel 'fused' launches through nbhelpers.engine.kernels."
+                         "paged_decode.paged_decode_attention (paged_decode_fused).")
     min_split_tokens = min_split_tokens or MIN_SPLIT_TOKENS_V2
     direct = kernel == "v2" and num_splits == 1
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)

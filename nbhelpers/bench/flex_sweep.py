@@ -123,14 +123,18 @@ def parity(model: Any, llm: Any, prompts: list[list[int]], steps: int) -> dict[s
             "all_identical": same == total}
 
 
-def replay_ms(llm: Any, batch: int, iters: int = 20) -> float | None:
-    """Median milliseconds of one captured decode-step replay for ``batch`` (None: no graph)."""
+def replay_ms(llm: Any, batch: int, iters: int = 20, back: int = 0) -> float | None:
+    """Median milliseconds of one captured decode-step replay for ``batch`` (None: no graph),
+    from the last state rewound ``back`` positions (:func:`.profile.rewound_state`)."""
     import torch
+
+    from nbhelpers.bench.profile import rewound_state
     states = [st for (b, _), st in llm.runner.states.items() if b >= batch and st.graph]
     if not states or not torch.cuda.is_available():
         return None
     st, times = states[0], []
-    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    kept = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    saved = rewound_state(st, back)
     for _ in range(iters):  # replay from the same state each time (no position overflow)
         st.col.zero_()
         for buf, val in zip((st.pos, st.gen_idx, st.tokens), saved):
@@ -141,6 +145,8 @@ def replay_ms(llm: Any, batch: int, iters: int = 20) -> float | None:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    for buf, val in zip((st.pos, st.gen_idx, st.tokens), kept):  # as found: the profile rewinds
+        buf.copy_(val)
     return sorted(times)[len(times) // 2]
 
 
@@ -173,7 +179,9 @@ def bench_one(llm: Any, prompts: list[list[int]], sampling: SamplingParams, roun
     reset_peak_memory()
     t0 = time.perf_counter()
     rows, breakdown = time_rounds(llm, prompts, sampling, rounds, warmup)
-    breakdown["replay_ms"] = replay_ms(llm, len(prompts) * sampling.n)
+    # at the mean decode context, as the floor (prompt + max_new_tokens / 2): rewound by half
+    breakdown["replay_ms"] = replay_ms(llm, len(prompts) * sampling.n,
+                                       back=sampling.max_new_tokens // 2)
     if breakdown["replay_ms"] is not None:
         breakdown["host_overhead_ms_per_step"] = (breakdown["decode_step_ms"]
                                                   - breakdown["replay_ms"])
@@ -203,7 +211,7 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
     prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
     res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
     if profile:
-        res["breakdown"].update(profile_point(llm, batch))
+        res["breakdown"].update(profile_point(llm, batch, back=max_new_tokens // 2))
     llm.sleep()
     if floor:
         res.update(point_floor(model, batch, prompt_tokens + max_new_tokens / 2,
@@ -211,12 +219,15 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
     return res
 
 
-def profile_point(llm: Any, batch: int) -> dict[str, Any]:
-    """``profile`` + ``kernel_breakdown`` (CUDA only) and ``aten_ops`` (every device; its
-    ``note`` says why ``ops_per_layer`` is missing for models that cannot drop a layer)."""
+def profile_point(llm: Any, batch: int, back: int = 0) -> dict[str, Any]:
+    """``profile`` + ``kernel_breakdown`` (CUDA only; the last state rewound ``back`` positions,
+    :func:`.profile.rewound_state`, and ``profile_back`` records it) and ``aten_ops`` (every
+    device; its ``note`` says why ``ops_per_layer`` is missing for models that cannot drop a
+    layer)."""
     out: dict[str, Any] = {}
     if llm.runner.device.type == "cuda":
-        out["profile"] = profile_decode_step(llm, batch)
+        out["profile"] = profile_decode_step(llm, batch, back=back)
+        out["profile"]["back"] = back
         out["kernel_breakdown"] = kernel_breakdown(out["profile"])
     ops = count_decode_ops(llm, batch)  # the CPU proxy, also recorded on the GPU
     out["aten_ops"] = {k: ops[k] for k in ("ops_per_step", "ops_per_layer", "fixed_ops", "note")}

@@ -19,14 +19,28 @@ def kernel_class(name: str) -> str:
                 "elementwise/other")
 
 
-def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
+def rewound_state(st: Any, back: int) -> tuple[Any, Any, Any]:
+    """``(pos, gen_idx, tokens)`` of decode state ``st`` moved ``back`` positions earlier
+    (clamped at 0; ``tokens`` as saved): the state a profile or a graph replay restores before
+    each step, so it runs at the context the timed steps averaged (after a run the state sits at
+    the last position, ``prompt + max_new_tokens - 1``, where attention reads the most KV). The
+    KV entries at the rewound positions are overwritten by those steps: call it only after the
+    timed rounds. ``back`` < 0 raises ``ValueError``."""
+    if back < 0:
+        raise ValueError(f"rewound_state: back={back} must be >= 0")
+    return ((st.pos - back).clamp(min=0), (st.gen_idx - back).clamp(min=0), st.tokens.clone())
+
+
+def profile_decode_step(llm: Any, batch: int, steps: int = 3, back: int = 0) -> dict[str, Any]:
     """GPU kernel time of one eager decode step by class (ms), the kernel count and the
     slowest kernels one by one (:func:`summarize_kernels`), from ``torch.profiler`` over
-    ``steps`` steps of the last-used state of bucket >= ``batch``."""
+    ``steps`` steps of the last-used state of bucket >= ``batch``, rewound ``back`` positions
+    (:func:`rewound_state`; the benchmarks pass ``max_new_tokens // 2``: the mean context)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= batch)
-    saved = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    kept = (st.pos.clone(), st.gen_idx.clone(), st.tokens.clone())
+    saved = rewound_state(st, back)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             st.col.zero_()
@@ -34,6 +48,8 @@ def profile_decode_step(llm: Any, batch: int, steps: int = 3) -> dict[str, Any]:
                 buf.copy_(val)
             llm.runner._step_body(st, st.use_sort)
         torch.cuda.synchronize()
+    for buf, val in zip((st.pos, st.gen_idx, st.tokens), kept):
+        buf.copy_(val)
     return summarize_kernels(kernel_rows(prof.key_averages(), torch.autograd.DeviceType.CUDA),
                              steps)
 

@@ -91,6 +91,21 @@ N10_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "{\"name\": \"previous\", \"options\": {\"pdl\": \"off\", "
              "\"skinny_gemm_max_rows\": 16}}'")
 
+# session 8's helpers, for the next session (each default kept unless its A/B wins):
+# the one-launch split-KV paged decode ("fused", helper-32) against the default kernels, and the
+# reworked lora_expand="consumer" (helper-34: gate_up's B + act x up in one 2-D-grid kernel,
+# q/k/v loading all ranks at once, o/down keep their expand) against the default; the none
+# points are the LoRA-cost baseline of the same call.
+N11C_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4,qwen3-4b:bf16:32,qwen3-4b:none:32,qwen3-4b:bf16:128 --variants "
+              "'{\"name\": \"default\", \"options\": {}};"
+              "{\"name\": \"fused\", \"options\": {\"decode_kernel_options\": "
+              "{\"kernel\": \"fused\"}}}'")
+N11D_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4,qwen3-4b:none:4,qwen3-4b:bf16:32,qwen3-4b:none:32 --variants "
+              "'{\"name\": \"default\", \"options\": {}};"
+              "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -270,6 +285,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (SUITE, {"args": "--tb=short --durations=40"}, 400, 560, 0)]),
     "n11b": ([], [], [
         (BENCH, {"args": N10_BENCH}, 120, 160, 0)]),
+    "n11c": ([], [], [
+        (AB_ATTN, {"args": "--out $OUT --models qwen3_4b --rounds 10"}, 180, 280, 0)]),
+    "n11e": ([], [], [
+        (BENCH, {"args": N11C_BENCH}, 300, 420, 0)]),
+    "n11d": ([], [], [
+        (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

@@ -169,7 +169,8 @@ def read_bandwidth(torch):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ab_paged_decode"),
+                    help="folder for ab_paged_decode.json (default: $OUT, else /tmp/ab_paged_decode)")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--page", type=int, default=128, help="the engine's CUDA default")

@@ -42,10 +42,12 @@ LORA_DTYPES = ("adapter", "model")
 """What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
 from shadow copies refreshed per weight version (:meth:`LiveGroup.set_lora_dtype`)."""
 
-LORA_EXPAND_MODES = ("addmm", "triton", "consumer")
-"""How LiveGroup adds LoRA B: one ``addmm_`` per part, one Triton kernel per group, or inside the
+LORA_EXPAND_MODES = ("addmm", "triton", "consumer", "epilogue")
+"""How LiveGroup adds LoRA B: one ``addmm_`` per part, one Triton kernel per group, inside the
 kernel that reads the projection next (decode with ``fused_elementwise="triton"``; else as
-``"triton"``: :mod:`nbhelpers.engine.lora_pending`)."""
+``"triton"``: :mod:`nbhelpers.engine.lora_pending`), or inside the skinny decode GEMM's epilogue
+(``ext`` groups the skinny kernel serves; else as ``"triton"``:
+:mod:`nbhelpers.engine.kernels.skinny_lora_epilogue`)."""
 
 
 def check_lora_dtype(mode: str) -> str:
@@ -56,12 +58,13 @@ def check_lora_dtype(mode: str) -> str:
 
 def check_lora_expand(mode: str) -> str:
     """``mode`` if valid (:func:`~nbhelpers.engine.lora_fused.check_kernel_mode` over
-    :data:`LORA_EXPAND_MODES`; ``"consumer"`` needs triton as ``"triton"`` does)."""
+    :data:`LORA_EXPAND_MODES`; ``"consumer"`` / ``"epilogue"`` need triton as ``"triton"``
+    does)."""
     import importlib.util
     check_kernel_mode("lora_expand", mode, LORA_EXPAND_MODES)
-    if mode == "consumer" and importlib.util.find_spec("triton") is None:
-        raise ValueError("lora_expand='consumer' needs the triton package (pip install triton); "
-                         "use lora_expand='addmm'.")
+    if mode in ("consumer", "epilogue") and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"lora_expand={mode!r} needs the triton package (pip install "
+                         "triton); use lora_expand='addmm'.")
     return mode
 
 
@@ -180,7 +183,7 @@ class LiveGroup:
         :func:`check_lora_expand`."""
         self.lora_expand = check_lora_expand(mode)
         self._expand = self._shrink = None
-        if mode in ("triton", "consumer"):  # imported here, not per call (traced decode steps)
+        if mode in ("triton", "consumer", "epilogue"):  # imported here, not per call (traced decode steps)
             from nbhelpers.engine.kernels import lora_expand as expand_module
             from nbhelpers.engine.kernels import lora_shrink as shrink_module
             self._expand, self._shrink = expand_module, shrink_module
@@ -302,7 +305,12 @@ class LiveGroup:
         return F.linear(x2, f["W"], f["bias"])
 
     def _cublas_path(self, x2: Any, f: dict[str, Any]) -> Any:
-        """Base GEMM (:meth:`_base_gemm`), then LoRA A and B as configured: ``[N, sum(out)]``."""
+        """Base GEMM (:meth:`_base_gemm`), then LoRA A and B as configured: ``[N, sum(out)]``
+        (``lora_expand="epilogue"``: one skinny launch where it serves, ``SkinnyLinear``)."""
+        if self.lora_expand == "epilogue" and f["lora"] and f["ext"] and self._skinny is not None:
+            y = self._skinny.lora_epilogue(x2, f, self.sizes, self._ranks())
+            if y is not None:
+                return y
         y = self._base_gemm(x2, f)  # [N, sum(out)] (+ [N, sum(r)] when ext)
         if f["lora"]:
             n = f["n_out"]

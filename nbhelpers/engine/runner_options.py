@@ -55,7 +55,10 @@ class RunnerOptions:
     next (add+RMSNorm for o/down, SiLU x up for gate_up, q/k norm + RoPE + KV write for
     qkv), removing the four expand launches a decode layer; it needs
     ``fused_elementwise="triton"`` (else, and for prefill, Gemma-4 and unsupported shapes, it
-    runs as ``"triton"``: same result); ``lora_fused``: decode GEMMs (<= 64 rows) as one
+    runs as ``"triton"``: same result), or ``"epilogue"`` (opt-in, not yet measured on the
+    H200): ``"triton"``, except that decode groups whose ``ext`` GEMM the skinny kernel serves
+    add LoRA B in that kernel's epilogue, one launch a group
+    (``engine/kernels/skinny_lora_epilogue.py``); ``lora_fused``: decode GEMMs (<= 64 rows) as one
     base + LoRA Triton kernel per projection group, ``engine/kernels/lora_gemm.py``, each shape
     tuned once against the cuBLAS path and the choice cached on disk
     (``engine/kernels/lora_gemm_tune.py``): ``"triton"``, ``"off"`` (the default) or ``"auto"``,

@@ -14,6 +14,9 @@ are passed per call (live LoRA: nothing is copied or cached but the choice).
 
 :func:`nbhelpers.engine.lora_pending.defer` (``lora_expand="consumer"``) calls the group's
 ``_base_gemm``, so the pending-LoRA record is built on this GEMM's output the same way.
+With ``lora_expand="epilogue"`` a group's ``ext`` GEMM asks :meth:`SkinnyLinear.lora_epilogue`
+first: the same routing and tuned config, LoRA B added inside the kernel
+(:mod:`.kernels.skinny_lora_epilogue`).
 """
 
 from __future__ import annotations
@@ -64,10 +67,15 @@ class SkinnyLinear:
         self.max_rows = check_skinny_gemm_max_rows(max_rows)
         self.decode = False
         self.choices: dict[str, Any] = {}
-        self.kernel = self.tune = None
+        self.kernel = self.tune = self.epilogue = None
         if mode == "triton":  # imported here, not per call (traced decode steps)
-            from nbhelpers.engine.kernels import skinny_gemm, skinny_gemm_tune
+            from nbhelpers.engine.kernels import (
+                skinny_gemm,
+                skinny_gemm_tune,
+                skinny_lora_epilogue,
+            )
             self.kernel, self.tune = skinny_gemm, skinny_gemm_tune
+            self.epilogue = skinny_lora_epilogue
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +104,23 @@ class SkinnyLinear:
             return F.linear(x2, w, bias)
         cfg = self.config(x2, w, bias)
         return F.linear(x2, w, bias) if cfg is None else self.kernel.skinny_gemm(x2, w, bias, cfg)
+
+    def lora_epilogue(self, x2: Any, f: dict[str, Any], sizes: list[int],
+                      ranks: list[int]) -> Any:
+        """``y [M, n_out]`` of a LiveGroup's ``ext`` buffers ``f`` (``W [n_out + sum(r), K]``,
+        live ``B`` list, ``scaling``) with LoRA B added in the skinny kernel's epilogue, one
+        launch; ``None`` where this call is not served (not decoding, operands, cuBLAS chosen
+        for the shape, or ``n_out`` not a multiple of the config's ``block_n``): the caller
+        keeps its GEMM + expand path."""
+        w, ep = f["W"], self.epilogue
+        if ep is None or f["bias"] is not None or not self.serves(x2, w):
+            return None
+        cfg = self.config(x2, w, None)  # the shape's tuned config (plain kernel's timing)
+        if cfg is None or not ep.supported(x2, w, f["n_out"], f["B"], sizes, ranks, None,
+                                           cfg.block_n):
+            return None
+        return ep.skinny_lora_gemm(x2, w, f["n_out"], f["B"], sizes, ranks, f["scaling"],
+                                   None, cfg)
 
     def config(self, x2: Any, w: Any, bias: Any) -> Any:
         """The tuned config for this shape, ``None`` for cuBLAS. Tunes at the shape's first

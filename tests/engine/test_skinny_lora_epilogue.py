@@ -1,0 +1,200 @@
+"""The skinny GEMM with LoRA B in its epilogue (``engine/kernels/skinny_lora_epilogue.py``): results
+against an fp64 reference (1-3 parts of different out_i and r_i, 1-32 rows, 1/2/4 splits, bias,
+bf16 and fp32), every counter back at 0 after each call, two calls in a row, the dynamic id's
+modulo, unsupported operands, the sm_90 build with and without PDL, and (GPU) Qwen3-4B's LoRA
+shapes. Engine routing: ``test_skinny_lora_epilogue_engine.py``.
+
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (``tests/conftest.py``), whose programs
+run one after another in grid order: a wrong id mapping (a y tile before the ext tiles) would
+spin forever there, so these tests finishing is the deadlock check; skipped when triton is not
+importable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="skinny_lora_epilogue needs the triton package")
+
+from _kernels import DEV, assert_compiles_for_sm90, skip_unless_runnable
+
+from nbhelpers.engine.kernels import skinny_gemm as sg
+from nbhelpers.engine.kernels import skinny_lora_epilogue as ep
+
+skip_unless_runnable(ep)
+BF16 = torch.bfloat16
+PARTS = {  # (out_i, r_i): R > BLOCK_N (two ext tiles) in "two"; parts straddling a tile
+    "one": ([128], [8]),
+    "two": ([64, 128], [36, 44]),
+    "three": ([128, 32, 32], [4, 8, 16]),
+}
+SCALING = 0.75
+
+
+def _operands(m, sizes, ranks, k, dtype, bias, seed=0):
+    """``x [m, k]``, ``W' [n_out + R, k]``, ``bs``, ``bias [n_out]`` or None, and the fp64
+    reference ``x W^T + bias + s * round(x A^T) B^T`` (round: to ``dtype``)."""
+    g = torch.Generator().manual_seed(seed)
+    n_out, r_total = sum(sizes), sum(ranks)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n_out + r_total, k, generator=g) * 0.1).to(dtype)
+    bs = [(torch.randn(o, r, generator=g) * 0.2).to(dtype) for o, r in zip(sizes, ranks)]
+    b = torch.randn(n_out, generator=g).to(dtype) if bias else None
+    full = x.double() @ w.double().t()
+    xa = full[:, n_out:].to(dtype).double()
+    lora = [SCALING * xa_i @ b_i.double().t() for xa_i, b_i in zip(xa.split(ranks, 1), bs)]
+    ref = full[:, :n_out] + torch.cat(lora, 1) + (0 if b is None else b.double())
+    return (x.to(DEV), w.to(DEV), [t.to(DEV) for t in bs], None if b is None else b.to(DEV),
+            ref.to(DEV))
+
+
+def _assert_matches(y, ref, dtype):
+    """fp32: fp32 summation of the fp64 result; 16-bit: one rounding (<= 1 ulp) plus the fp32
+    sums' error near zero."""
+    assert y.dtype == dtype and y.is_contiguous() and y.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def _counters_zero():
+    return all(not cnt.any() for _, _, cnt in ep._WORKSPACES.values())
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 32])
+@pytest.mark.parametrize("parts", list(PARTS))
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_kernel_matches_reference_twice(m, parts, split, dtype):
+    """K = 500 (not a tile multiple); bias on odd row counts; two calls give the same bits
+    and every counter (ids, flag, tickets) is 0 after each."""
+    sizes, ranks = PARTS[parts]
+    bias = m % 2 == 1
+    x, w, bs, b, ref = _operands(m, sizes, ranks, 500, dtype, bias, seed=m + split)
+    cfg = sg.Config(64, 128, split)
+    assert sg.launch_split(500, cfg)[0] == split
+    y1 = ep.skinny_lora_gemm(x, w, sum(sizes), bs, sizes, ranks, SCALING, b, cfg)
+    assert _counters_zero()
+    y2 = ep.skinny_lora_gemm(x, w, sum(sizes), bs, sizes, ranks, SCALING, b, cfg)
+    assert _counters_zero()
+    _assert_matches(y1, ref, dtype)
+    assert torch.equal(y1, y2)
+
+
+def test_many_ext_tiles_and_narrow_tiles():
+    """R = 100 over BLOCK_N 32 (four ext tiles, 4 splits each: 16 programs before the first y
+    tile), two parts of 96 columns (a tile straddles them), 3 rows."""
+    sizes, ranks = [96, 96], [60, 40]
+    x, w, bs, _, ref = _operands(3, sizes, ranks, 512, torch.float32, False, seed=7)
+    y = ep.skinny_lora_gemm(x, w, 192, bs, sizes, ranks, SCALING, None, sg.Config(32, 128, 4))
+    _assert_matches(y, ref, torch.float32)
+    assert _counters_zero()
+
+
+def test_dynamic_id_is_taken_modulo_the_grid():
+    """The id counter left at P (a previous launch of this workspace whose last program has not
+    subtracted yet: PDL overlap): ids ``counter % P`` still map every (tile, split) once, the
+    result is right and the counter ends where it began."""
+    sizes, ranks = [128, 64], [8, 8]
+    cfg = sg.Config(64, 128, 2)
+    x, w, bs, _, ref = _operands(4, sizes, ranks, 256, torch.float32, False, seed=3)
+    ep.skinny_lora_gemm(x, w, 192, bs, sizes, ranks, SCALING, None, cfg)  # allocates
+    cnt = ep.workspace(x.device, 208, 192, 2, 16, 64)[2]
+    programs = 4 * 2  # cdiv(208, 64) tiles x 2 splits
+    cnt[0] = programs
+    y = ep.skinny_lora_gemm(x, w, 192, bs, sizes, ranks, SCALING, None, cfg)
+    _assert_matches(y, ref, torch.float32)
+    assert cnt[0].item() == programs and not cnt[1:].any()
+    cnt.zero_()
+
+
+def test_live_b_is_read_at_call_time():
+    """An in-place change of B (an optimizer step) shows in the next call: no copy kept."""
+    sizes, ranks = [64, 64], [4, 4]
+    x, w, bs, _, _ = _operands(2, sizes, ranks, 128, torch.float32, False, seed=5)
+    y1 = ep.skinny_lora_gemm(x, w, 128, bs, sizes, ranks, SCALING)
+    bs[1].add_(1.0)
+    y2 = ep.skinny_lora_gemm(x, w, 128, bs, sizes, ranks, SCALING)
+    assert torch.equal(y1[:, :64], y2[:, :64]) and not torch.equal(y1[:, 64:], y2[:, 64:])
+
+
+def test_unsupported_operands():
+    sizes, ranks = [64, 64], [4, 4]
+    x, w, bs, _, _ = _operands(2, sizes, ranks, 128, torch.float32, False)
+    assert ep.supported(x, w, 128, bs, sizes, ranks)
+    assert not ep.supported(x, w, 128, bs, sizes, ranks, block_n=128 * 3)  # n_out % BLOCK_N
+    assert not ep.supported(x, w, 120, bs, [60, 60], ranks)  # sum(sizes) / W' rows
+    assert not ep.supported(x, w, 128, [bs[0], bs[1].t()], sizes, ranks)  # B shape / layout
+    assert not ep.supported(x, w, 128, [bs[0], bs[1].double()], sizes, ranks)  # B dtype
+    assert not ep.supported(x, w, 128, bs * 2, sizes * 2, ranks * 2)  # 4 parts
+    x33 = torch.randn(33, 128, device=DEV)
+    assert not ep.supported(x33, w, 128, bs, sizes, ranks)  # more than MAX_ROWS rows
+    with pytest.raises(ValueError, match="use skinny_gemm \\+ lora_expand"):
+        ep.skinny_lora_gemm(x33, w, 128, bs, sizes, ranks, SCALING)
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nbhelpers.engine.kernels import skinny_lora_epilogue as ep
+fn = ep._skinny_lora
+ints = ["m", "n", "n_out", "k", "stride_x", "stride_w", "k_per_split", "splits", "end0", "end1",
+        "roff1", "roff2", "r0", "r1", "r2"]
+for dt, split, parts, bias in (("bf16", True, 3, False), ("bf16", False, 1, False),
+                               ("fp32", True, 2, True)):
+    sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "bias_ptr": "*" + dt, "y_ptr": "*" + dt,
+           "ws_ptr": "*fp32", "xa_ptr": "*fp32", "cnt_ptr": "*i32", "b0_ptr": "*" + dt,
+           "b1_ptr": "*" + dt, "b2_ptr": "*" + dt, **dict.fromkeys(ints, "i32"),
+           "scaling": "fp32"}
+    consts = {"HAS_BIAS": bias, "SPLIT": split, "NUM_PARTS": parts, "BLOCK_M": 16,
+              "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_R": 32, "UPCAST": False, "BF16_RNE": False,
+              "USE_GDC": WITH_GDC}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = ASTSource(fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"] and "atom" in ptx, (dt, split, parts)
+    assert ("griddepcontrol.wait" in ptx) == WITH_GDC, (dt, split, parts)
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("gdc", [False, True], ids=["plain", "pdl"])
+def test_kernel_compiles_for_sm90(gdc):
+    """sm_90 cubins (bf16 and fp32 ``tl.dot``, the id / ticket / flag atomics, the spin loop)
+    with triton's bundled ptxas, no GPU needed; ``griddepcontrol.wait`` only with USE_GDC."""
+    assert_compiles_for_sm90(_AOT.replace("WITH_GDC", str(gdc)))
+
+
+QWEN3_4B_R32 = {"qkv": ([4096, 1024, 1024], 2560), "o": ([2560], 4096),
+                "gate_up": ([9728, 9728], 2560), "down": ([2560], 9728)}
+"""Parts' out_i and K of Qwen3-4B's LoRA groups (r = 32 on every projection)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Qwen3-4B shapes need a CUDA GPU (the "
+                    "interpreter would take minutes a shape); run on the H200 host")
+@pytest.mark.parametrize("name", list(QWEN3_4B_R32))
+@pytest.mark.parametrize("m", [1, 4, 32])
+def test_gpu_qwen3_4b_shapes(name, m):
+    """Every candidate config that serves the shape, bf16, against the fp64 reference; the same
+    bits twice; counters at 0 (the real concurrency: programs spin on the ext tiles)."""
+    sizes, k = QWEN3_4B_R32[name]
+    ranks = [32] * len(sizes)
+    x, w, bs, _, ref = _operands(m, sizes, ranks, k, BF16, False, seed=m)
+    n_out = sum(sizes)
+    cfgs = [c for c in (sg.default_config(n_out + sum(ranks), k), *sg.CONFIGS)
+            if ep.supported(x, w, n_out, bs, sizes, ranks, None, c.block_n)]
+    assert cfgs
+    for cfg in cfgs:
+        y = ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None, cfg)
+        _assert_matches(y, ref, BF16)
+        assert torch.equal(y, ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None,
+                                                  cfg)), cfg
+        torch.cuda.synchronize()
+        assert _counters_zero(), cfg

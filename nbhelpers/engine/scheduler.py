@@ -80,23 +80,33 @@ class Scheduler:
                              f"{self.max_num_seqs}: raise max_num_seqs or lower n.")
         usable, page = self.pool.num_pages - 1, self.pool.page_size
         need = self._group_pages(group) + len(group)
+        lead = group[0]
+        # one sample's pages at its last token (KV for prompt + max_new_tokens - 1 positions):
+        # refused here, before any work, not mid-decode where finished completions would be lost
+        longest = self.pool.pages_for(len(lead.prompt_ids) + lead.max_new_tokens - 1)
+        want = max(need, longest) + 1  # one fix that clears both checks (+1: the null page)
         if need > usable:
             raise ValueError(f"a request group needs {need} pages (its prompt's plus one per "
                              f"sample), the pool has {self.pool.num_pages - 1} usable: "
                              f"num_pages={self.pool.num_pages} counts page 0, the null page "
                              "that unused block-table slots point at; raise num_pages to >= "
-                             f"{need + 1} (or lower n / max_new_tokens / prompt length).")
-        lead = group[0]
-        # one sample's pages at its last token (KV for prompt + max_new_tokens - 1 positions):
-        # refused here, before any work, not mid-decode where finished completions would be lost
-        longest = self.pool.pages_for(len(lead.prompt_ids) + lead.max_new_tokens - 1)
+                             f"{want}{self._longest_note(longest, need, lead)} (or lower n / "
+                             "max_new_tokens / prompt length).")
         if longest > usable:
             raise ValueError(f"a {len(lead.prompt_ids)}-token prompt + max_new_tokens="
                              f"{lead.max_new_tokens} needs {longest} pages of {page} tokens; the "
                              f"pool has {usable} usable (num_pages={self.pool.num_pages} counts "
-                             f"page 0, the null page): raise num_pages to >= {longest + 1} (or "
+                             f"page 0, the null page): raise num_pages to >= {want} (or "
                              "lower max_new_tokens / the prompt length).")
         self.waiting.append(group)
+
+    def _longest_note(self, longest: int, need: int, lead: Sequence) -> str:
+        """Why the suggested ``num_pages`` is above ``need + 1``: a sample's own pages by its
+        last token (``prompt + max_new_tokens - 1`` KV positions), when that is larger."""
+        if longest <= need:
+            return ""
+        return (f" (each sample alone needs {longest} pages of {self.pool.page_size} tokens by "
+                f"its last token: {len(lead.prompt_ids)} prompt + {lead.max_new_tokens} new)")
 
     @property
     def is_done(self) -> bool:

@@ -158,3 +158,17 @@ def test_other_dict_prompts_name_the_fix(no_step, row, match):
 def test_generate_keywords_it_lacks_name_where_they_belong(no_step, kwargs, match):
     with pytest.raises(TypeError, match=match):
         no_step.generate([[1, 2]], GREEDY, **kwargs)
+
+
+def test_the_suggested_num_pages_clears_every_check(model):
+    """A fresh-user trial: num_pages=2, a 10-token prompt, 64 new tokens: the message said
+    'raise num_pages to >= 3', then at 3 'needs 5 pages ... >= 6'. One number that is enough."""
+    from nbhelpers.engine import LLM
+    sampling = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    with pytest.raises(ValueError) as err:
+        LLM(model, page_size=16, num_pages=2, max_model_len=96).generate([[1] * 10], sampling)
+    msg = str(err.value)
+    assert "raise num_pages to >= 6" in msg and "each sample alone needs 5 pages" in msg
+    (out,) = LLM(model, page_size=16, num_pages=6, max_model_len=96).generate([[1] * 10],
+                                                                             sampling)
+    assert len(out.token_ids) == 64

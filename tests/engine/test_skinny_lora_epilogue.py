@@ -136,6 +136,7 @@ def test_unsupported_operands():
 
 
 _AOT = """
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -159,7 +160,13 @@ for dt, split, parts, bias in (("bf16", True, 3, False), ("bf16", False, 1, Fals
                             options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"] and "atom" in ptx, (dt, split, parts)
-    assert ("griddepcontrol.wait" in ptx) == WITH_GDC, (dt, split, parts)
+    assert ptx.count("griddepcontrol.wait") == int(WITH_GDC), (dt, split, parts)
+    if WITH_GDC:  # before the wait: the W tile's loads and the one write, the dynamic id
+        wait = ptx.find("griddepcontrol.wait")
+        assert ptx.find("griddepcontrol.launch_dependents") > wait
+        before = re.findall(r"\\b(?:st|atom|red)\\.global[.\\w]*|\\bcp\\.async", ptx[:wait])
+        assert before == ["atom.global.gpu.relaxed.add.u32"], before
+        assert re.search(r"\\bld\\.global", ptx[:wait])
 print("compiled")
 """
 
@@ -167,7 +174,10 @@ print("compiled")
 @pytest.mark.parametrize("gdc", [False, True], ids=["plain", "pdl"])
 def test_kernel_compiles_for_sm90(gdc):
     """sm_90 cubins (bf16 and fp32 ``tl.dot``, the id / ticket / flag atomics, the spin loop)
-    with triton's bundled ptxas, no GPU needed; ``griddepcontrol.wait`` only with USE_GDC."""
+    with triton's bundled ptxas, no GPU needed. With USE_GDC one ``griddepcontrol.wait``,
+    ``launch_dependents`` after it, and before it only W's loads and the dynamic id's relaxed
+    atomic (the one exception to ``pdl.py``'s no-write rule: safe by the id's modulo, see the
+    kernel's docstring); without it no ``griddepcontrol``."""
     assert_compiles_for_sm90(_AOT.replace("WITH_GDC", str(gdc)))
 
 

@@ -33,9 +33,13 @@ interpreter programs run one after another in grid order, so the ids equal the g
 the ext tiles finish first: no spin ever waits there (tested).
 
 PDL (``USE_GDC``, :mod:`.pdl`): the dynamic id and the first W tile are taken before
-``gdc_wait()`` (W is never written in a decode step; the id counter is only this kernel's, and
-the modulo above keeps it exact when the previous launch of the same workspace is still
-finishing); everything else after it, as in :mod:`.skinny_gemm`.
+``gdc_wait()``, everything else after it, as in :mod:`.skinny_gemm`. The id's relaxed atomic
+is the one exception to pdl.py's "no write before the wait": W is never written in a decode
+step, and the id counter belongs to this kernel and workspace key only. If the kernel right
+before is a launch on the same counter, all of its programs drew their ids before they
+triggered this launch, and its only later access is the final subtraction of ``P``
+(commutative), so the ids drawn here are still ``0..P-1`` in start order modulo ``P`` and the
+counter stays below ``2P`` (tested by starting from ``P``).
 
 Tests: ``tests/engine/test_skinny_lora_epilogue.py`` (kernel), and
 ``tests/engine/test_skinny_lora_epilogue_engine.py`` (engine routing, tokens, launch count).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -128,10 +129,15 @@ def _report(args: argparse.Namespace) -> int:
     from nbhelpers.run.params import UserInputError
     from nbhelpers.run.report import write_site
     start = time.perf_counter()
+    out = Path(args.out or run.REPO / "executed_html")
     try:
-        pages = write_site(Path(args.executed or run.REPO / "executed"),
-                           Path(args.out or run.REPO / "executed_html"))
-    except (FileNotFoundError, ValueError) as exc:
+        pages = write_site(Path(args.executed or run.REPO / "executed"), out)
+    except OSError as exc:
+        if exc.filename is None or not str(exc.filename).startswith(str(out)):
+            raise UserInputError(str(exc)) from exc  # the archive side: its own message
+        raise UserInputError(f"--out {out}: cannot write the site there ({exc.strerror or exc}); "
+                             "pick a writable folder, e.g. --out site/") from exc
+    except ValueError as exc:
         raise UserInputError(str(exc)) from exc
     print(f"{pages[0]}: {len(pages)} pages in {time.perf_counter() - start:.0f} s")
     return 0
@@ -145,11 +151,25 @@ def _profile_names() -> list[str]:
     return sorted(known, key=lambda p: (p != "cpu", p)) or ["cpu"]
 
 
+_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-\.?inf$", re.IGNORECASE)
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """``-p NAME VALUE`` with a negative VALUE argparse takes for an option (``-1e-5``: its
+    negative-number pattern has no exponent): prefixed with a space, which the YAML read of
+    VALUE ignores, so ``-p learning_rate -1e-5`` reaches the parameter checks."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-2]):
+        if arg in ("-p", "--parameter") and _NEGATIVE.match(out[i + 2]):
+            out[i + 2] = " " + out[i + 2]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from nbhelpers.run.params import UserInputError
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "run":
             _sigterm_as_interrupt()

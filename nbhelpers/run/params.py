@@ -120,8 +120,11 @@ def check_value(name: str, annotation: str | None, value: Any, source: str) -> N
     names, nullable = kinds
     if (value is None and nullable) or any(_CHECKS[n](value) for n in names):
         return
+    hint = (f" Write a list in brackets: -p {name} '[{value}]'."
+            if "list" in names and isinstance(value, (str, int, float)) and
+            not isinstance(value, bool) else "")
     raise UserInputError(f"{source}: parameter {name!r} expects {annotation}, got {value!r} "
-                         f"({type(value).__name__}).")
+                         f"({type(value).__name__}).{hint}")
 
 
 def check_parameters(notebook: Path, params: dict[str, Any], sources: dict[str, str]) -> None:

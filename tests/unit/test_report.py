@@ -175,3 +175,13 @@ def test_an_empty_notebook_is_skipped_by_name_and_the_rest_is_exported(tmp_path,
     assert "Notebooks not exported" in index
     for href in _tags(out / "index.html").links:
         assert (out / href).is_file(), href
+
+
+def test_cli_report_names_the_fix_for_an_unwritable_out(site, tmp_path, capsys):
+    executed, _, _ = site
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where --out needs a folder's parent
+    assert main(["report", "--executed", str(executed), "--out", str(blocker / "s")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {blocker / 's'}: cannot write the site there" in err
+    assert "pick a writable folder" in err and "Traceback" not in err

@@ -51,6 +51,8 @@ from step_table import (  # scripts/device/ is sys.path[0] when run as a script
     GSM8K,
     STEPS,
     TOK,
+    FA4_MANIFEST,
+    FA4_PART,
     VLLM_MANIFEST,
     VLLM_PART,
 )
@@ -64,9 +66,13 @@ def carry(step: str) -> list[str]:
     paths = [f".bundles/{s}/wheels" for s in sets]
     for e in extra:
         fixed = {"tok": TOK, "gsm8k": GSM8K}.get(e)
-        paths.append(fixed or (GGUF_PART if e.startswith("gguf") else VLLM_PART).format(e[-1]))
+        part = GGUF_PART if e.startswith("gguf") else FA4_PART if e.startswith("fa4") \
+            else VLLM_PART
+        paths.append(fixed or part.format(e[-1]))
     if any(e.startswith("vllm") for e in extra):
         paths.append(VLLM_MANIFEST)  # stage() reads the restore command from it
+    if any(e.startswith("fa4") for e in extra):
+        paths.append(FA4_MANIFEST)
     return paths
 
 
@@ -166,8 +172,9 @@ def stage(step: str, log) -> None:
         elif e.startswith("gguf"):
             sh(f"mkdir -p /tmp/nbh/gguf && cp {GGUF_PART.format(e[-1])} /tmp/nbh/gguf/", log)
             join_gguf(Path("/tmp/nbh/gguf"), Path("/tmp/nbh/pkg"), log)
-        else:
-            call = json.loads((REPO / VLLM_MANIFEST).read_text())
+        else:  # a part of a site-xz set (vLLM, FA4): its manifest's restore command
+            manifest = FA4_MANIFEST if e.startswith("fa4") else VLLM_MANIFEST
+            call = json.loads((REPO / manifest).read_text())
             begin = call["device"]["calls"][int(e[-1])]["begin"].rstrip(";")
             sh(begin.split(" && export ")[0].split(" || exit")[0], log)
 
@@ -203,6 +210,8 @@ def _job_env() -> dict[str, str]:
                VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1",
                UNSLOTH_DISABLE_STATISTICS="1")
     sites = [s for s in ("/tmp/vllm_site", "/tmp/site", "/tmp/nbh/pkg") if Path(s).is_dir()]
+    if Path("/tmp/fa4_site").is_dir() and "/tmp/vllm_site" not in sites:  # their pins clash
+        sites[:0] = ["/tmp/fa4_site", "/tmp/fa4_site/nvidia_cutlass_dsl/dsl_packages"]
     env["PYTHONPATH"] = os.pathsep.join([*sites, str(REPO)])
     return env
 

@@ -14,6 +14,11 @@ N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
 N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
 VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
 VLLM_MANIFEST = ".bundles/vllm/manifest.json"
+# FlashAttention-4's own site (cutlass-dsl clashes with vLLM's): `python -m nbhelpers.bundles
+# build fa4` then `resplit fa4 --part-mib 44` (two parts; part 0 + the tree stays under 64 MiB);
+# extras "fa40", "fa41" stage them in back-to-back calls, the second restores /tmp/fa4_site.
+FA4_PART = ".bundles/fa4/parts/fa4_site.tar.xz.part0{}"
+FA4_MANIFEST = ".bundles/fa4/manifest.json"
 BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
 DIAG = "scripts/diag_gemma4.py"
 DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
@@ -291,6 +296,16 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N11C_BENCH}, 300, 420, 0)]),
     "n11d": ([], [], [
         (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
+    # FA4 (issue 13 part 3): stage the two parts back to back, then its GPU tests (the real FA4
+    # against flex prefill logits on a tiny bf16 model) and 33's prefill A/B without LoRA
+    # (helper-33's variants: flex prefill vs prefill_attention="fa4"; read `prefill_s` in the
+    # sweep table), then phase 1 hf_cb with paged|flash_attention_4.
+    "f4a": ([], ["fa40"], []),
+    "f4b": (["notebooks"], ["fa41", "tok"], [
+        (SUITE, {"args": "--paths tests/engine/test_prefill_fa4.py,"
+                 "tests/engine/test_prefill_fa4_engine.py --tb=short"}, 90, 150, 0),
+        (N33, {"variants": "[{name: flex_prefill, options: {}}, {name: fa4_prefill, options: "
+                           "{prefill_attention: fa4}}]", "lora_modes": "[none]"}, 300, 420, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

@@ -85,8 +85,8 @@ def test_kernel_matches_reference_twice(m, parts, split, dtype):
 
 def test_many_ext_tiles_and_narrow_tiles():
     """R = 100 over BLOCK_N 32 (four ext tiles, 4 splits each: 16 programs before the first y
-    tile), two parts of 96 columns (a tile straddles them), 3 rows."""
-    sizes, ranks = [96, 96], [60, 40]
+    tile), parts of 80 and 112 columns (the tile of columns 64-95 straddles them), 3 rows."""
+    sizes, ranks = [80, 112], [60, 40]
     x, w, bs, _, ref = _operands(3, sizes, ranks, 512, torch.float32, False, seed=7)
     y = ep.skinny_lora_gemm(x, w, 192, bs, sizes, ranks, SCALING, None, sg.Config(32, 128, 4))
     _assert_matches(y, ref, torch.float32)

@@ -106,22 +106,38 @@ def _part_tile(b_ptr, cols, kk, start, end, roff, rank):
 
 
 @triton.jit
-def _add_lora_b(acc, xa_ptr, r_total, rows, cols, row_ok, b0_ptr, b1_ptr, b2_ptr, n_out, end0,
-                end1, roff1, roff2, r0, r1, r2, scaling, NUM_PARTS: tl.constexpr,
+def _add_lora_b(acc, xa_ptr, r_total, rows, cols, col0, row_ok, b0_ptr, b1_ptr, b2_ptr, n_out,
+                end0, end1, roff1, roff2, r0, r1, r2, scaling, NUM_PARTS: tl.constexpr,
                 BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, BF16_RNE: tl.constexpr):
-    """``acc + scaling * round(xA) @ B^T`` over this tile's columns, in fp32."""
+    """``acc + scaling * round(xA) @ B^T`` over this tile's columns ``[col0, col0 + BLOCK_N)``,
+    in fp32. Only the ranks of the parts the tile overlaps are read (one part's ``r_i`` for a
+    tile inside one part), each part's B tile only where the tile overlaps it. Part ``i`` spans
+    columns ``[end_{i-1}, end_i)`` (``end0, end1``, then ``n_out``) and ranks ``[roff_i,
+    roff_i + r_i)``."""
+    col1 = tl.minimum(col0 + acc.shape[1], n_out) - 1  # the tile's last output column
+    k_lo, k_hi = 0, r0  # rank range of the parts holding col0 .. col1
+    if NUM_PARTS > 1:
+        k_lo = tl.where(col0 >= end0, roff1, k_lo)
+        k_hi = tl.where(col1 >= end0, roff1 + r1, k_hi)
+    if NUM_PARTS > 2:
+        k_lo = tl.where(col0 >= end1, roff2, k_lo)
+        k_hi = tl.where(col1 >= end1, roff2 + r2, k_hi)
+    end_1 = end1 if NUM_PARTS > 2 else n_out
     lora = tl.zeros(acc.shape, dtype=tl.float32)
-    end_0 = end0 if NUM_PARTS > 1 else n_out
-    for k0 in range(0, r_total, BLOCK_R):
+    for k0 in range(k_lo, k_hi, BLOCK_R):
         kk = k0 + tl.arange(0, BLOCK_R)
         xa = tl.load(xa_ptr + rows[:, None] * r_total + kk[None, :],
-                     mask=row_ok[:, None] & (kk < r_total)[None, :], other=0.0,
+                     mask=row_ok[:, None] & (kk < k_hi)[None, :], other=0.0,
                      cache_modifier=".cg")  # [BLOCK_M, BLOCK_R] fp32, from the ext tiles
-        b = _part_tile(b0_ptr, cols, kk, 0, end_0, 0, r0)  # [BLOCK_R, BLOCK_N]
-        if NUM_PARTS > 1:
-            b += _part_tile(b1_ptr, cols, kk, end0, end1 if NUM_PARTS > 2 else n_out, roff1, r1)
-        if NUM_PARTS > 2:
-            b += _part_tile(b2_ptr, cols, kk, end1, n_out, roff2, r2)
+        b = tl.zeros((BLOCK_R, acc.shape[1]), dtype=b0_ptr.dtype.element_ty)
+        if col0 < end0:  # [BLOCK_R, BLOCK_N], zero outside each part
+            b += _part_tile(b0_ptr, cols, kk, 0, end0, 0, r0)
+        if NUM_PARTS > 1:  # noqa: SIM102 (constexpr tests stand alone: pruned)
+            if (col0 < end_1) & (col1 >= end0):
+                b += _part_tile(b1_ptr, cols, kk, end0, end_1, roff1, r1)
+        if NUM_PARTS > 2:  # noqa: SIM102
+            if col1 >= end1:
+                b += _part_tile(b2_ptr, cols, kk, end1, n_out, roff2, r2)
         if BF16_RNE:  # the interpreter's own cast truncates
             xa = _bf16_rne(xa)
         else:
@@ -180,9 +196,9 @@ def _skinny_lora(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, xa_ptr, cnt_ptr, b0_ptr,
             while ready < ext_tiles:  # only smaller ids (ext programs, never waiting) to wait on
                 ready = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
             tl.debug_barrier()
-            acc = _add_lora_b(acc, xa_ptr, n - n_out, rows, cols, row_ok, b0_ptr, b1_ptr,
-                              b2_ptr, n_out, end0, end1, roff1, roff2, r0, r1, r2, scaling,
-                              NUM_PARTS, BLOCK_R, UPCAST, BF16_RNE)
+            acc = _add_lora_b(acc, xa_ptr, n - n_out, rows, cols, tile * BLOCK_N, row_ok,
+                              b0_ptr, b1_ptr, b2_ptr, n_out, end0, end1, roff1, roff2, r0, r1,
+                              r2, scaling, NUM_PARTS, BLOCK_R, UPCAST, BF16_RNE)
             sg._epilogue(acc, bias_ptr, y_ptr, n_out, rows, cols, out_ok, col_ok, HAS_BIAS,
                          BF16_RNE)
             done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")

@@ -25,6 +25,10 @@ LoRA kernels on the H200 (issue 12)::
 ``python scripts/bench_flex.py --cpu-smoke --out /tmp/bf --points tiny:fp32:2,tiny:none:2
 --prompt-tokens 6 --max-new-tokens 4 --rounds 1 --variants '{"name": "a"};{"name": "b",
 "options": {"lora_expand": "addmm"}}'``.
+
+Bad arguments (a count < 1, an unknown stage, shape or engine option, a value that is not JSON, a
+non-tiny shape on a host without CUDA) print one ``error: ...`` line naming the fix and exit 2
+before any model is built or anything is written (:mod:`nbhelpers.bench.flex_args`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nbhelpers.bench import flex_ab as ab
+from nbhelpers.bench import flex_args
 from nbhelpers.bench import flex_sweep as eb
 from nbhelpers.config import WORKLOAD_W, LoraSpec
 from nbhelpers.stats import utc_stamp, write_sidecar
@@ -66,7 +71,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=WORKLOAD_W.max_new_tokens)
     ap.add_argument("--prompt-tokens", type=int, default=WORKLOAD_W.prompt_tokens)
     ap.add_argument("--sync-every", type=int, default=32)
-    ap.add_argument("--skip", default="", help="stages to skip: parity_tiny,parity,w,sweep")
+    ap.add_argument("--skip", default="", help=f"stages to skip: {','.join(flex_args.STAGES)}")
     ap.add_argument("--profile", action="store_true", help="kernel-class breakdown (LoRA, B=32)")
     ap.add_argument("--compiled", action="store_true",
                     help="also run W with compile_decode=True (whole step through inductor)")
@@ -88,7 +93,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-floor-gemms", action="store_true",
                     help="A/B mode: skip the cold-weight GEMM times (bandwidth + bytes still)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one A/B child
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.one:  # the parent checked this child's job
+        return args
+    try:
+        return flex_args.check_args(args)
+    except (ValueError, TypeError) as err:  # one line naming the fix, before anything is built or written
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def model_block(model, name: str) -> dict:
@@ -151,7 +163,7 @@ def run_workload(model, name, lora, batch, args, rounds, tag, profile=False, **o
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
+    args = parse(argv)  # every check passed: only now is --out created
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.one:  # an A/B child: one configuration in this process
@@ -160,18 +172,17 @@ def main(argv: list[str] | None = None) -> None:
                       out, "cpu" if job["point"]["shape"] == "tiny" else "cuda")
         return
     LOG_PATH.append(out / "bench_flex.log")
-    if args.points:
+    if args.point_list:
         return run_points(args, out)
-    variants = decode_variants(args)  # a malformed option fails here, before any GPU work
     if args.cpu_smoke:
         import torch
         torch.set_num_threads(1)
-    run_stages(args, out, variants)
+    run_stages(args, out, args.decode_variant_list)
 
 
 def run_points(args, out: Path) -> None:
     """A/B mode: every ``--points`` x ``--variants`` in its own process (module docstring)."""
-    points, variants = ab.parse_points(args.points), ab.parse_variants(args.variants)
+    points, variants = args.point_list, args.variant_list
     settings = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                 "rounds": args.rounds, "sync_every": args.sync_every,
                 "floor_gemms": not args.no_floor_gemms}
@@ -187,7 +198,7 @@ def run_stages(args, out: Path, variants: list[dict]) -> None:
     dev = "cpu" if args.cpu_smoke else "cuda"
     shape = eb.TINY_QWEN3_SHAPE if args.cpu_smoke else eb.QWEN3_4B_SHAPE
     name = "tiny-qwen3-shape" if args.cpu_smoke else "qwen3-4b"
-    skip, table = set(args.skip.split(",")), []
+    skip, table = args.skip_stages, []
     if "parity_tiny" not in skip:
         par, err = stage("parity", run_parity, args, dev, variants)
         (out / "parity.json").write_text(json.dumps({"parity": par, "error": err}, indent=1))
@@ -226,7 +237,7 @@ def run_w_and_sweep(model, name, info, lora, args, out: Path, table: list, skip:
                          args.rounds, "w_lora", profile=args.profile)
         sidecar(out, "w_lora", info, lora, WORKLOAD_W.n_prompts, args, res, err)
         table.append(("W LoRA r32", WORKLOAD_W.n_prompts, res))
-    for batch in ([int(b) for b in args.sweep.split(",") if b] if "sweep" not in skip else []):
+    for batch in (args.sweep_batches if "sweep" not in skip else []):
         res, err = stage(f"sweep {batch}", run_workload, model, name, lora, batch, args,
                          args.sweep_rounds, f"sweep_b{batch}")
         sidecar(out, f"sweep_lora_b{batch}", info, lora, batch, args, res, err,
@@ -235,37 +246,10 @@ def run_w_and_sweep(model, name, info, lora, args, out: Path, table: list, skip:
     return model
 
 
-def decode_variants(args) -> list[dict]:
-    """Extra W LoRA stages as ``{"decode_attention", "lora_expand", "decode_kernel_options",
-    "tag"}``: one for ``--decode-attention``, one for ``--lora-expand``, one per ``;``-separated
-    JSON dict of ``--decode-kernel-options`` (its ``decode_attention`` / ``lora_expand`` keys are
-    runner options, the rest kernel options).
-
-    Raises: TypeError: a part is not a JSON object (json.JSONDecodeError: not JSON).
-    """
-    out = []
-    if args.decode_attention:
-        out.append({"decode_attention": args.decode_attention, "lora_expand": "addmm",
-                    "decode_kernel_options": None, "tag": f"w_lora_{args.decode_attention}"})
-    if args.lora_expand:
-        out.append({"decode_attention": "flex", "lora_expand": args.lora_expand,
-                    "decode_kernel_options": None, "tag": f"w_lora_expand_{args.lora_expand}"})
-    parts = [json.loads(p) for p in args.decode_kernel_options.split(";") if p.strip()]
-    for i, kopts in enumerate(parts):
-        if not isinstance(kopts, dict):
-            raise TypeError(f"--decode-kernel-options: each ';'-separated part must be a JSON "
-                             f"object, got {kopts!r}.")
-        kopts = dict(kopts)
-        out.append({"decode_attention": kopts.pop("decode_attention", "flex"),
-                    "lora_expand": kopts.pop("lora_expand", "addmm"),
-                    "decode_kernel_options": kopts or None,
-                    "tag": "w_lora_kopts" + (f"_{i}" if i else "")})
-    return out
-
-
 def run_decode_variants(model, name, lora, info, args, out: Path, table: list,
                         variants: list[dict]) -> None:
-    """One W LoRA stage, sidecar and table row per decode variant (see :func:`decode_variants`)."""
+    """One W LoRA stage, sidecar and table row per decode variant
+    (:func:`nbhelpers.bench.flex_args.decode_variants`)."""
     for var in variants:
         opts = {k: v for k, v in var.items() if k != "tag"}
         label = (f"{opts['decode_attention']} decode, lora_expand {opts['lora_expand']} "

@@ -42,16 +42,58 @@ class Point:
         return f"{self.shape}_{self.lora}_b{self.batch}"
 
 
+def point_shapes() -> list[str]:
+    """The shapes a point may name: ``qwen3-4b``, ``tiny`` (the tiny Qwen3, the only one run on
+    the CPU) and the builders of :mod:`nbhelpers.model_configs` (``-`` or ``_`` between words)."""
+    from nbhelpers import model_configs
+    return ["qwen3-4b", "tiny", *sorted(
+        n for n, f in vars(model_configs).items() if callable(f) and not n.startswith("_")
+        and getattr(f, "__module__", None) == model_configs.__name__)]
+
+
 def parse_points(text: str) -> list[Point]:
-    """``"qwen3-4b:fp32:4,qwen3-4b:none:32"`` -> points. Raises ``ValueError`` naming the fix."""
-    out = []
+    """``"qwen3-4b:fp32:4,qwen3-4b:none:32"`` -> points.
+
+    Raises:
+        ValueError: an entry not ``shape:lora:batch``, a shape not in :func:`point_shapes`, a
+            lora not in :data:`LORA_MODES` or a batch < 1 (the message names the fix).
+    """
+    out, shapes = [], point_shapes()
     for part in filter(None, (p.strip() for p in text.split(","))):
         bits = part.split(":")
         if len(bits) != 3 or bits[1] not in LORA_MODES or not bits[2].isdigit():
             raise ValueError(f"--points entry {part!r}: write shape:lora:batch with lora one of "
                              f"{LORA_MODES}, e.g. qwen3-4b:fp32:4.")
+        if bits[0] not in shapes and bits[0].replace("-", "_") not in shapes:
+            close = difflib.get_close_matches(bits[0], shapes, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--points entry {part!r}: unknown shape {bits[0]!r}{hint}; use one "
+                             f"of {shapes}.")
+        if int(bits[2]) < 1:
+            raise ValueError(f"--points entry {part!r}: batch {bits[2]} must be >= 1 (rows per "
+                             "step), e.g. qwen3-4b:fp32:4.")
         out.append(Point(bits[0], bits[1], int(bits[2])))
     return out
+
+
+def parse_json_parts(text: str, flag: str, example: str) -> list[Any]:
+    """``text`` split on ``';'``, each non-empty part read as JSON.
+
+    Raises:
+        ValueError: a part that is not JSON; the message names ``flag`` and shows ``example``.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        try:
+            out.append(json.loads(part))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag}: {part!r} is not JSON ({err.msg}); give ';'-separated "
+                             f"JSON objects, e.g. {flag} '{example}'.") from None
+    return out
+
+
+VARIANTS_EXAMPLE = '{"name": "old", "options": {"lora_expand": "addmm"}};{"name": "new"}'
+"""A ``--variants`` value, shown in its error messages."""
 
 
 def parse_variants(text: str) -> list[dict[str, Any]]:
@@ -59,10 +101,10 @@ def parse_variants(text: str) -> list[dict[str, Any]]:
     ``default`` with no options), checked by :func:`check_variants` (before any child runs).
 
     Raises:
-        ValueError: a part that is no such object, a repeated name or bad options (the
-            message names the fix); ``json.JSONDecodeError`` (a ``ValueError``): not JSON.
+        ValueError: a part that is not JSON or no such object, a repeated name or bad options
+            (the message names ``--variants`` and the fix).
     """
-    parts = [json.loads(p) for p in text.split(";") if p.strip()] or [{"name": "default"}]
+    parts = parse_json_parts(text, "--variants", VARIANTS_EXAMPLE) or [{"name": "default"}]
     return check_variants(parts, "--variants")
 
 
@@ -165,10 +207,9 @@ def random_model(shape: str, device: str) -> Any:
     if shape in ("qwen3-4b", "tiny"):
         return eb.random_qwen3(eb.QWEN3_4B_SHAPE if shape == "qwen3-4b" else
                                eb.TINY_QWEN3_SHAPE, dtype=dtype, device=device)
-    make = getattr(model_configs, shape.replace("-", "_"), None)
-    if make is None:
-        raise ValueError(f"point shape {shape!r}: use qwen3-4b, tiny or a function of "
-                         "nbhelpers.model_configs (e.g. llama_3_2_3b, gemma_4_e2b).")
+    if shape.replace("-", "_") not in point_shapes():
+        raise ValueError(f"point shape {shape!r}: use one of {point_shapes()}.")
+    make = getattr(model_configs, shape.replace("-", "_"))
     cfg = make()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))

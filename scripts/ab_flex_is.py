@@ -18,6 +18,8 @@ wall_s - generate_s), the policy's forward calls. Writes a schema-v1 sidecar und
 Run (H200): ``python3 scripts/ab_flex_is.py --profile h200 --steps 8 --rounds 4 --out $OUT``.
 CPU smoke: ``python scripts/ab_flex_is.py --model tiny-llama --steps 2 --rounds 1 -p n_questions 4
 -p max_completion_length 8 -p flex_compile_attention '"off"'``. Test: tests/unit/test_ab_flex_is.py.
+Bad input (profile, model, ``-p``, a GPU profile where nvidia-smi lists no GPU) prints one
+``error: ...`` line and exits 2 before the trainer is built.
 """
 from __future__ import annotations
 
@@ -56,10 +58,12 @@ def notebook_defaults(notebook: Path = NOTEBOOK) -> dict[str, tuple[Any, str]]:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
 
 
-def phase2_parameters(profile: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def phase2_parameters(profile: str, overrides: dict[str, Any],
+                      flags: dict[str, str] | None = None) -> dict[str, Any]:
     """What the notebook sees under ``--profile profile -p ...``, checked by the runner's own
-    value checks. Raises ``UserInputError`` (unknown profile/model, bad value, a -p this A/B
-    sets itself)."""
+    value checks; ``flags``: the option that set an override when not ``-p NAME`` (``model``:
+    ``--model``), named in its error. Raises ``UserInputError`` (unknown profile/model, bad
+    value, a -p this A/B sets itself)."""
     from nbhelpers.run.params import UserInputError, check_value, load_parameters
     from nbhelpers.run.values import check_values
     known = sorted(p.name.split(".")[-2] for p in (REPO / "configs").glob(f"{NOTEBOOK.stem}.*"))
@@ -75,11 +79,22 @@ def phase2_parameters(profile: str, overrides: dict[str, Any]) -> dict[str, Any]
     params = {n: d for n, (d, _) in defaults.items()} | load_parameters(NOTEBOOK, profile,
                                                                          overrides)
     config = f"configs/{NOTEBOOK.stem}.{profile}.yaml"
-    sources = {n: f"-p {n}" if n in overrides else config for n in params}
+    sources = {n: (flags or {}).get(n, f"-p {n}") if n in overrides else config for n in params}
     for name, value in params.items():
         check_value(name, defaults[name][1] if name in defaults else None, value, sources[name])
     check_values(params, sources, NOTEBOOK)
     return params
+
+
+def check_host(profile: str) -> None:
+    """Raises ``UserInputError`` when ``profile`` is not ``cpu`` and ``nvidia-smi`` lists no GPU
+    (the runner's own check, ``python -m nbhelpers run --profile``): the GPU sizes would build
+    e.g. the Qwen3-4B trainer on the CPU and run for minutes."""
+    from nbhelpers.__main__ import visible_gpu_count
+    from nbhelpers.run.params import UserInputError
+    if profile != "cpu" and visible_gpu_count() == 0:
+        raise UserInputError(f"--profile {profile} sizes the run for a GPU host, and nvidia-smi "
+                             "lists no GPU here: use --profile cpu (the CPU sizes).")
 
 
 def settings_from(params: dict[str, Any], max_steps: int) -> Any:
@@ -222,11 +237,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the A/B; returns the sidecar (also written under ``--out``). Raises
-    ``UserInputError`` for bad parameters (before anything loads)."""
+    ``UserInputError`` for bad parameters or a GPU profile on a host without a GPU (before
+    anything loads)."""
     from nbhelpers.run.params import parse_overrides
     a = parse(argv)
     overrides = parse_overrides(a.p) | ({"model": a.model} if a.model else {})
-    params = phase2_parameters(a.profile, overrides)
+    params = phase2_parameters(a.profile, overrides, {"model": "--model"} if a.model else None)
+    check_host(a.profile)
     plan = schedule(a.steps, a.rounds, a.lead_in)
     settings = settings_from(params, len(plan))
     import torch

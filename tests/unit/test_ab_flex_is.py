@@ -122,3 +122,39 @@ def test_bad_counts_name_the_fix(argv, match, capsys):
 def test_bad_parameters_name_the_fix(argv, match):
     with pytest.raises(UserInputError, match=match):
         ab.main(argv)
+
+
+def _cli(argv: list[str], monkeypatch, capsys) -> str:
+    """The script's ``__main__`` path in this process: its stderr once it exited 2."""
+    import runpy
+    monkeypatch.setattr("sys.argv", ["ab_flex_is.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / "scripts/ab_flex_is.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_gpu_profile_on_a_host_without_gpu_is_refused_before_the_trainer(
+        monkeypatch, capsys, tmp_path):
+    import nbhelpers.__main__ as cli
+    from nbhelpers.grpo import trainer
+    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 0)
+    built = []
+    monkeypatch.setattr(trainer, "_train_local", lambda *a, **k: built.append(a))
+    err = _cli(["--profile", "h200", "--out", str(tmp_path / "out")], monkeypatch, capsys)
+    assert ("--profile h200 sizes the run for a GPU host, and nvidia-smi lists no GPU here: "
+            "use --profile cpu") in err
+    assert built == [] and not (tmp_path / "out").exists()
+    monkeypatch.setattr(cli, "visible_gpu_count", lambda: 1)
+    ab.check_host("h200")  # a GPU host passes
+    ab.check_host("cpu")
+
+
+def test_a_bad_model_names_the_model_flag_the_user_typed(monkeypatch, capsys):
+    err = _cli(["--model", "smollm3"], monkeypatch, capsys)
+    assert err.startswith("error: --model (20_grpo_equivalence.ipynb): Unknown model 'smollm3'")
+    assert "-p model" not in err
+    with pytest.raises(UserInputError, match=r"^-p model \(20_grpo.*Unknown model 'smollm3'"):
+        ab.main(["-p", "model", '"smollm3"'])  # typed as -p: named as -p

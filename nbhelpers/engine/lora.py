@@ -183,7 +183,7 @@ class LiveGroup:
         :func:`check_lora_expand`."""
         self.lora_expand = check_lora_expand(mode)
         self._expand = self._shrink = None
-        if mode in ("triton", "consumer", "epilogue"):  # imported here, not per call (traced decode steps)
+        if mode in ("triton", "consumer", "epilogue"):  # imported here, not per call (traced)
             from nbhelpers.engine.kernels import lora_expand as expand_module
             from nbhelpers.engine.kernels import lora_shrink as shrink_module
             self._expand, self._shrink = expand_module, shrink_module

@@ -1,4 +1,4 @@
-"""Skinny decode GEMM with LoRA B in its epilogue (``lora_expand="epilogue"``): one launch per group.
+"""Skinny decode GEMM with LoRA B in its epilogue (``lora_expand="epilogue"``), one launch a group.
 
 Contract: :func:`skinny_lora_gemm` returns ``y [M, n_out]`` (contiguous, x's dtype) with
 

@@ -1,8 +1,8 @@
 """The skinny GEMM with LoRA B in its epilogue (``engine/kernels/skinny_lora_epilogue.py``):
 results against an fp64 reference (1-3 parts of different out_i and r_i, 1-32 rows, 1/2/4
 splits, bias, bf16 and fp32), every counter back at 0 after each call, two calls in a row, the
-dynamic id's modulo, unsupported operands, the sm_90 build with and without PDL, and (GPU) Qwen3-4B's LoRA
-shapes. Engine routing: ``test_skinny_lora_epilogue_engine.py``.
+dynamic id's modulo, unsupported operands, the sm_90 build with and without PDL, and (GPU)
+Qwen3-4B's LoRA shapes. Engine routing: ``test_skinny_lora_epilogue_engine.py``.
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (``tests/conftest.py``), whose programs
 run one after another in grid order: a wrong id mapping (a y tile before the ext tiles) would

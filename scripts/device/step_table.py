@@ -111,6 +111,13 @@ N11D_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-ge
               "'{\"name\": \"default\", \"options\": {}};"
               "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}}'")
 
+# LoRA B's product in the skinny GEMM's epilogue (helper-36: lora_expand="epilogue", one launch
+# per LoRA group, dynamic program ids with A's ext tiles first, a ready flag for xA)
+N11F_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4,qwen3-4b:none:4,qwen3-4b:bf16:32 --variants "
+              "'{\"name\": \"default\", \"options\": {}};"
+              "{\"name\": \"epilogue\", \"options\": {\"lora_expand\": \"epilogue\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -296,6 +303,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N11C_BENCH}, 300, 420, 0)]),
     "n11d": ([], [], [
         (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
+    "n11f": ([], [], [
+        (BENCH, {"args": N11F_BENCH}, 200, 300, 0)]),
     # FA4 (issue 13 part 3): stage the two parts back to back, then its GPU tests (the real FA4
     # against flex prefill logits on a tiny bf16 model) and 33's prefill A/B without LoRA
     # (helper-33's variants: flex prefill vs prefill_attention="fa4"; read `prefill_s` in the

@@ -7,6 +7,7 @@ The engine-level equality with flex (fake ``flash_attn.cute``) and the real-FA4 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 from types import SimpleNamespace
 
@@ -99,8 +100,14 @@ def test_import_failure_names_the_pythonpath_fix(monkeypatch, tmp_path):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
     as_hopper(monkeypatch)
-    with pytest.raises(ImportError, match="cutlass.*dsl_packages"):
-        LLM(tiny_model("qwen3"), prefill_attention="fa4", **OPTS)
+    try:
+        with pytest.raises(ImportError, match="cutlass.*dsl_packages"):
+            LLM(tiny_model("qwen3"), prefill_attention="fa4", **OPTS)
+    finally:  # the half-imported fake package must not outlive the test (it made a later
+        # test's find_spec("flash_attn") see an FA4 install: tests/unit/test_backends.py)
+        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
 
 
 @pytest.mark.parametrize("dim,major,ok", [(64, 9, True), (128, 9, True), (256, 9, True),

@@ -44,6 +44,8 @@ from step_table import (  # scripts/device/ is sys.path[0] when run as a script
     AB_DIR,
     BENCH,
     DIAG,
+    FA4_MANIFEST,
+    FA4_PART,
     GGUF_NAME,
     GGUF_PART,
     GGUF_PARTS,
@@ -51,8 +53,6 @@ from step_table import (  # scripts/device/ is sys.path[0] when run as a script
     GSM8K,
     STEPS,
     TOK,
-    FA4_MANIFEST,
-    FA4_PART,
     VLLM_MANIFEST,
     VLLM_PART,
 )

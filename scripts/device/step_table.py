@@ -118,6 +118,17 @@ N11F_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-ge
               "'{\"name\": \"default\", \"options\": {}};"
               "{\"name\": \"epilogue\", \"options\": {\"lora_expand\": \"epilogue\"}}'")
 
+# next session, one call for the three candidates of session 8 against the new default (one
+# process per point x variant, 12): LoRA B in the skinny epilogue, the reworked consumer, the
+# one-launch split-KV decode attention; the none point is the LoRA-cost baseline.
+N12_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:fp32:4,qwen3-4b:none:4,qwen3-4b:bf16:32 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"epilogue\", \"options\": {\"lora_expand\": \"epilogue\"}};"
+             "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}};"
+             "{\"name\": \"fused_attn\", \"options\": {\"decode_kernel_options\": "
+             "{\"kernel\": \"fused\"}}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -303,6 +314,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N11C_BENCH}, 300, 420, 0)]),
     "n11d": ([], [], [
         (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
+    "n12": ([], [], [
+        (BENCH, {"args": N12_BENCH}, 400, 560, 0)]),
     "n11f": ([], [], [
         (BENCH, {"args": N11F_BENCH}, 200, 300, 0)]),
     # FA4 (issue 13 part 3): stage the two parts back to back, then its GPU tests (the real FA4

@@ -73,8 +73,8 @@ def parity_table(named_models: dict[str, Any], prompts_of: dict[str, list[list[i
     """Greedy engine vs HF forwards per model: token prefix match and max logprob difference."""
     import pandas as pd
 
-    from nbhelpers.engine import LLM
     from nbhelpers.bench.flex_sweep import parity
+    from nbhelpers.engine import LLM
     rows = {}
     for name, model in named_models.items():
         llm = LLM(model, **llm_options)

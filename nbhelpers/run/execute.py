@@ -1,12 +1,15 @@
 """One notebook execution: the ``nbhelpers`` kernelspec, the papermill child process, the failure
 record, and stopping running children on Ctrl-C / SIGTERM.
 
-Contract: :func:`execute` runs a :class:`Job` in ``python -m nbhelpers.run.execute SPEC`` (its
+Contract: :func:`execute` runs a :class:`Job` in ``python -m nbhelpers.run.child SPEC`` (its
 own session, so a terminal's Ctrl-C reaches only the runner, which stops the child through
 :func:`stop_jobs`: papermill shuts the kernel down and keeps the partial notebook); the child runs
 papermill with a kernelspec for this interpreter (:func:`kernel_env`) and writes a failure's cause
 to a file for :func:`mark_failed`, which writes (or marks) the job's sidecar failed. While
-:data:`STOPPING` is set, :func:`execute` leaves the record to :func:`stop_jobs`. A supervisor that
+:data:`STOPPING` is set, :func:`execute` leaves the record to :func:`stop_jobs`, and the partial
+notebook itself says it was interrupted (:mod:`nbhelpers.run.interrupted`: papermill's record,
+a banner); the kernel's shutdown noise after the stop signal goes to ``<run>.interrupt.log``
+beside it (:mod:`nbhelpers.run.capture`), not to the terminal. A supervisor that
 stops the runner (``scripts/device/run_step.py`` at its time cap) names its reason in the file
 ``$NBHELPERS_STOP_REASON_FILE`` before its SIGTERM; :func:`stop_jobs` puts it in the error. Used by
 :mod:`nbhelpers.run.runner`.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbhelpers.run.interrupted import finish_notebook
 from nbhelpers.run.phases import phase_of
 from nbhelpers.stats import make_sidecar, write_sidecar
 
@@ -110,11 +114,11 @@ def execute(job: Job, repo: Path = PACKAGE_ROOT) -> int:
             return 130
         spec = json.dumps({"input": str(job.notebook), "output": str(job.output),
                            "parameters": job.parameters, "cwd": str(repo),
-                           "error_file": str(error_file)})
+                           "error_file": str(error_file), "log_file": str(interrupt_log(job))})
         log.info("running %s -> %s (gpu %s)", job.notebook.name, job.output, job.gpu)
         # own session: a terminal's Ctrl-C reaches only the runner, which stops the child
         # itself (stop_jobs) so the kernel is shut down and the run is recorded
-        proc = subprocess.Popen([sys.executable, "-m", "nbhelpers.run.execute", spec], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "nbhelpers.run.child", spec], env=env,
                                 cwd=repo, start_new_session=True)
         job.proc = proc
         proc.wait()
@@ -127,6 +131,12 @@ def execute(job: Job, repo: Path = PACKAGE_ROOT) -> int:
         cause = cause or f"notebook execution failed (exit {proc.returncode})"
         mark_failed(job, f"{cause}\npartial notebook: {repo_path(job.output, repo)}")
     return proc.returncode
+
+
+def interrupt_log(job: Job) -> Path:
+    """``<run>.interrupt.log`` beside the job's notebook: what reached the papermill child's
+    stderr after the stop signal (the kernel's shutdown); written only when something did."""
+    return job.output.with_suffix(".interrupt.log")
 
 
 def mark_failed(job: Job, error: str) -> None:
@@ -160,11 +170,15 @@ def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0,
     and keeps the partial notebook), SIGKILL after ``grace_s``; every job that had not finished
     gets a failed sidecar (``interrupted (<reason>)``, default :func:`stop_reason`) naming its
     partial notebook and the partial ``<run>__<backend>.json`` sidecars beside it (kept as they
-    are), so INDEX.md lists it; one that never started gets :func:`write_not_started` in place
-    of its empty claimed notebook."""
+    are), so INDEX.md lists it. A started job's partial notebook gets
+    :func:`~nbhelpers.run.interrupted.finish_notebook` (papermill record, banner: why, when, which
+    cell, the sidecar); one that never started, or whose notebook papermill never wrote, gets
+    :func:`write_not_started` in place of its empty claimed notebook."""
     import signal
     import time
+    from datetime import UTC, datetime
     why = reason or stop_reason()
+    when = datetime.now(UTC).isoformat(timespec="seconds")
     running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
     for job in running:
         job.proc.send_signal(signal.SIGINT)
@@ -182,8 +196,21 @@ def stop_jobs(jobs: list[Job], repo: Path = PACKAGE_ROOT, grace_s: float = 20.0,
                     f"{repo_path(job.output, repo)}{_partials(job, repo)}" if started
                     else f"interrupted ({why}) before it started")
             mark_failed(job, what)
-            if not started:
+            if not started or not _finish(job, why, when, what, repo):
                 write_not_started(job.output, job.notebook.name, what)
+
+
+def _finish(job: Job, why: str, when: str, what: str, repo: Path) -> bool:
+    """:func:`~nbhelpers.run.interrupted.finish_notebook` for ``job``; a notebook it cannot
+    mark (a malformed partial file) is logged and left as it is, so the rest of the record (the
+    other jobs, INDEX.md) is still written; ``False`` only when papermill never wrote one."""
+    try:
+        return finish_notebook(job.output, notebook=job.notebook.name, reason=why, when=when,
+                               sidecar=repo_path(job.sidecar, repo), error=what)
+    except Exception as exc:  # noqa: BLE001 -- the sidecar already says interrupted
+        log.warning("could not mark %s as interrupted (%r); its sidecar says so",
+                    repo_path(job.output, repo), exc)
+        return True
 
 
 def write_not_started(output: Path, notebook: str, what: str) -> None:
@@ -204,92 +231,10 @@ def write_not_started(output: Path, notebook: str, what: str) -> None:
 
 
 def _partials(job: Job, repo: Path) -> str:
-    """A new line ``partial sidecars: a, b`` (repo-relative) for the ``<run>__<backend>.json``
-    files beside the job's sidecar (phase 2 writes one per finished backend), else ``""``."""
+    """New lines ``partial sidecars: a, b`` (repo-relative) for the ``<run>__<backend>.json``
+    files beside the job's sidecar (phase 2 writes one per finished backend) and
+    ``shutdown output: <log>`` when :func:`interrupt_log` was written, else ``""``."""
     found = sorted(job.sidecar.parent.glob(f"{job.sidecar.stem}__*.json"))
-    return "\npartial sidecars: " + ", ".join(repo_path(p, repo) for p in found) if found else ""
-
-
-START_RETRIES = 2
-"""Extra attempts when the kernel dies before its first reply (no cell has run yet)."""
-_START_DEATH = "Kernel died before replying to kernel_info"
-
-
-def _execute_with_start_retry(pm: Any, spec: dict[str, Any]) -> None:
-    """``pm.execute_notebook`` for ``spec``; a kernel that dies before replying to
-    ``kernel_info`` (nbclient's startup check: no cell ran, nothing to lose) is started again up
-    to :data:`START_RETRIES` times. Seen once on a shared host when two notebook kernels started
-    in the same moment: jupyter_client picks free TCP ports by binding and releasing them, so a
-    concurrent start can take the port first ("ZMQError: Address already in use", 2026-12-01).
-    Any other failure propagates at once."""
-    import time
-    for attempt in range(START_RETRIES + 1):
-        try:
-            pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
-                                kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True,
-                                stdout_file=sys.stdout, stderr_file=sys.stderr)
-            return
-        except RuntimeError as exc:
-            if _START_DEATH not in str(exc) or attempt == START_RETRIES:
-                raise
-            print(f"kernel died at startup ({exc}); starting it again "
-                  f"({attempt + 1} of {START_RETRIES})", file=sys.stderr)
-            time.sleep(1.0 + attempt)
-
-
-def _execute_in_child(spec: dict[str, Any]) -> int:
-    """Child-process side of :func:`execute`: papermill with the ``nbhelpers`` kernel; the cells'
-    text output is also streamed to this terminal as it comes (``stdout_file``/``stderr_file``),
-    so a long run shows its training logs, not only papermill's cell bar. A failure is written to
-    ``spec["error_file"]`` as ``<ename>: <evalue> (cell <index>, execution count <n>)`` for the
-    parent's sidecar. Stopped by :func:`stop_jobs` (SIGINT, taken as ``KeyboardInterrupt``), it
-    prints one line instead of a traceback and returns 130; the parent records the failure."""
-    import signal
-
-    import papermill as pm
-    # stop_jobs stops this child with SIGINT: take it as KeyboardInterrupt even when the chain
-    # that started the runner ignored SIGINT (a shell's background job), which Python inherits
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    error_file = Path(spec["error_file"]) if spec.get("error_file") else None
-    try:
-        try:
-            _execute_with_start_retry(pm, spec)
-        except Exception as exc:
-            if _interrupted(exc):
-                raise KeyboardInterrupt from None
-            raise
-    except pm.PapermillExecutionError as exc:
-        msg = (f"{exc.ename}: {exc.evalue} (cell {exc.cell_index}, execution count "
-               f"{exc.exec_count})")
-        print(f"notebook failed: {msg}", file=sys.stderr)
-        if error_file:
-            error_file.write_text(msg)
-        return 1
-    except KeyboardInterrupt:  # stop_jobs' SIGINT: the runner records the run (no traceback)
-        print("notebook stopped by the runner (interrupted); the partial notebook is kept",
-              file=sys.stderr)
-        return 130
-    except Exception as exc:  # kernel death, papermill bug: record it, keep the traceback
-        if error_file:
-            error_file.write_text(f"{type(exc).__name__}: {exc}")
-        raise
-    return 0
-
-
-def _interrupted(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from the stop signal: nbclient answers a ``KeyboardInterrupt`` by
-    interrupting the kernel, and when the kernel's reply (its cell's ``KeyboardInterrupt``) wins
-    the race, a ``CellExecutionError`` / ``PapermillExecutionError`` escapes instead, with the
-    ``KeyboardInterrupt`` as its context (seen under a 12-worker suite on the H200, 2026-12-01)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, KeyboardInterrupt) or getattr(cur, "ename", None) == "KeyboardInterrupt":
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
-if __name__ == "__main__":
-    sys.exit(_execute_in_child(json.loads(sys.argv[1])))
+    text = "\npartial sidecars: " + ", ".join(repo_path(p, repo) for p in found) if found else ""
+    log_file = interrupt_log(job)
+    return text + (f"\nshutdown output: {repo_path(log_file, repo)}" if log_file.is_file() else "")

@@ -1,4 +1,4 @@
-"""The papermill child (``run/execute._execute_in_child``) takes the runner's stop signal as an
+"""The papermill child (``run/child._execute_in_child``) takes the runner's stop signal as an
 interruption whichever exception escapes papermill: the bare ``KeyboardInterrupt``, or the
 ``CellExecutionError`` / ``PapermillExecutionError`` that nbclient raises when the kernel's own
 ``KeyboardInterrupt`` reply wins the race (seen under a 12-worker suite on the H200)."""
@@ -10,11 +10,11 @@ import pytest
 pm = pytest.importorskip("papermill",
                          reason="the runner needs papermill: pip install -e '.[notebooks]'")
 
-from nbhelpers.run import execute
+from nbhelpers.run import child as execute
 
 
 def _raise_during_interrupt(exc: Exception):
-    def run(pm_mod, spec):
+    def run(pm_mod, spec, hooks=None):
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt:
@@ -36,7 +36,7 @@ def test_stop_signal_is_one_line_and_exit_130(make, monkeypatch, tmp_path, capsy
     exc = make()
     if isinstance(exc, (KeyboardInterrupt, pm.PapermillExecutionError)):  # no context: ename
         monkeypatch.setattr(execute, "_execute_with_start_retry",
-                            lambda pm_mod, spec: (_ for _ in ()).throw(exc))
+                            lambda pm_mod, spec, hooks=None: (_ for _ in ()).throw(exc))
     else:
         monkeypatch.setattr(execute, "_execute_with_start_retry", _raise_during_interrupt(exc))
     error_file = tmp_path / "error.txt"
@@ -50,7 +50,7 @@ def test_stop_signal_is_one_line_and_exit_130(make, monkeypatch, tmp_path, capsy
 def test_a_real_cell_error_is_still_a_failure(monkeypatch, tmp_path, capsys):
     exc = pm.PapermillExecutionError(2, 5, "x = 1", "ValueError", "bad batch", [])
     monkeypatch.setattr(execute, "_execute_with_start_retry",
-                        lambda pm_mod, spec: (_ for _ in ()).throw(exc))
+                        lambda pm_mod, spec, hooks=None: (_ for _ in ()).throw(exc))
     error_file = tmp_path / "error.txt"
     assert execute._execute_in_child({"error_file": str(error_file)}) == 1
     assert error_file.read_text() == "ValueError: bad batch (cell 2, execution count 5)"

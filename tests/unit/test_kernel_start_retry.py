@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbhelpers.run import execute
+from nbhelpers.run import child as execute
 
 
 class _FakePapermill:

@@ -110,6 +110,23 @@ def run(batches: list[int], new: int, repeats: int, options: dict) -> dict:
             "repeats": repeats, "points": points}
 
 
+def _env() -> dict:
+    """The git sha (``NBHELPERS_GIT_SHA`` or ``git rev-parse``), UTC time and host, so a stored
+    JSON names the code and the moment it measured."""
+    import platform
+    import subprocess
+    sha = os.environ.get("NBHELPERS_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, timeout=10, check=False,
+                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except OSError:
+            sha = None
+    return {"git_sha": sha or None, "platform": platform.platform(),
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -121,6 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     result = run(args.batches, args.new_tokens, args.repeats, parse_options(args.option))
     result["note"] = args.note
+    result["env"] = _env()
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as fh:

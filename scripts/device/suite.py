@@ -22,7 +22,9 @@ only this script, which sends pytest SIGINT (pytest's KeyboardInterrupt path pri
 summary of what failed so far and writes the junit XML), SIGKILLs pytest's group
 :data:`INTERRUPT_GRACE_S` later if it is still running, and exits 130. Every output line is
 flushed to the log as it comes, and ``$OUT/failed_live.txt`` gets each failing node id as it
-happens (the ``suite_live`` plugin), so a stopped suite still names its failures.
+happens (the ``suite_live`` plugin), so a stopped suite still names its failures. Tests run
+longest first by the newest ``executed/tests/h200_*/junit.xml`` (``suite_order``; override with
+``NBH_SUITE_DURATIONS``, empty = collection order).
 
 ``--paths a,b``: those test paths instead of the whole ``tests`` folder, for a device call too
 short for the whole suite (its log and junit then cover only them: a note must say so).
@@ -99,6 +101,13 @@ def prefetch(log: Callable[[str], None]) -> None:
             log(f"prefetch: {name} FAILED (exit {proc.returncode}, not fatal):\n{tail}")
 
 
+def _last_junit() -> Path | None:
+    """The newest H200 suite's junit XML in ``executed/tests/`` (the ``suite_order`` plugin's
+    durations: longest tests first); ``None`` when there is none."""
+    runs = sorted((REPO / "executed/tests").glob("h200_*/junit.xml"))
+    return runs[-1] if runs else None
+
+
 def _paths(argv: list[str]) -> tuple[list[str], list[str]]:
     """``(argv without --paths X, X split on commas)``; ``["tests"]`` without ``--paths``.
     Raises SystemExit naming the fix for ``--paths`` without a value or a path not in the
@@ -129,7 +138,8 @@ def main(argv: list[str]) -> int:
                p for p in (str(Path(__file__).resolve().parent / "pytest_plugins"),
                          os.environ.get("PYTHONPATH"))
                if p)}
-    cmd[4:4] = ["-p", "suite_live"]
+    cmd[4:4] = ["-p", "suite_live", "-p", "suite_order"]
+    env.setdefault("NBH_SUITE_DURATIONS", str(_last_junit() or ""))
     with (out / "suite.log").open("w") as log:
         def say(line: str) -> None:
             sys.stdout.write(line + "\n")
@@ -137,6 +147,7 @@ def main(argv: list[str]) -> int:
             log.flush()
         if os.environ.get("NBH_SUITE_PREFETCH", "1") != "0":
             prefetch(say)
+        say(f"order: longest first by {env['NBH_SUITE_DURATIONS'] or '(no junit: as collected)'}")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         stopped = []

@@ -40,3 +40,41 @@ def test_sigterm_keeps_the_failures_found_so_far(tmp_path):
     assert "KeyboardInterrupt" in log
     cases = {c.get("name"): c for c in ET.parse(out / "junit.xml").iter("testcase")}
     assert cases["test_fail"].find("failure") is not None
+
+
+def test_suite_order_runs_the_longest_first(tmp_path):
+    """``suite_order``: durations from a junit XML, unknown tests at the 75th percentile, a stable
+    sort; a real pytest run in that order (``-p suite_order``, no xdist)."""
+    sys.path.insert(0, str(SUITE.parent / "pytest_plugins"))
+    try:
+        import suite_order
+    finally:
+        sys.path.pop(0)
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="t.test_a" name="test_quick" time="0.1"/>'
+                     '<testcase classname="t.test_a" name="test_slow" time="9.0"/>'
+                     '<testcase classname="t.test_a" name="test_mid" time="3.0"/>'
+                     '<testcase classname="t.test_a" name="test_mid2" time="3.0"/>'
+                     '</testsuite></testsuites>')
+    got = suite_order.junit_durations(str(junit))
+    assert got["t/test_a.py::test_slow"] == 9.0 and len(got) == 4
+    ids = ["t/test_a.py::test_quick", "t/test_a.py::test_new", "t/test_a.py::test_mid",
+           "t/test_a.py::test_slow", "t/test_a.py::test_mid2"]
+    assert suite_order.lpt_order(ids, got) == [
+        "t/test_a.py::test_slow", "t/test_a.py::test_new", "t/test_a.py::test_mid",
+        "t/test_a.py::test_mid2", "t/test_a.py::test_quick"]  # new = p75 = 3.0, before the ties
+    assert suite_order.junit_durations(str(tmp_path / "missing.xml")) == {}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/test_a.py").write_text(
+        "ORDER = []\n\ndef test_quick():\n    ORDER.append('quick')\n\n"
+        "def test_mid():\n    ORDER.append('mid')\n\ndef test_slow():\n    ORDER.append('slow')\n"
+        "\ndef test_last():\n    assert ORDER == ['slow', 'mid', 'quick']\n")
+    junit.write_text(junit.read_text().replace('name="test_mid2" time="3.0"',
+                                               'name="test_last" time="0.0"'))
+    env = {**os.environ, "NBH_SUITE_DURATIONS": str(junit),
+           "PYTHONPATH": str(SUITE.parent / "pytest_plugins")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_order", "-p",
+                           "no:xdist", "-p", "no:cacheprovider", "t/test_a.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr

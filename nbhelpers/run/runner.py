@@ -161,6 +161,12 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
     """Plan every notebook of ``target`` (:func:`plan_parameters`), then claim output names;
     a failed plan claims nothing. The git sha is read once, here. One job per notebook."""
     planned = plan_parameters(resolve_notebooks(target, repo), profile, overrides, repo)
+    from nbhelpers.run.host_checks import check_host  # this host runs them: GPU-sized requests
+    from nbhelpers.run.values import phase_of
+    for nb, params in planned:
+        check_host(params, phase_of(nb), lambda n, nb=nb: (
+            f"{'-p ' + n if n in overrides else f'configs/{nb.stem}.{profile}.yaml'} "
+            f"({nb.name})"))
     jobs: list[Job] = []
     _check_writable(executed)
     sha = git_sha(repo)

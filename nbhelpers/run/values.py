@@ -288,3 +288,5 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_engine_options(params, sources, notebook, where)
     _check_compile(params, where)
     _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])
+    from nbhelpers.run.host_checks import check_engine_options_param  # phase 3's flex options
+    check_engine_options_param(params, phase_of(notebook), where)

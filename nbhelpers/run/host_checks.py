@@ -1,0 +1,80 @@
+"""Checks of a notebook's parameters against this host (:func:`check_host`, from the runner's
+``plan_jobs``) and the engine's options (:func:`check_engine_options_param`, with the other value
+checks of :func:`nbhelpers.run.values.check_values`), before any kernel starts, so a GPU-sized request on a CPU host or a bad flex option fails in a second with the fix
+instead of minutes later inside the notebook (fresh-user trial, 2026-12-01: ``-p shape
+qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recorded ``ok``;
+``-p device cuda`` and ``-p engine_options '{pdl: yes}'`` failed in cell 5).
+
+- ``device`` (phase 3 notebooks: where the model runs) ``cuda``/``cuda:N`` needs CUDA here.
+- A random-weight registry model or 33's ``shape`` above :data:`CPU_PARAMS_LIMIT` parameters
+  (the H200 workloads: qwen3-4b, llama-3.2-3b, gemma-4-e2b) needs CUDA here.
+- Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
+  overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` (any host).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nbhelpers.run.errors import UserInputError
+
+CPU_PARAMS_LIMIT = 1_000_000_000
+"""Largest random-weight model a CPU run accepts: the tiny test models and SmolLM2-135M pass,
+the H200 shapes (3-5 B parameters) do not."""
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (imported lazily: only asked for GPU-sized requests)."""
+    import torch
+    return torch.cuda.is_available()
+
+
+def check_engine_options_param(params: dict[str, Any], phase: str,
+                               where: Callable[[str], str]) -> None:
+    """Phase 3's flat ``engine_options`` through the engine's own option checks (any host:
+    :func:`nbhelpers.run.values.check_values` calls it). Raises :class:`UserInputError`."""
+    opts = params.get("engine_options")
+    if phase != "phase3" or not isinstance(opts, dict) or not opts:
+        return
+    from nbhelpers.bench.flex_ab import check_engine_options
+    try:
+        check_engine_options(opts, "engine_options")
+    except (TypeError, ValueError) as exc:
+        raise UserInputError(f"{where('engine_options')}: {exc}") from exc
+
+
+def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str]) -> None:
+    """``device`` and the model size against this host: called where this host will run the
+    notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
+    only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU).
+    Raises :class:`UserInputError` naming the parameter and the fix."""
+    if phase != "phase3":
+        return
+    device = params.get("device")
+    if isinstance(device, str) and device.startswith("cuda") and not cuda_available():
+        raise UserInputError(f"{where('device')}: device={device!r} but torch sees no CUDA GPU "
+                             "on this host: use -p device cpu here, or run on the GPU host "
+                             "with --profile h200.")
+    _check_size(params, where)
+
+
+def _check_size(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    from nbhelpers import models
+    for name in ("shape", "model"):
+        value = params.get(name)
+        if not isinstance(value, str) or value.startswith("tiny"):
+            continue  # the tiny test models (and 33's "tiny" shape): CPU-sized by design
+        try:
+            spec = models.get_spec(value)
+        except (KeyError, ValueError, AttributeError):
+            continue  # not a registry name: the model checks name the fix
+        if spec.kind != "random" or models.n_params(spec) <= CPU_PARAMS_LIMIT:
+            continue
+        if not cuda_available():
+            raise UserInputError(
+                f"{where(name)}: {name}={value!r} is a GPU workload (random weights, "
+                f"{models.n_params(spec) / 1e9:.1f} B parameters) and torch sees no CUDA GPU "
+                f"here: on this host use a tiny one ("
+                f"{'-p shape tiny' if name == 'shape' else 'tiny-qwen3, tiny-llama, tiny-gemma4'}"
+                "), or run it with --profile h200 on the GPU host.")

@@ -1,0 +1,57 @@
+"""GPU-sized phase 3 requests on a host without CUDA are refused when the runner plans the jobs
+it will run (nothing claimed), not when a device call is only planned; phase 3's flat
+``engine_options`` pass the engine's option checks on any host (fresh-user trial, 2026-12-01)."""
+
+from pathlib import Path
+
+import pytest
+
+from nbhelpers.run import host_checks
+from nbhelpers.run.params import UserInputError, plan_parameters
+from nbhelpers.run.runner import plan_jobs
+
+REPO = Path(__file__).resolve().parents[2]
+N33 = "notebooks/phase3_flex/33_flex_vs_baselines.ipynb"
+N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
+N30 = "notebooks/phase3_flex/30_engine_walkthrough.ipynb"
+
+
+@pytest.mark.parametrize("nb,over,want", [
+    (N33, {"shape": "qwen3-4b"}, r"-p shape \(33_flex_vs_baselines.ipynb\): shape='qwen3-4b' is "
+     r"a GPU workload \(random weights, 4\.0 B parameters\).*-p shape tiny"),
+    (N34, {"model": "gemma-4-e2b"}, r"model='gemma-4-e2b' is a GPU workload .*tiny-gemma4"),
+    (N30, {"device": "cuda"}, r"device='cuda' but torch sees no CUDA GPU on this host: use -p "
+     r"device cpu here"),
+])
+def test_gpu_sized_requests_are_refused_before_anything_is_claimed(monkeypatch, tmp_path, nb,
+                                                                   over, want):
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: False)
+    with pytest.raises(UserInputError, match=want):
+        plan_jobs(nb, "cpu", over, None, tmp_path / "executed", REPO)
+    assert not (tmp_path / "executed").exists() or not any((tmp_path / "executed").rglob("*.*"))
+
+
+def test_with_cuda_they_plan_and_tiny_ones_never_ask(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: True)
+    (job,) = plan_jobs(N33, "cpu", {"shape": "qwen3-4b", "device": "cuda"}, None,
+                       tmp_path / "executed", REPO)
+    assert job.parameters["shape"] == "qwen3-4b"
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: pytest.fail("asked for CUDA"))
+    plan_jobs(N30, "cpu", {"model": "tiny-llama"}, None, tmp_path / "executed", REPO)
+
+
+def test_planning_an_h200_config_on_the_cpu_is_not_refused(monkeypatch):
+    """run_step.py --dry-run plans the device's notebooks here: only the values are checked."""
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: False)
+    ((_, params),) = plan_parameters([REPO / N33], "h200", {}, REPO)
+    assert params["shape"] == "qwen3-4b"
+
+
+@pytest.mark.parametrize("opts,want", [
+    ({"pdl": "yes"}, r"RunnerOptions.pdl='yes': must be one of \('auto', 'off', 'on'\)"),
+    ({"nope": 1}, r"unknown RunnerOptions field\(s\) \['nope'\]"),
+])
+def test_phase3_engine_options_are_checked_on_any_host(opts, want):
+    with pytest.raises(UserInputError, match=r"-p engine_options \(33_flex_vs_baselines.ipynb\)"
+                       r": engine_options: " + want):
+        plan_parameters([REPO / N33], "cpu", {"engine_options": opts}, REPO)

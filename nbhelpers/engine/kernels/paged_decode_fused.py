@@ -46,9 +46,8 @@ import triton.language as tl
 
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.paged_decode_kernel import (
-    _online_softmax_tile,
+    _kv_tiles,
     _split_tiles,
-    _tile_slots,
 )
 
 
@@ -105,20 +104,10 @@ def _paged_attention_fused(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Counters,
     mask_hd = mask_h[:, None] & mask_d[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd,
                 other=0.0)  # [BLOCK_H, BLOCK_D]
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    bt_row = BlockTable + b * stride_bt
-    for t in range(s_lo, s_hi):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (offs_n < seq_len) & (offs_n >= lo)
-        slots = _tile_slots(bt_row, t * BLOCK_N, offs_n, valid, BLOCK_N, PAGE_SIZE)
-        k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_ks + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
-                                             USE_SOFT_CAP, DOT_PRECISION)
+    m_i, l_i, acc = _kv_tiles(q, K, V, BlockTable + b * stride_bt, kvh, s_lo, s_hi, seq_len, lo,
+                              offs_d, mask_d, stride_kh, stride_ks, stride_vh, stride_vs, scale,
+                              soft_cap, BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_SOFT_CAP,
+                              DOT_PRECISION)
     if USE_GDC:  # KV loop done: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     has = l_i > 0  # False for an empty split (more splits than the row's tiles)

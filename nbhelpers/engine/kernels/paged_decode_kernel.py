@@ -75,6 +75,31 @@ def _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
 
 
 @triton.jit
+def _kv_tiles(q, K, V, bt_row, kvh, s_lo, s_hi, seq_len, lo, offs_d, mask_d, stride_kh,
+              stride_ks, stride_vh, stride_vs, scale, soft_cap, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of ``q [BLOCK_H, BLOCK_D]`` over KV tiles ``s_lo..s_hi`` of one (row, kv
+    head): positions in ``[lo, seq_len)``, pages through the row's block table ``bt_row``.
+    Returns ``(m_i, l_i, acc)`` (running max, sum and unnormalised output, fp32); shared by
+    stage 1 and the fused kernel (:mod:`.paged_decode_fused`)."""
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for t in range(s_lo, s_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (offs_n < seq_len) & (offs_n >= lo)
+        slots = _tile_slots(bt_row, t * BLOCK_N, offs_n, valid, BLOCK_N, PAGE_SIZE)
+        k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_ks + offs_d[:, None],
+                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vs + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
+                                             USE_SOFT_CAP, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, scale, soft_cap,
             window,
             stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
@@ -105,20 +130,10 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
     mask_d = offs_d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    bt_row = BlockTable + b * stride_bt
-    for t in range(s_lo, s_hi):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (offs_n < seq_len) & (offs_n >= lo)
-        slots = _tile_slots(bt_row, t * BLOCK_N, offs_n, valid, BLOCK_N, PAGE_SIZE)
-        k = tl.load(K + kvh * stride_kh + slots[None, :] * stride_ks + offs_d[:, None],
-                    mask=valid[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(V + kvh * stride_vh + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale, soft_cap,
-                                             USE_SOFT_CAP, DOT_PRECISION)
+    m_i, l_i, acc = _kv_tiles(q, K, V, BlockTable + b * stride_bt, kvh, s_lo, s_hi, seq_len, lo,
+                              offs_d, mask_d, stride_kh, stride_ks, stride_vh, stride_vs, scale,
+                              soft_cap, BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_SOFT_CAP,
+                              DOT_PRECISION)
     if USE_GDC:  # KV loop done: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     has = l_i > 0  # False for an empty split (more splits than tiles)

@@ -4,7 +4,7 @@ Run on the GPU host: ``python3 scripts/device/suite.py [pytest args]``: ``python
 tests -p no:cacheprovider -ra --junitxml $OUT/junit.xml`` with the output also in
 ``$OUT/suite.log``; exits with pytest's code (5, no tests collected, becomes 1 as in .ci/run).
 When pytest-xdist is importable (the notebooks bundle carries it) and no ``-n`` is given, the
-suite runs in ``NBH_SUITE_WORKERS`` (default 12) workers with ``--dist load`` (tests spread one
+suite runs in ``NBH_SUITE_WORKERS`` (default 12; 0: no xdist) workers with ``--dist load`` (tests spread one
 by one: with ``loadfile`` test_lora_gemm's GPU cases alone keep one worker for minutes):
 serially it takes ~15 min on the H200, mostly Triton compiles, which run on the host's 16 cores
 in parallel; 156 s this way (2026-12-01, 852 tests).
@@ -53,8 +53,11 @@ the device call."""
 
 
 def _workers(argv: list[str]) -> list[str]:
-    """``-n N --dist load`` when xdist is importable and the caller gave no ``-n``."""
+    """``-n N --dist load`` when xdist is importable and the caller gave no ``-n``; none for
+    ``NBH_SUITE_WORKERS=0`` (one process, e.g. the suite's own stop test)."""
     if any(a == "-n" or a.startswith("-n") and a[2:].isdigit() for a in argv):
+        return []
+    if os.environ.get("NBH_SUITE_WORKERS") == "0":
         return []
     try:
         import xdist  # noqa: F401  (pytest-xdist, from the notebooks bundle)

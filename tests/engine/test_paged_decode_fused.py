@@ -121,8 +121,9 @@ def test_paged_decode_v3_plans_per_bucket_and_keeps_counters():
     q, k, v, bt, seq_lens = make_case([5, 23, 40], heads=4, kv_heads=2, dim=16)
     pd = PagedDecode(spec, 2, 2, 16, 64, DEV, {"kernel": "fused", "num_splits": 3})
     fn = pd.bind(bt.to(DEV), seq_lens.to(DEV))
-    outs = [fn(i, q.to(DEV), k.to(DEV), v.to(DEV), 0.25) for i in (0, 1)]
-    assert list(pd.counters) == [(3, 2, str(torch.device(DEV)))]
+    q_dev = q.to(DEV)
+    outs = [fn(i, q_dev, k.to(DEV), v.to(DEV), 0.25) for i in (0, 1)]
+    assert list(pd.counters) == [(3, 2, str(q_dev.device))]  # "cuda:0" on a GPU, not "cuda"
     ref = reference(q, k, v, bt, seq_lens, 0.25, 16)
     for out in outs:
         torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)

@@ -44,7 +44,9 @@ def test_both_variants_in_one_process(tmp_path, capsys):
     validate_sidecar(side)
     assert (side["phase"], side["backend"], side["kind"], side["error"]) == (
         "phase2", "flex", "flex_is_ab", None)
-    assert side["env"]["git_sha"] and side["env"]["trl"] and side["env"]["gpu"] == "cpu"
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    assert side["env"]["git_sha"] and side["env"]["trl"] and side["env"]["gpu"] == gpu
     assert side["args"]["steps"] == 2 and side["model"]["name"] == "tiny-llama"
     assert side["grpo_config"]["max_steps"] == 9 and side["workload"]["max_completion_length"] == 8
     rows = side["steps"]

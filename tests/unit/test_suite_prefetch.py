@@ -75,3 +75,17 @@ def test_paths_replaces_the_tests_folder_and_checks_each(suite):
         suite._paths(["--paths", "-x"])
     with pytest.raises(SystemExit, match=r"\['tests/nope'\] not in .*give paths under tests/"):
         suite._paths(["--paths", "tests/engine,tests/nope"])
+
+
+def test_workers_with_xdist_unless_zero_or_given(suite, monkeypatch):
+    """With xdist importable (the H200's notebooks bundle): ``-n 12 --dist load`` by default,
+    ``NBH_SUITE_WORKERS`` workers when set, nothing for ``0`` or when the caller gave ``-n``."""
+    import types
+    monkeypatch.setitem(sys.modules, "xdist", types.ModuleType("xdist"))
+    monkeypatch.delenv("NBH_SUITE_WORKERS", raising=False)
+    assert suite._workers([]) == ["-n", "12", "--dist", "load"]
+    assert suite._workers(["-n", "3"]) == [] and suite._workers(["-n4"]) == []
+    monkeypatch.setenv("NBH_SUITE_WORKERS", "5")
+    assert suite._workers(["-q"]) == ["-n", "5", "--dist", "load"]
+    monkeypatch.setenv("NBH_SUITE_WORKERS", "0")
+    assert suite._workers([]) == []

@@ -19,10 +19,11 @@ def test_sigterm_keeps_the_failures_found_so_far(tmp_path):
         "import time\n\ndef test_fail():\n    assert 1 == 2\n\n"
         "def test_slow():\n    time.sleep(600)\n")
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "NBH_SUITE_PREFETCH": "0"}
-    proc = subprocess.Popen([sys.executable, str(SUITE), "--paths", str(tmp_path / "t/test_a.py"),
-                             "-p", "no:xdist"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    # one process: NBH_SUITE_WORKERS=0 (with xdist importable, as on the H200, suite.py would
+    # add "-n 12", which "-p no:xdist" turned into a usage error, exit 4)
+    env = {**os.environ, "OUT": str(out), "NBH_SUITE_PREFETCH": "0", "NBH_SUITE_WORKERS": "0"}
+    proc = subprocess.Popen([sys.executable, str(SUITE), "--paths", str(tmp_path / "t/test_a.py")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     live = out / "failed_live.txt"
     deadline = time.monotonic() + 300  # a loose bound for a busy host, not a speed check
     while not (live.is_file() and "test_fail" in live.read_text()):

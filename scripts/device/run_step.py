@@ -17,7 +17,8 @@ process group, the reason (``time cap N s of run_step.py``) in the file the runn
 INDEX.md) naming the cap; SIGKILL only :data:`STOP_GRACE_S` later, then any process still holding
 the job's ``$NBHELPERS_JOB_TOKEN`` (papermill child, kernel: their own sessions) is killed. Every
 file under executed/ newer than the start (INDEX.md excepted: regenerate it here) is packed, after
-every job has ended, into $OUT/executed_<step>.tgz (repo-relative names) beside $OUT/<step>.log.
+every job has ended, into $OUT/executed_<step>.tgz (repo-relative names) beside $OUT/<step>.log,
+with every file written under $OUT (``OUT/...`` in the tar: a call returns at most 8 files).
 Estimates: docs/h200_runbook.md.
 """
 from __future__ import annotations
@@ -368,12 +369,18 @@ def run_jobs(step: str, budget: float, t0: float, log) -> list[str]:
 
 
 def pack(step: str, t0: float, out: Path) -> Path:
-    """Tar every file under executed/ modified since ``t0`` (INDEX.md excepted) into $OUT."""
+    """Tar every file under executed/ modified since ``t0`` (INDEX.md excepted), and every file
+    under $OUT but the tgz itself (as ``OUT/<path>``), into ``$OUT/executed_<step>.tgz``. $OUT
+    is packed too because a device call brings back at most 8 files: session 9's ``n12`` wrote
+    12 bench sidecars under ``$OUT/bench_ab`` and 7 of its files stayed behind."""
     tgz = out / f"executed_{step}.tgz"
     with tarfile.open(tgz, "w:gz") as tar:
         for p in sorted((REPO / "executed").rglob("*")):
             if p.is_file() and p.name != "INDEX.md" and p.stat().st_mtime >= t0 - 1:
                 tar.add(p, arcname=str(p.relative_to(REPO)))
+        for p in sorted(out.rglob("*")):
+            if p.is_file() and p != tgz:
+                tar.add(p, arcname=f"OUT/{p.relative_to(out)}")
     return tgz
 
 

@@ -165,3 +165,22 @@ def test_job_ending_before_its_cap_returns_its_exit_code(run_step, tmp_path):
                               cwd=tmp_path)
     assert run_step.wait_capped(job, cap_s=EVENT_CAP_S) == 3
     assert not job.reason_file.exists()
+
+
+def test_pack_takes_the_files_under_out_beside_executed(run_step, tmp_path, monkeypatch):
+    """A call brings back at most 8 files: the tgz holds $OUT's own files too (``OUT/...``),
+    a bench A/B's sidecars in ``$OUT/bench_ab`` included, and never itself."""
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    (repo / "executed/phase3_flex").mkdir(parents=True)
+    (repo / "executed/phase3_flex/run.json").write_text("{}")
+    (out / "bench_ab").mkdir(parents=True)
+    for i in range(12):
+        (out / "bench_ab" / f"side_{i}.json").write_text(str(i))
+    (out / "n12.log").write_text("log")
+    monkeypatch.setattr(run_step, "REPO", repo)
+    tgz = run_step.pack("n12", 0.0, out)
+    with tarfile.open(tgz) as tar:
+        names = set(tar.getnames())
+        assert tar.extractfile("OUT/bench_ab/side_7.json").read() == b"7"
+    assert names == ({"executed/phase3_flex/run.json", "OUT/n12.log"}
+                     | {f"OUT/bench_ab/side_{i}.json" for i in range(12)})

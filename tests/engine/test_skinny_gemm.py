@@ -88,7 +88,7 @@ def test_splits_share_workspace_across_k():
 
 def test_launch_split_never_empty():
     for k in (1, 64, 127, 128, 129, 300, 2560, 4096, 9728):
-        for cfg in sg.CONFIGS:
+        for cfg in (*sg.CONFIGS, *sg.SMALL_N_CONFIGS):
             split, k_per = sg.launch_split(k, cfg)
             assert k_per % cfg.block_k == 0 and 1 <= split <= cfg.split
             assert (split - 1) * k_per < k <= split * k_per  # every split has work
@@ -204,9 +204,10 @@ def test_kernel_compiles_for_sm90():
 
 
 QWEN3_4B = {"qkv": (6144, 2560), "qkv_ext_r32": (6240, 2560), "o": (2560, 4096),
-            "gate_up": (19456, 2560), "down": (2560, 9728), "lm_head": (151936, 2560)}
-"""(N, K) of Qwen3-4B's decode GEMMs (``/work/shared/tools/gemv_roofline.py``), plus qkv with
-LoRA r32 A rows appended (the ``ext`` layout)."""
+            "o_ext_r32": (2592, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
+            "down_ext_r32": (2592, 9728), "lm_head": (151936, 2560)}
+"""(N, K) of Qwen3-4B's decode GEMMs (``/work/shared/tools/gemv_roofline.py``), plus qkv, o and
+down with LoRA r32 A rows appended (the ``ext`` layout)."""
 
 
 @pytest.mark.gpu
@@ -218,7 +219,7 @@ def test_gpu_qwen3_4b_shapes(name, m):
     """Every candidate config and the default against the fp64 reference, in bf16, twice."""
     n, k = QWEN3_4B[name]
     x, w, _, ref = _operands(m, n, k, BF16, False, seed=m)
-    for cfg in (sg.default_config(n, k), *sg.CONFIGS):
+    for cfg in (sg.default_config(n, k), *sg.CONFIGS, *sg.small_n_configs(n, k)):
         y = sg.skinny_gemm(x, w, None, cfg)
         _assert_matches(y, ref, BF16)
         assert torch.equal(y, sg.skinny_gemm(x, w, None, cfg)), cfg  # deterministic

@@ -76,6 +76,35 @@ CONFIGS = (Config(64, 128, 1), Config(64, 256, 1), Config(128, 128, 1), Config(1
 """The tuner's candidates (:mod:`.skinny_gemm_tune`), from the sweep space of
 ``gemv_roofline.py`` (BLOCK_N 64/128, BLOCK_K 128/256, split 1-4, 4/8 warps, 3/4 stages) plus
 narrower tiles with more splits for the small o/down shapes."""
+SMALL_N_CONFIGS = (
+    Config(32, 128, 8, 4, 3),   # o 648 programs (4.9/SM), 4 K tiles; down 10 tiles; 16 KB/prog
+    Config(32, 128, 16, 4, 3),  # down 1296 programs (9.8/SM), 5 K tiles; 16 KB/prog
+    Config(32, 128, 16, 4, 4),  # down as above, one stage deeper: 24 KB/prog
+    Config(32, 256, 8, 4, 3),   # down 648 programs, 5 K tiles of 256; 32 KB/prog
+    Config(32, 256, 8, 4, 4),   # down as above, 48 KB/prog
+    Config(32, 256, 4, 4, 4),   # o 324 programs (2.5/SM), 4 K tiles; down 10 tiles; 48 KB/prog
+    Config(32, 128, 4, 4, 4),   # o 324 programs, 8 K tiles; down 19 tiles; 24 KB/prog
+    Config(64, 128, 8, 4, 4))   # o 328 programs (2.5/SM), 4 K tiles; down 10 tiles; 48 KB/prog
+"""Extra candidates for small-N, large-K GEMMs (:func:`small_n_configs`: ``N <=``
+:data:`SMALL_N_MAX_N`, ``K >=`` :data:`SMALL_N_MIN_K`; Qwen3-4B's o_proj ``[2592, 4096]`` and
+down_proj ``[2592, 9728]`` with LoRA r32's ``ext`` rows), where cuBLAS won the H200 profile of
+2026-12-02 (o_proj 1.9 TB/s, down_proj 2.8 TB/s against ~3.3 TB/s for this kernel's other
+shapes). Why these: by Little's law the H200 needs ~4 TB/s x ~1 us / 132 SMs ~ 30 KB of loads in
+flight per SM; a program keeps ``(num_stages - 1) x BLOCK_N x BLOCK_K x 2`` B of W in flight
+(bf16; the KB/prog of each line), so 2.5-10 programs per SM put ~60-240 KB in flight where they
+are resident at once (>= 2x the need: latency under load exceeds 1 us), while >= 4 K tiles per
+split let the pipeline reach its steady state. Each line gives the
+o_proj / down_proj launch (programs = ``cdiv(N, BLOCK_N) x split``, K tiles per split after
+:func:`launch_split`); a config is offered for a shape only where it keeps >= 2 programs per SM
+and >= 4 K tiles a split (o_proj: 4 of these, down_proj: 8). BLOCK_N 32 at the 32-row tile
+reads as many x bytes (from L2) as W bytes per program; the tuner decides whether that pays.
+Tuner cost: Qwen3-4B's five decode shapes per M bucket time 15 + 19 + 15 + 23 + 15 = 87
+candidates instead of 75 (+16 %), plus 8 new kernel builds per row tile (the build is shared
+across shapes: N and K are runtime arguments)."""
+SMALL_N_MAX_N = 3072
+SMALL_N_MIN_K = 4096
+NUM_SMS = 132
+"""The H200's SM count, the target of :func:`small_n_configs`' >= 2 programs per SM."""
 
 
 def block_m(m: int) -> int:
@@ -198,6 +227,20 @@ def launch_split(k: int, cfg: Config) -> tuple[int, int]:
     k_tiles = triton.cdiv(k, cfg.block_k)
     k_per = triton.cdiv(k_tiles, max(1, min(cfg.split, k_tiles))) * cfg.block_k
     return triton.cdiv(k, k_per), k_per
+
+
+def small_n_configs(n: int, k: int, num_sms: int = NUM_SMS) -> tuple[Config, ...]:
+    """The :data:`SMALL_N_CONFIGS` offered for an ``[*, K] x [N, K]^T`` GEMM: none unless ``N <=
+    SMALL_N_MAX_N`` and ``K >= SMALL_N_MIN_K``; then those with ``cdiv(N, BLOCK_N) x split >= 2 x
+    num_sms`` programs and >= 4 K tiles per split (:func:`launch_split`)."""
+    if n > SMALL_N_MAX_N or k < SMALL_N_MIN_K:
+        return ()
+    out = []
+    for cfg in SMALL_N_CONFIGS:
+        split, k_per = launch_split(k, cfg)
+        if triton.cdiv(n, cfg.block_n) * split >= 2 * num_sms and k_per // cfg.block_k >= 4:
+            out.append(cfg)
+    return tuple(out)
 
 
 def default_config(n: int, k: int) -> Config:

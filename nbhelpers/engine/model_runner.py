@@ -89,7 +89,7 @@ class ModelRunner:
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
         self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, self.kernels_ok),  # decode GEMMs
-                                   opt.skinny_gemm_max_rows)
+                                   opt.skinny_gemm_max_rows, opt.skinny_gemm_cublas)
         self.pdl = resolve_pdl(opt, next(iter(model.parameters())).device)  # decode kernels
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)

@@ -22,6 +22,7 @@ from nbhelpers.engine.prefill_fa4 import check_fa4_importable  # pure python, no
 from nbhelpers.engine.skinny_linear import (
     SKINNY_GEMM_MODES,
     check_skinny_gemm,
+    check_skinny_gemm_cublas,
     check_skinny_gemm_max_rows,
 )
 
@@ -140,6 +141,12 @@ class RunnerOptions:
     ``n8s`` of ``docs/h200_runbook.md``): Qwen3-4B batch 32 decode step 4.50 -> 4.40 ms with bf16
     adapters and 4.00 -> 3.89 ms without LoRA (GEMM class 3.15 -> 3.06 and 2.69 -> 2.58 ms).
     ``engine/skinny_linear.py`` ``SkinnyLinear``."""
+    skinny_gemm_cublas: str = "auto"
+    """Whether ``skinny_gemm``'s tuner may keep cuBLAS for a shape: ``"auto"`` (the default:
+    where it times fastest) or ``"never"`` (an A/B knob: every shape the skinny path serves runs
+    its fastest correct Triton config, tuned under its own cache key; no cuBLAS launch breaks
+    the ``pdl`` chain). Why ask: on the H200 (2026-12-02 profile, Qwen3-4B) the tuner kept
+    cuBLAS for o_proj at batch 4 and o/down_proj at batch 32; not yet A/B-measured."""
     pdl: str = "auto"
     """Programmatic Dependent Launch of the decode step's Triton kernels (skinny GEMM, LoRA
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
@@ -198,6 +205,7 @@ class RunnerOptions:
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
         check_skinny_gemm_max_rows(self.skinny_gemm_max_rows, "RunnerOptions.skinny_gemm_max_rows")
+        check_skinny_gemm_cublas(self.skinny_gemm_cublas, "RunnerOptions.skinny_gemm_cublas")
         if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
             raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
                              f"{('auto', *pdl_launch.PDL_MODES)}.")

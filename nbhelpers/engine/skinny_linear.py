@@ -17,6 +17,10 @@ are passed per call (live LoRA: nothing is copied or cached but the choice).
 With ``lora_expand="epilogue"`` a group's ``ext`` GEMM asks :meth:`SkinnyLinear.lora_epilogue`
 first: the same routing and tuned config, LoRA B added inside the kernel
 (:mod:`.kernels.skinny_lora_epilogue`).
+
+``cublas="never"`` (runner option ``skinny_gemm_cublas``, an A/B knob) leaves cuBLAS out of the
+tuner's candidates: every shape served runs the fastest correct Triton config (tuned under its own
+``|nocublas`` key), so no cuBLAS launch breaks the decode step's PDL chain.
 """
 
 from __future__ import annotations
@@ -32,6 +36,18 @@ SKINNY_GEMM_MODES = ("off", "triton")
 SKINNY_GEMM_MAX_ROWS = (16, 32)
 """Allowed ``max_rows`` (runner option ``skinny_gemm_max_rows``): 32 (the default: the 32-row tile
 serves 17-32 rows) or 16 (one 16-row tile) (:class:`SkinnyLinear`)."""
+
+
+SKINNY_GEMM_CUBLAS = ("auto", "never")
+"""Whether the tuner may keep cuBLAS for a shape (``"auto"``: where it is fastest) or never."""
+
+
+def check_skinny_gemm_cublas(value: str, owner: str = "SkinnyLinear.cublas") -> str:
+    """``value`` if it is in :data:`SKINNY_GEMM_CUBLAS`; else ``ValueError`` naming ``owner``
+    and the allowed values."""
+    if not isinstance(value, str) or value not in SKINNY_GEMM_CUBLAS:
+        raise ValueError(f"{owner}={value!r}: must be one of {SKINNY_GEMM_CUBLAS}.")
+    return value
 
 
 def check_skinny_gemm(mode: str) -> str:
@@ -58,13 +74,16 @@ class SkinnyLinear:
     32``, 2026-12-01, step ``n8s``): Qwen3-4B batch 32 decode step 4.50 -> 4.40 ms (bf16
     adapters) and 4.00 -> 3.89 ms (no LoRA); the cold-weight GEMMs alone: cuBLAS 2.79 ms vs a
     split-K sweep 2.65 ms (``/work/shared/tools/gemv_roofline.py``).
-    Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES` or ``max_rows`` outside
-    :data:`SKINNY_GEMM_MAX_ROWS`.
+    ``cublas``: ``"auto"`` (cuBLAS kept where the tuner finds it fastest) or ``"never"`` (the
+    fastest Triton config for every shape served; module docstring).
+    Raises ``ValueError`` for a mode outside :data:`SKINNY_GEMM_MODES`, ``max_rows`` outside
+    :data:`SKINNY_GEMM_MAX_ROWS` or ``cublas`` outside :data:`SKINNY_GEMM_CUBLAS`.
     """
 
-    def __init__(self, mode: str = "off", max_rows: int = 32):
+    def __init__(self, mode: str = "off", max_rows: int = 32, cublas: str = "auto"):
         self.mode = check_skinny_gemm(mode)
         self.max_rows = check_skinny_gemm_max_rows(max_rows)
+        self.cublas = check_skinny_gemm_cublas(cublas)
         self.decode = False
         self.choices: dict[str, Any] = {}
         self.kernel = self.tune = self.epilogue = None
@@ -127,17 +146,29 @@ class SkinnyLinear:
         eager CUDA call; on the CPU (interpreter) or while capturing: ``default_config``, not
         recorded (a later eager call still tunes)."""
         import torch
-        sg, tune = self.kernel, self.tune
-        (m, k), n = x2.shape, w.shape[0]
-        key = tune.shape_key(x2.device, m, n, k, w.dtype, bias is not None)
+        key = self.key(x2, w, bias)
         if key in self.choices:
             return self.choices[key]
-        default = sg.default_config(n, k)
         if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
-            return default
+            return self.kernel.default_config(w.shape[0], x2.shape[1])
         limit = getattr(torch.cuda.get_device_properties(x2.device),
                         "shared_memory_per_block_optin", 232448)  # H200's when torch lacks it
-        cfgs = tune.candidates(m, n, k, w.element_size(), limit)  # pruned at this BLOCK_M
-        choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm)
+        return self.tune_shape(x2, w, bias, limit)
+
+    def tune_shape(self, x2: Any, w: Any, bias: Any, limit_bytes: int) -> Any:
+        """Time this call's shape now (the tuner's candidates that fit ``limit_bytes`` of shared
+        memory, cuBLAS among them unless ``cublas="never"``), record and return the choice
+        (``None``: cuBLAS). :meth:`config` calls it at a shape's first eager CUDA call."""
+        sg, tune = self.kernel, self.tune
+        (m, k), n = x2.shape, w.shape[0]
+        key = self.key(x2, w, bias)
+        cfgs = tune.candidates(m, n, k, w.element_size(), limit_bytes)  # pruned at BLOCK_M
+        choice = tune.tuner().choose_gemm(key, x2, w, bias, cfgs, sg.skinny_gemm,
+                                          cublas=self.cublas == "auto")
         self.choices[key] = cfgs.get(choice)  # None: cuBLAS
         return self.choices[key]
+
+    def key(self, x2: Any, w: Any, bias: Any) -> str:
+        """The tuner's key for this call (``|nocublas`` with ``cublas="never"``)."""
+        return self.tune.shape_key(x2.device, x2.shape[0], w.shape[0], x2.shape[1], w.dtype,
+                                   bias is not None, cublas=self.cublas == "auto")

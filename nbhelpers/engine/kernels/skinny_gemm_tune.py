@@ -2,10 +2,14 @@
 
 Contract: :func:`shape_key` names one decode GEMM (device name + Triton version, M bucket, N, K,
 dtype, bias). :class:`SkinnyTuner` times every candidate once per key with cold weights and
-records the winner and every time (ms per GEMM) in a JSON file keyed by that string
+records the winner and every time (ms per GEMM; ``inf`` for a config that failed to launch or
+to match ``F.linear``) in a JSON file keyed by that string
 (:func:`cache_path`: ``skinny_gemm.json`` beside :mod:`.lora_gemm_tune`'s ``lora_gemm.json``,
 same format ``{key: {"choice": name, "ms": {name: ms}}}``); later keys are served from it, also in
-later processes. A file that does not parse is replaced, with a warning. The engine
+later processes, unless the stored entry lacks a time for one of today's candidates (the
+candidate set grew: re-timed). A file that does not parse is replaced, with a warning. With
+``cublas=False`` (runner option ``skinny_gemm_cublas="never"``) cuBLAS is no candidate and the key
+ends in ``|nocublas``, so the two modes' choices never serve each other. The engine
 (:mod:`nbhelpers.engine.skinny_linear`) tunes at a shape's first eager CUDA call (the CUDA-graph
 warm-up steps before capture), never while capturing, tracing or on the CPU (there: the fixed
 :func:`.skinny_gemm.default_config`).
@@ -21,6 +25,7 @@ best) with the key extended by the device and cached on disk as vLLM's fused-MoE
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -49,10 +54,13 @@ def m_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def shape_key(device: Any, m: int, n: int, k: int, dtype: Any, bias: bool) -> str:
-    """``"<GPU name>|triton <v>|skinny|M<bucket>|N<n>|K<k>|<dtype>|bias<0/1>"``."""
+def shape_key(device: Any, m: int, n: int, k: int, dtype: Any, bias: bool,
+              cublas: bool = True) -> str:
+    """``"<GPU name>|triton <v>|skinny|M<bucket>|N<n>|K<k>|<dtype>|bias<0/1>"``, plus
+    ``"|nocublas"`` when cuBLAS is no candidate (``cublas=False``)."""
     return (f"{device_name(device)}|skinny|M{m_bucket(m)}|N{n}|K{k}|"
-            f"{str(dtype).removeprefix('torch.')}|bias{int(bias)}")
+            f"{str(dtype).removeprefix('torch.')}|bias{int(bias)}"
+            + ("" if cublas else "|nocublas"))
 
 
 def config_name(cfg: Any) -> str:
@@ -62,12 +70,14 @@ def config_name(cfg: Any) -> str:
 
 def candidates(m: int, n: int, k: int, elem_size: int, limit_bytes: int) -> dict[str, Any]:
     """``{config_name: Config}`` the tuner times for an ``[m, k] x [n, k]^T`` GEMM: the
-    :func:`.skinny_gemm.default_config` and :data:`.skinny_gemm.CONFIGS` that fit
-    ``limit_bytes`` of shared memory at the row tile ``m`` launches with
-    (:func:`.skinny_gemm.block_m`: a 32-row tile needs more than a 16-row one)."""
+    :func:`.skinny_gemm.default_config`, :data:`.skinny_gemm.CONFIGS` and, for small-N large-K
+    shapes, :func:`.skinny_gemm.small_n_configs` (o_proj +4, down_proj +8 for Qwen3-4B: 15-23
+    candidates a shape, 5 shapes per M bucket) that fit ``limit_bytes`` of shared memory at the
+    row tile ``m`` launches with (:func:`.skinny_gemm.block_m`: a 32-row tile needs more)."""
     from nbhelpers.engine.kernels import skinny_gemm as sg
     bm = sg.block_m(m)
-    return {config_name(c): c for c in (sg.default_config(n, k), *sg.CONFIGS)
+    return {config_name(c): c
+            for c in (sg.default_config(n, k), *sg.CONFIGS, *sg.small_n_configs(n, k))
             if sg.fits(c, elem_size, limit_bytes, bm)}
 
 
@@ -107,16 +117,44 @@ class SkinnyTuner(Tuner):
         super().__init__(path if path is not None else cache_path(), timer or graph_ms)
 
     def choose_gemm(self, key: str, x: Any, w: Any, bias: Any, configs: dict[str, Any],
-                    launch: Callable[..., Any]) -> str:
-        """:meth:`choose` between ``F.linear`` (:data:`CUBLAS`) and ``launch(x, w_i, bias, cfg)``
-        for every ``configs`` entry (name -> config), each over rotated copies ``w_i`` of ``w``
-        (:data:`ROTATE_BYTES`, at most :data:`MAX_COPIES`); a config whose output differs from
-        ``F.linear``'s is dropped."""
+                    launch: Callable[..., Any], cublas: bool = True) -> str:
+        """:meth:`choose` between ``F.linear`` (:data:`CUBLAS`, unless ``cublas=False``) and
+        ``launch(x, w_i, bias, cfg)`` for every ``configs`` entry (name -> config), each over
+        rotated copies ``w_i`` of ``w`` (:data:`ROTATE_BYTES`, at most :data:`MAX_COPIES`); a
+        config whose output differs from ``F.linear``'s is never chosen (``inf``). A stored
+        entry is served when it timed every candidate offered now. With ``cublas=False`` and no
+        config that runs correctly: :data:`CUBLAS` anyway, with a warning (not stored)."""
+        names = (CUBLAS, *configs) if cublas else tuple(configs)
+        entry = self.table.get(key) or {}
+        ms = entry.get("ms") or {}
+        if entry.get("choice") in names and set(names) <= set(ms) and math.isfinite(
+                ms[entry["choice"]]):
+            return entry["choice"]
+        self.table.pop(key, None)  # stale (fewer candidates) or new: time them all
+        ok = self._correct(key, x, w, bias, configs, launch)
+        if not ok and not cublas:
+            return self._no_triton(key)
+        import torch.nn.functional as F
+        n_copies = min(MAX_COPIES, -(-ROTATE_BYTES // (w.numel() * w.element_size())))
+        copies = [w] + [w.clone() for _ in range(n_copies - 1)]
+        cands = {name: (lambda c=cfg: [launch(x, wi, bias, c) for wi in copies])
+                 for name, cfg in ok.items()}
+        if cublas:
+            cands[CUBLAS] = lambda: [F.linear(x, wi, bias) for wi in copies]
+        choice = self.choose(key, cands, per_call=len(copies))
+        if failed := set(configs) - set(ok):
+            self.table[key]["ms"].update(dict.fromkeys(sorted(failed), math.inf))
+            self._save()
+        if not math.isfinite(self.table[key]["ms"][choice]):
+            return self._no_triton(key)
+        return choice
+
+    def _correct(self, key: str, x: Any, w: Any, bias: Any, configs: dict[str, Any],
+                 launch: Callable[..., Any]) -> dict[str, Any]:
+        """The ``configs`` whose ``launch`` matches ``F.linear`` to ~2 bf16 ulps of the output's
+        largest value (1e-3 relative for fp32); one that raises is left out with a warning."""
         import torch
         import torch.nn.functional as F
-        entry = self.table.get(key)
-        if entry and entry.get("choice") in (CUBLAS, *configs):
-            return entry["choice"]
         want = F.linear(x, w, bias).float()
         tol = 1e-3 if w.dtype == torch.float32 else 2 ** -6  # ~2 ulps of bf16 at the output
         scale = want.abs().max().item() + 1e-6
@@ -125,16 +163,18 @@ class SkinnyTuner(Tuner):
             try:
                 got = launch(x, w, bias, cfg).float()
             except Exception as err:  # noqa: BLE001 -- a config that cannot launch is skipped
-                warnings.warn(f"skinny_gemm tuner: {name} failed for {key}: {err}", stacklevel=2)
+                warnings.warn(f"skinny_gemm tuner: {name} failed for {key}: {err}", stacklevel=3)
                 continue
             if (got - want).abs().max().item() <= tol * scale:
                 ok[name] = cfg
-        n_copies = min(MAX_COPIES, -(-ROTATE_BYTES // (w.numel() * w.element_size())))
-        copies = [w] + [w.clone() for _ in range(n_copies - 1)]
-        cands = {name: (lambda c=cfg: [launch(x, wi, bias, c) for wi in copies])
-                 for name, cfg in ok.items()}
-        cands[CUBLAS] = lambda: [F.linear(x, wi, bias) for wi in copies]
-        return self.choose(key, cands, per_call=len(copies))
+        return ok
+
+    @staticmethod
+    def _no_triton(key: str) -> str:
+        warnings.warn(f"skinny_gemm tuner: no candidate ran correctly for {key}; it keeps "
+                      "F.linear for this shape (also with skinny_gemm_cublas='never').",
+                      stacklevel=3)
+        return CUBLAS
 
 
 _TUNER: SkinnyTuner | None = None

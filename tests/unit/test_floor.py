@@ -121,6 +121,9 @@ def test_tiny_cpu_point_sidecar_records_floor_and_pct(point):
     ops = side["breakdown"]["aten_ops"]
     assert ops["ops_per_step"] > 0 and ops["ops_per_layer"] > 0 and ops["note"] is None
     assert "profile" not in side["breakdown"]  # CUDA kernel profile: GPU only
+    # the GEMM tuners' tables: on the CPU nothing is tuned (skinny_gemm "auto" -> off there;
+    # tests/engine/test_skinny_gemm_cublas.py checks a filled table in a sidecar)
+    assert side["breakdown"]["skinny_tuner"] == {} == side["breakdown"]["lora_gemm_tuner"]
 
 
 @pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_llama", "tiny_gemma4"])

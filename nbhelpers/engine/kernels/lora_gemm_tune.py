@@ -105,6 +105,13 @@ class Tuner:
         self._save()
         return best
 
+    def entries(self, choices: dict[str, str]) -> dict[str, dict]:
+        """``{key: {"choice": name, "ms": {candidate: ms per GEMM}}}`` for ``choices`` (key ->
+        the candidate name the caller runs), ``ms`` copied from the table (``{}`` for a key it
+        does not hold: a choice made without timing)."""
+        return {key: {"choice": name, "ms": dict((self.table.get(key) or {}).get("ms") or {})}
+                for key, name in sorted(choices.items())}
+
     def _time(self, fn: Callable[[], Any]) -> float:
         """``timer(fn)``; a candidate that fails to launch (e.g. Triton's ``OutOfResources``:
         shared memory on a smaller GPU) is never chosen (``inf``)."""

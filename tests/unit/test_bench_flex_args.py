@@ -56,6 +56,9 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     # 3: a bad engine option, RunnerOptions' own message, up front
     ([*AB, "--variants", '{"name":"a","options":{"pdl":"yes"}}'],
      r"--variants[0] ('a'): RunnerOptions.pdl='yes': must be one of ('auto', 'off', 'on')"),
+    ([*AB, "--variants", '{"name":"a","options":{"skinny_gemm_cublas":"off"}}'],
+     "--variants[0] ('a'): RunnerOptions.skinny_gemm_cublas='off': must be one of "
+     "('auto', 'never')"),
     ([*SMOKE, "--decode-kernel-options", '{"num_warps": 8};{"lora_expand": "fast"}'],
      "--decode-kernel-options part 1: RunnerOptions.lora_expand='fast'"),
     # 4: --sweep checked before the parity / W stages

@@ -144,22 +144,34 @@ from nbhelpers.engine.kernels import skinny_lora_epilogue as ep
 fn = ep._skinny_lora
 ints = ["m", "n", "n_out", "k", "stride_x", "stride_w", "k_per_split", "splits", "end0", "end1",
         "roff1", "roff2", "r0", "r1", "r2"]
-for dt, split, parts, bias in (("bf16", True, 3, False), ("bf16", False, 1, False),
-                               ("fp32", True, 2, True)):
+# Qwen3-4B's qkv group at 32 rows: the launch's int values, and the divisibility-by-16 hints the
+# JIT gives them (every pointer; an int divisible by 16 unless do_not_specialize names it)
+vals = dict(m=32, n=6240, n_out=6144, k=2560, stride_x=2560, stride_w=2560, k_per_split=896,
+            splits=3, end0=4096, end1=5120, roff1=32, roff2=64, r0=32, r1=32, r2=32)
+hint = [["tt.divisibility", 16]]
+attrs = {(p.num,): hint for p in fn.params if p.name.endswith("_ptr")
+         or (p.name in vals and vals[p.name] % 16 == 0 and not p.do_not_specialize)}
+for dt, split, parts, bias, bm in (("bf16", True, 3, False, 32), ("bf16", False, 1, False, 16),
+                                   ("fp32", True, 2, True, 16)):
     sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "bias_ptr": "*" + dt, "y_ptr": "*" + dt,
            "ws_ptr": "*fp32", "xa_ptr": "*fp32", "cnt_ptr": "*i32", "b0_ptr": "*" + dt,
            "b1_ptr": "*" + dt, "b2_ptr": "*" + dt, **dict.fromkeys(ints, "i32"),
            "scaling": "fp32"}
-    consts = {"HAS_BIAS": bias, "SPLIT": split, "NUM_PARTS": parts, "BLOCK_M": 16,
+    consts = {"HAS_BIAS": bias, "SPLIT": split, "NUM_PARTS": parts, "BLOCK_M": bm,
               "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_R": 32, "UPCAST": False, "BF16_RNE": False,
               "USE_GDC": WITH_GDC}
     sig.update(dict.fromkeys(consts, "constexpr"))
-    src = ASTSource(fn, signature=sig,
+    src = ASTSource(fn, signature=sig, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
     assert kernel.asm["cubin"] and "atom" in ptx, (dt, split, parts)
+    copies = re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global [^;]*, (0x\\w+)", ptx)
+    assert copies and set(copies) == {"0x10"}, (dt, split, parts, sorted(set(copies)))
+    assert not re.search(r"\\bld\\.global(?:\\.nc)?\\.b16\\b", ptx), (dt, split, parts)
+    assert re.search(r"\\bld\\.volatile\\.global\\.b32", ptx), (dt, split, parts)
+    assert len(re.findall(r"\\.acquire\\.", ptx)) == 1, (dt, split, parts)
     assert ptx.count("griddepcontrol.wait") == int(WITH_GDC), (dt, split, parts)
     if WITH_GDC:  # before the wait: the W tile's loads and the one write, the dynamic id
         wait = ptx.find("griddepcontrol.wait")
@@ -174,7 +186,12 @@ print("compiled")
 @pytest.mark.parametrize("gdc", [False, True], ids=["plain", "pdl"])
 def test_kernel_compiles_for_sm90(gdc):
     """sm_90 cubins (bf16 and fp32 ``tl.dot``, the id / ticket / flag atomics, the spin loop)
-    with triton's bundled ptxas, no GPU needed. With USE_GDC one ``griddepcontrol.wait``,
+    with triton's bundled ptxas, no GPU needed, built with the divisibility hints a launch of
+    Qwen3-4B's qkv group gets: the K loop's W and x tiles move in 16-byte ``cp.async`` copies
+    and no 2-byte scalar loads are left (with ``k``, ``n`` ... in ``do_not_specialize`` they
+    were 4-byte copies and ``ld.global.b16``); the flag is spun on with ``ld.volatile`` and
+    acquired once. With USE_GDC one
+    ``griddepcontrol.wait``,
     ``launch_dependents`` after it, and before it only W's loads and the dynamic id's relaxed
     atomic (the one exception to ``pdl.py``'s no-write rule: safe by the id's modulo, see the
     kernel's docstring); without it no ``griddepcontrol``."""

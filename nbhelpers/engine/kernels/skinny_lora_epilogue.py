@@ -23,7 +23,7 @@ Osama et al., arXiv:2301.03598). Ids map to ``(tile, split)`` with the ext tiles
 the ext tiles' programs never wait on anything and every waiter waits only on smaller ids.
 The ext tile's last ticket writes its ``xA`` columns (fp32) to a workspace and increments a
 flag (release); each y tile's last-ticket program, after its own K loop and reduce, spins until
-the flag counts every ext tile (acquire), loads ``xA``, adds ``scaling * xA B^T`` (B's tile from
+the flag counts every ext tile, loads ``xA``, adds ``scaling * xA B^T`` (B's tile from
 up to three part pointers, masked per part, so a tile may straddle parts) and rounds once.
 y tiles increment the same flag when done; the program drawing its last value resets it and
 subtracts the program count from the id counter (ids are ``counter % programs``: with PDL the
@@ -31,6 +31,20 @@ next launch may draw ids before this reset, and the residues stay exact), ticket
 :mod:`.skinny_gemm`: every counter is back at 0 after a launch (CUDA-graph replays). Under the
 interpreter programs run one after another in grid order, so the ids equal the grid order and
 the ext tiles finish first: no spin ever waits there (tested).
+
+Spin and ordering (PTX ISA, "Memory Consistency Model"): the wait spins on ``ld.volatile``
+(relaxed loads, no read-modify-write queued at the flag's L2 line, no CTA barrier per turn;
+the counters sit 128 B apart, :data:`_FLAG`), then one ``atom.acquire.gpu`` (thread 0) reads
+the flag: it observes the release sequence of every ext tile's release add (later adds are RMWs
+too), so the ext tiles' ``xA`` stores, ordered before their release by ``bar.sync``, happen
+before the ``bar.sync`` that follows and every thread's ``xA`` load (``.cg``, L2): the pattern of
+CUTLASS's ``Semaphore`` (``cutlass/semaphore.h``: thread 0 acquires, then ``__syncthreads``).
+
+Loads: only ``m`` is unspecialised (as in :mod:`.skinny_gemm`): ``n``, ``k``, ``n_out`` and the
+part bounds keep Triton's divisible-by-16 hints, without which the K loop's masks (``kk <
+min(k_lo + k_per_split, k)``) and the workspace rows (``rows * n``) lose their alignment and the
+W / x tiles move in 4-byte ``cp.async`` copies and 2-byte loads instead of 16-byte ones (sm_90
+PTX, tested). The cost: one compile per group shape (and row tile, config).
 
 PDL (``USE_GDC``, :mod:`.pdl`): the dynamic id and the first W tile are taken before
 ``gdc_wait()``, everything else after it, as in :mod:`.skinny_gemm`. The id's relaxed atomic
@@ -61,8 +75,10 @@ MAX_PARTS = 3
 BLOCK_R = 32
 """The rank chunk of the epilogue's ``xA B^T`` loop."""
 INTERPRETED = sg.INTERPRETED
-_IDS, _FLAG, _TICKETS = 0, 1, 2
-"""Slots of the int32 counters: dynamic id, ext-ready / done flag, then one ticket a tile."""
+_IDS, _FLAG, _TICKETS = tl.constexpr(0), tl.constexpr(32), tl.constexpr(64)
+"""Slots of the int32 counters: dynamic id, ext-ready / done flag, then one ticket a tile; 32
+ints (128 B, one L2 line) apart, so the spinning loads of the flag do not queue behind the id
+and ticket atomics of the same line at its L2 slice."""
 
 
 @triton.jit
@@ -146,8 +162,7 @@ def _add_lora_b(acc, xa_ptr, r_total, rows, cols, col0, row_ok, b0_ptr, b1_ptr, 
     return acc + scaling * lora
 
 
-@triton.jit(do_not_specialize=["m", "n", "n_out", "k", "end0", "end1", "roff1", "roff2", "r0",
-                               "r1", "r2"])
+@triton.jit(do_not_specialize=["m"])  # the rest specialised: see "Loads" in the module docstring
 def _skinny_lora(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, xa_ptr, cnt_ptr, b0_ptr, b1_ptr,
                  b2_ptr, m, n, n_out, k, stride_x, stride_w, k_per_split, splits, end0, end1,
                  roff1, roff2, r0, r1, r2, scaling, HAS_BIAS: tl.constexpr,
@@ -155,7 +170,7 @@ def _skinny_lora(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, xa_ptr, cnt_ptr, b0_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                  UPCAST: tl.constexpr, BF16_RNE: tl.constexpr, USE_GDC: tl.constexpr):
     programs = tl.num_programs(0)
-    pid = tl.atomic_add(cnt_ptr + 0, 1, sem="relaxed") % programs  # dynamic id (start order)
+    pid = tl.atomic_add(cnt_ptr + _IDS, 1, sem="relaxed") % programs  # dynamic id (start order)
     y_tiles = n_out // BLOCK_N
     ext_tiles = tl.cdiv(n - n_out, BLOCK_N)
     n_ext = ext_tiles * splits  # ids [0, n_ext): the ext tiles' splits, never waiting
@@ -176,35 +191,36 @@ def _skinny_lora(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, xa_ptr, cnt_ptr, b0_ptr,
         ws = ws_ptr + rows[:, None] * n + cols[None, :]
         tl.store(ws + split_id.to(tl.int64) * BLOCK_M * n, acc, mask=out_ok)
         tl.debug_barrier()  # all threads' stores precede the release (CUTLASS Semaphore)
-        ticket = tl.atomic_add(cnt_ptr + 2 + tile, 1, sem="acq_rel")
+        ticket = tl.atomic_add(cnt_ptr + _TICKETS + tile, 1, sem="acq_rel")
         last = ticket == splits - 1
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(splits):  # fixed order: deterministic sums
                 acc += tl.load(ws + s * BLOCK_M * n, mask=out_ok, other=0.0,
                                cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + 2 + tile, 0)  # ready for the next call
+            tl.atomic_xchg(cnt_ptr + _TICKETS + tile, 0)  # ready for the next call
     if last:
         if is_ext:  # publish xA [M, R] (fp32), then count this ext tile as ready
             r_total = n - n_out
             tl.store(xa_ptr + rows[:, None] * r_total + (cols - n_out)[None, :], acc,
                      mask=out_ok)
             tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + 1, 1, sem="release")
+            done = tl.atomic_add(cnt_ptr + _FLAG, 1, sem="release")
         else:
-            ready = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+            ready = tl.load(cnt_ptr + _FLAG, volatile=True)  # spin on plain loads (docstring)
             while ready < ext_tiles:  # only smaller ids (ext programs, never waiting) to wait on
-                ready = tl.atomic_add(cnt_ptr + 1, 0, sem="acquire")
+                ready = tl.load(cnt_ptr + _FLAG, volatile=True)
+            tl.atomic_add(cnt_ptr + _FLAG, 0, sem="acquire")  # the acquire, once the flag is set
             tl.debug_barrier()
             acc = _add_lora_b(acc, xa_ptr, n - n_out, rows, cols, tile * BLOCK_N, row_ok,
                               b0_ptr, b1_ptr, b2_ptr, n_out, end0, end1, roff1, roff2, r0, r1,
                               r2, scaling, NUM_PARTS, BLOCK_R, UPCAST, BF16_RNE)
             sg._epilogue(acc, bias_ptr, y_ptr, n_out, rows, cols, out_ok, col_ok, HAS_BIAS,
                          BF16_RNE)
-            done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")
+            done = tl.atomic_add(cnt_ptr + _FLAG, 1, sem="relaxed")
         if done == y_tiles + ext_tiles - 1:  # the last tile: every counter back to 0
-            tl.atomic_xchg(cnt_ptr + 1, 0)
-            tl.atomic_add(cnt_ptr + 0, -programs, sem="relaxed")
+            tl.atomic_xchg(cnt_ptr + _FLAG, 0)
+            tl.atomic_add(cnt_ptr + _IDS, -programs, sem="relaxed")
 
 
 def supported(x: Any, w: Any, n_out: int, bs: list[Any], sizes: list[int], ranks: list[int],
@@ -244,7 +260,8 @@ def workspace(device: Any, n: int, n_out: int, split: int, bm: int,
             torch.empty(split * bm * n if split > 1 else 1, dtype=torch.float32,
                         device=device),
             torch.empty(bm * (n - n_out), dtype=torch.float32, device=device),
-            torch.zeros(_TICKETS + triton.cdiv(n, block_n), dtype=torch.int32, device=device))
+            torch.zeros(_TICKETS.value + triton.cdiv(n, block_n), dtype=torch.int32,
+                        device=device))
     return _WORKSPACES[key]
 
 

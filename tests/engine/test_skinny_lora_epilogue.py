@@ -1,8 +1,9 @@
 """The skinny GEMM with LoRA B in its epilogue (``engine/kernels/skinny_lora_epilogue.py``):
 results against an fp64 reference (1-3 parts of different out_i and r_i, 1-32 rows, 1/2/4
 splits, bias, bf16 and fp32), every counter back at 0 after each call, two calls in a row, the
-dynamic id's modulo, unsupported operands, the sm_90 build with and without PDL, and (GPU)
-Qwen3-4B's LoRA shapes. Engine routing: ``test_skinny_lora_epilogue_engine.py``.
+dynamic id's modulo, ``x A^T`` rounded from the kernel's fp32 sum (not the exact product),
+unsupported operands, the sm_90 build with and without PDL, and (GPU) Qwen3-4B's LoRA shapes
+against the default path's own ``x A^T``. Engine routing: ``test_skinny_lora_epilogue_engine.py``.
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (``tests/conftest.py``), whose programs
 run one after another in grid order: a wrong id mapping (a y tile before the ext tiles) would
@@ -41,12 +42,22 @@ def _operands(m, sizes, ranks, k, dtype, bias, seed=0):
     w = (torch.randn(n_out + r_total, k, generator=g) * 0.1).to(dtype)
     bs = [(torch.randn(o, r, generator=g) * 0.2).to(dtype) for o, r in zip(sizes, ranks)]
     b = torch.randn(n_out, generator=g).to(dtype) if bias else None
-    full = x.double() @ w.double().t()
-    xa = full[:, n_out:].to(dtype).double()
-    lora = [SCALING * xa_i @ b_i.double().t() for xa_i, b_i in zip(xa.split(ranks, 1), bs)]
-    ref = full[:, :n_out] + torch.cat(lora, 1) + (0 if b is None else b.double())
+    ref = _reference(x, w, bs, b, ranks, (x.double() @ w[n_out:].double().t()).to(dtype))
     return (x.to(DEV), w.to(DEV), [t.to(DEV) for t in bs], None if b is None else b.to(DEV),
             ref.to(DEV))
+
+
+def _reference(x, w, bs, b, ranks, xa):
+    """fp64 ``x W^T + b + s * xa B^T`` per part, for ``xa [m, R]``, the rounded ``x A^T``.
+    From the exact product (:func:`_operands`) it can differ from the kernel's by one ulp of
+    ``xa`` where ``x A^T`` lies within fp32 error of a rounding midpoint (the kernel rounds its
+    fp32 sum, as the default path does): on the H200 one such element of 1024 in Qwen3-4B's
+    ``down`` at 32 rows (7 fp32 half-ulps from the midpoint) failed 163 of 81920 outputs.
+    :func:`test_gpu_qwen3_4b_shapes` passes the default path's own ``xa`` instead."""
+    n_out = w.shape[0] - xa.shape[1]
+    lora = [SCALING * xa_i @ b_i.double().t() for xa_i, b_i in zip(xa.double().split(ranks, 1), bs)]
+    full = x.double() @ w[:n_out].double().t()
+    return full + torch.cat(lora, 1) + (0 if b is None else b.double())
 
 
 def _assert_matches(y, ref, dtype):
@@ -108,6 +119,30 @@ def test_dynamic_id_is_taken_modulo_the_grid():
     _assert_matches(y, ref, torch.float32)
     assert cnt[0].item() == programs and not cnt[1:].any()
     cnt.zero_()
+
+
+def test_xa_is_rounded_from_the_fp32_sum():
+    """``x A^T = 1 + 2^-8 + 2 * 2^-24`` exactly (one bf16 rounding up: ``1 + 2^-7``), in three
+    K tiles: the K loop's fp32 sum ``1 + 2^-8``, then ``+ 2^-24`` twice, ties to even each time
+    and stays at ``1 + 2^-8``, a bf16 tie that rounds to 1.0. The kernel rounds that sum, as the
+    default path does (``skinny_gemm``'s ext columns, then the expand): ``y = s * (1.0 - 1.0) =
+    0``, where the exact product's rounding gives ``s * 2^-7`` (so :func:`_operands`' reference
+    can be one ``xa`` ulp off the kernel)."""
+    k, n_out = 384, 64
+    x = torch.zeros(1, k, dtype=BF16)
+    x[0, [0, 1, 128, 256]] = 1.0
+    w = torch.zeros(n_out + 2, k, dtype=BF16)
+    w[n_out, [0, 1, 128, 256]] = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -24, 2.0 ** -24]).to(BF16)
+    w[n_out + 1, 0] = -1.0
+    bs = [torch.ones(n_out, 2, dtype=BF16)]
+    x, w, bs = x.to(DEV), w.to(DEV), [bs[0].to(DEV)]
+    cfg = sg.Config(64, 128, 1)
+    y = ep.skinny_lora_gemm(x, w, n_out, bs, [n_out], [2], SCALING, None, cfg)
+    xa = sg.skinny_gemm(x, w, None, cfg)[:, n_out:]
+    exact = (x.double() @ w[n_out:].double().t()).to(BF16)
+    assert xa[0, 0].item() == 1.0 and exact[0, 0].item() == 1.0 + 2.0 ** -7
+    _assert_matches(y, _reference(x, w, bs, None, [2], xa), BF16)
+    assert not y.any()
 
 
 def test_live_b_is_read_at_call_time():
@@ -213,14 +248,17 @@ def test_gpu_qwen3_4b_shapes(name, m):
     bits twice; counters at 0 (the real concurrency: programs spin on the ext tiles)."""
     sizes, k = QWEN3_4B_R32[name]
     ranks = [32] * len(sizes)
-    x, w, bs, _, ref = _operands(m, sizes, ranks, k, BF16, False, seed=m)
+    x, w, bs, _, _ = _operands(m, sizes, ranks, k, BF16, False, seed=m)
     n_out = sum(sizes)
+    ref_xa = x.double() @ w[n_out:].double().t()  # exact x A^T: one bf16 ulp from the kernel's
     cfgs = [c for c in (sg.default_config(n_out + sum(ranks), k), *sg.CONFIGS)
             if ep.supported(x, w, n_out, bs, sizes, ranks, None, c.block_n)]
     assert cfgs
     for cfg in cfgs:
         y = ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None, cfg)
-        _assert_matches(y, ref, BF16)
+        xa = sg.skinny_gemm(x, w, None, cfg)[:, n_out:]  # the default path's rounded x A^T
+        _assert_matches(y, _reference(x, w, bs, None, ranks, xa), BF16)
+        assert (xa.double() - ref_xa).abs().le(ref_xa.abs() * 2 ** -7 + 1e-6).all(), cfg
         assert torch.equal(y, ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None,
                                                   cfg)), cfg
         torch.cuda.synchronize()

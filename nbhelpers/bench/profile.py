@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 KERNEL_CLASSES = (("attention", ("flex", "attention")), ("gemm", ("gemm", "nvjet", "cutlass",
-                  "xmma", "matmul", "splitk")), ("sort/sample", ("sort", "radix", "argmax",
-                  "softmax", "scan", "cumsum")))
+                  "xmma", "matmul", "splitk", "skinny_lora")), ("sort/sample", ("sort", "radix",
+                  "argmax", "softmax", "scan", "cumsum")))
+"""Name keys per class, first match wins. ``skinny_lora``: the epilogue-LoRA skinny GEMM
+(``engine/kernels/skinny_lora_epilogue.py``'s ``_skinny_lora``), whose name has no other key."""
 
 
 def kernel_class(name: str) -> str:

@@ -62,3 +62,12 @@ def test_summarize_refuses_bad_input():
     empty = pr.summarize_kernels([], 2)
     assert empty["top_kernels"] == [] and empty["kernel_ms_total"] == 0
     assert empty["top_kernels_rest"] == {"kernels": 0, "ms_per_step": 0, "launches_per_step": 0}
+
+
+@pytest.mark.parametrize(("name", "cls"), [("_skinny_lora", "gemm"), ("_skinny_gemm", "gemm"),
+                                           ("nvjet_hsh_64x8_2x1_v_bz_splitK_TNT", "gemm"),
+                                           ("triton_tem_fused_flex_attention_0", "attention"),
+                                           ("_add_norm_kernel", "elementwise/other")])
+def test_kernel_class_of_the_engine_kernels(name, cls):
+    """The LoRA-epilogue GEMM (``lora_expand="epilogue"``) counts as gemm, not elementwise."""
+    assert pr.kernel_class(name) == cls

@@ -175,6 +175,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from nbhelpers.engine.kernels import skinny_gemm as sg
 from nbhelpers.engine.kernels import skinny_lora_epilogue as ep
 fn = ep._skinny_lora
 ints = ["m", "n", "n_out", "k", "stride_x", "stride_w", "k_per_split", "splits", "end0", "end1",
@@ -207,6 +208,8 @@ for dt, split, parts, bias, bm in (("bf16", True, 3, False, 32), ("bf16", False,
     assert not re.search(r"\\bld\\.global(?:\\.nc)?\\.b16\\b", ptx), (dt, split, parts)
     assert re.search(r"\\bld\\.volatile\\.global\\.b32", ptx), (dt, split, parts)
     assert len(re.findall(r"\\.acquire\\.", ptx)) == 1, (dt, split, parts)
+    staged = sg.shared_memory_bytes(sg.Config(64, 128, 1), 2 if dt == "bf16" else 4, bm)
+    assert kernel.metadata.shared >= staged, (dt, split, parts, kernel.metadata.shared)
     assert ptx.count("griddepcontrol.wait") == int(WITH_GDC), (dt, split, parts)
     if WITH_GDC:  # before the wait: the W tile's loads and the one write, the dynamic id
         wait = ptx.find("griddepcontrol.wait")
@@ -223,8 +226,10 @@ def test_kernel_compiles_for_sm90(gdc):
     """sm_90 cubins (bf16 and fp32 ``tl.dot``, the id / ticket / flag atomics, the spin loop)
     with triton's bundled ptxas, no GPU needed, built with the divisibility hints a launch of
     Qwen3-4B's qkv group gets: the K loop's W and x tiles move in 16-byte ``cp.async`` copies
-    and no 2-byte scalar loads are left (with ``k``, ``n`` ... in ``do_not_specialize`` they
-    were 4-byte copies and ``ld.global.b16``); the flag is spun on with ``ld.volatile`` and
+    and no 2-byte scalar loads are left, and shared memory holds the ``num_stages - 1`` staged
+    tiles of :func:`.skinny_gemm.shared_memory_bytes` (with ``k``, ``n`` ... in
+    ``do_not_specialize`` they were 4-byte copies and ``ld.global.b16``, 16 KB of shared memory
+    where 48 KB are staged, ~220 registers); the flag is spun on with ``ld.volatile`` and
     acquired once. With USE_GDC one
     ``griddepcontrol.wait``,
     ``launch_dependents`` after it, and before it only W's loads and the dynamic id's relaxed

@@ -206,8 +206,8 @@ for dt, split, parts, bias, bm in (("bf16", True, 3, False, 32), ("bf16", False,
     copies = re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global [^;]*, (0x\\w+)", ptx)
     assert copies and set(copies) == {"0x10"}, (dt, split, parts, sorted(set(copies)))
     assert not re.search(r"\\bld\\.global(?:\\.nc)?\\.b16\\b", ptx), (dt, split, parts)
-    assert re.search(r"\\bld\\.volatile\\.global\\.b32", ptx), (dt, split, parts)
-    assert len(re.findall(r"\\.acquire\\.", ptx)) == 1, (dt, split, parts)
+    spin = ptx.find("ld.volatile.global.b32")  # then an acquire (Triton 3.6 dropped an unused one)
+    assert 0 < spin < ptx.find(".acquire.", spin), (dt, split, parts)
     staged = sg.shared_memory_bytes(sg.Config(64, 128, 1), 2 if dt == "bf16" else 4, bm)
     assert kernel.metadata.shared >= staged, (dt, split, parts, kernel.metadata.shared)
     assert ptx.count("griddepcontrol.wait") == int(WITH_GDC), (dt, split, parts)
@@ -229,8 +229,8 @@ def test_kernel_compiles_for_sm90(gdc):
     and no 2-byte scalar loads are left, and shared memory holds the ``num_stages - 1`` staged
     tiles of :func:`.skinny_gemm.shared_memory_bytes` (with ``k``, ``n`` ... in
     ``do_not_specialize`` they were 4-byte copies and ``ld.global.b16``, 16 KB of shared memory
-    where 48 KB are staged, ~220 registers); the flag is spun on with ``ld.volatile`` and
-    acquired once. With USE_GDC one
+    where 48 KB are staged, ~220 registers); the flag is spun on with ``ld.volatile``, then
+    acquired. With USE_GDC one
     ``griddepcontrol.wait``,
     ``launch_dependents`` after it, and before it only W's loads and the dynamic id's relaxed
     atomic (the one exception to ``pdl.py``'s no-write rule: safe by the id's modulo, see the

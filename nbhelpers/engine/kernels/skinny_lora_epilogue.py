@@ -34,8 +34,8 @@ the ext tiles finish first: no spin ever waits there (tested).
 
 Spin and ordering (PTX ISA, "Memory Consistency Model"): the wait spins on ``ld.volatile``
 (relaxed loads, no read-modify-write queued at the flag's L2 line, no CTA barrier per turn;
-the counters sit 128 B apart, :data:`_FLAG`), then one ``atom.acquire.gpu`` (thread 0) reads
-the flag: it observes the release sequence of every ext tile's release add (later adds are RMWs
+the counters sit 128 B apart, :data:`_FLAG`), then an acquire (thread 0; its value feeds a
+loop, else Triton 3.6 drops it) reads the flag: it observes the release sequence of every ext tile's release add (later adds are RMWs
 too), so the ext tiles' ``xA`` stores, ordered before their release by ``bar.sync``, happen
 before the ``bar.sync`` that follows and every thread's ``xA`` load (``.cg``, L2): the pattern of
 CUTLASS's ``Semaphore`` (``cutlass/semaphore.h``: thread 0 acquires, then ``__syncthreads``).
@@ -212,7 +212,9 @@ def _skinny_lora(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, xa_ptr, cnt_ptr, b0_ptr,
             ready = tl.load(cnt_ptr + _FLAG, volatile=True)  # spin on plain loads (docstring)
             while ready < ext_tiles:  # only smaller ids (ext programs, never waiting) to wait on
                 ready = tl.load(cnt_ptr + _FLAG, volatile=True)
-            tl.atomic_add(cnt_ptr + _FLAG, 0, sem="acquire")  # the acquire, once the flag is set
+            ready = tl.atomic_add(cnt_ptr + _FLAG, 0, sem="acquire")  # the acquire, once set
+            while ready < ext_tiles:  # never taken; the value is used, so the acquire is kept
+                ready = tl.atomic_add(cnt_ptr + _FLAG, 0, sem="acquire")
             tl.debug_barrier()
             acc = _add_lora_b(acc, xa_ptr, n - n_out, rows, cols, tile * BLOCK_N, row_ok,
                               b0_ptr, b1_ptr, b2_ptr, n_out, end0, end1, roff1, roff2, r0, r1,

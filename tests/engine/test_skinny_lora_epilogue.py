@@ -249,8 +249,10 @@ QWEN3_4B_R32 = {"qkv": ([4096, 1024, 1024], 2560), "o": ([2560], 4096),
 @pytest.mark.parametrize("name", list(QWEN3_4B_R32))
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gpu_qwen3_4b_shapes(name, m):
-    """Every candidate config that serves the shape, bf16, against the fp64 reference; the same
-    bits twice; counters at 0 (the real concurrency: programs spin on the ext tiles)."""
+    """Every candidate config that serves the shape, bf16, against fp64 math on the default
+    path's rounded ``x A^T`` (``skinny_gemm``'s ext columns, same config: :func:`_reference`),
+    that ``x A^T`` within a bf16 ulp of the exact one; the same bits twice; counters at 0 (the
+    real concurrency: programs spin on the ext tiles)."""
     sizes, k = QWEN3_4B_R32[name]
     ranks = [32] * len(sizes)
     x, w, bs, _, _ = _operands(m, sizes, ranks, k, BF16, False, seed=m)
@@ -263,7 +265,7 @@ def test_gpu_qwen3_4b_shapes(name, m):
         y = ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None, cfg)
         xa = sg.skinny_gemm(x, w, None, cfg)[:, n_out:]  # the default path's rounded x A^T
         _assert_matches(y, _reference(x, w, bs, None, ranks, xa), BF16)
-        assert (xa.double() - ref_xa).abs().le(ref_xa.abs() * 2 ** -7 + 1e-6).all(), cfg
+        assert (xa.double() - ref_xa).abs().le(ref_xa.abs() * 2 ** -7 + 1e-3).all(), cfg
         assert torch.equal(y, ep.skinny_lora_gemm(x, w, n_out, bs, sizes, ranks, SCALING, None,
                                                   cfg)), cfg
         torch.cuda.synchronize()

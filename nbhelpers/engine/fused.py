@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbhelpers.engine.sampler import check_sample_kernel
+
 HF_RMS_NORMS = frozenset({"Qwen3RMSNorm", "LlamaRMSNorm"})
 """HF norm classes whose forward :func:`rms_norm` reproduces (others are called as modules)."""
 
@@ -152,6 +154,8 @@ ELEMENTWISE_MODES = ("off", "compile", "triton")
 class Elementwise:
     """The functions above, eager (``kind="off"``), compiled (``"compile"``: one inductor graph
     each) or as Triton kernels (``"triton"``; ``sample`` compiled iff ``compile_sample``).
+    ``sample_kernel="triton"`` (any kind): ``sample`` calls with ``use_sort=False`` go to
+    ``engine/kernels/vocab_sample.py`` (two launches), the others to the sampler chosen above.
     ``compiled`` is True for any kind but ``"off"`` (the graph capture's eager retry and
     ``bench.profile`` count each piece as one launch). ``qk_rope_cache`` is ``None`` unless
     ``kind="triton"``. ``takes_lora`` (``kind="triton"``): ``add_rms_norm``, ``silu_mul`` and
@@ -160,7 +164,9 @@ class Elementwise:
     NAMES = ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul", "sample")
 
     def __init__(self, compiled: bool = False, kind: str | None = None,
-                 compile_sample: bool | None = None):
+                 compile_sample: bool | None = None, sample_kernel: str = "torch"):
+        import functools
+
         import torch
 
         from nbhelpers.engine.sampler import sample
@@ -175,6 +181,9 @@ class Elementwise:
             fn = sample if name == "sample" else globals()[name]
             on = comp or (name == "sample" and self.kind == "triton" and compile_sample)
             setattr(self, name, torch.compile(fn, dynamic=False, fullgraph=True) if on else fn)
+        if check_sample_kernel(sample_kernel) == "triton":  # min_p-only steps: 2 Triton launches
+            from nbhelpers.engine.kernels import vocab_sample
+            self.sample = functools.partial(vocab_sample.routed_sample, fallback=self.sample)
         if self.kind == "triton":
             self._use_triton()
 

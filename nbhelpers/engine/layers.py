@@ -116,10 +116,13 @@ class EngineModel:
         for group in self.live_groups():
             group.set_skinny_gemm(route)
 
-    def compile_elementwise(self, kind: str = "compile", compile_sample: bool = True) -> None:
+    def compile_elementwise(self, kind: str = "compile", compile_sample: bool = True,
+                            sample_kernel: str = "torch") -> None:
         """Decode uses torch.compiled (``kind="compile"``) or Triton (``"triton"``, sampler
-        compiled iff ``compile_sample``) norm/RoPE/SwiGLU pieces (see :mod:`.fused`)."""
-        self.fx_decode = Elementwise(kind=kind, compile_sample=compile_sample)
+        compiled iff ``compile_sample``) norm/RoPE/SwiGLU pieces, or eager ones (``"off"``),
+        and the sampler ``sample_kernel`` picks (see :mod:`.fused`)."""
+        self.fx_decode = Elementwise(kind=kind, compile_sample=compile_sample,
+                                     sample_kernel=sample_kernel)
 
     @property
     def dtype(self) -> Any:

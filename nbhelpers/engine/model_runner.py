@@ -46,6 +46,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     resolve_lora_fused,
     resolve_pdl,
     resolve_prefill,
+    resolve_sample_kernel,
     resolve_skinny_gemm,
 )
 from nbhelpers.engine.sampler import sample
@@ -93,8 +94,10 @@ class ModelRunner:
         self.pdl = resolve_pdl(opt, next(iter(model.parameters())).device)  # decode kernels
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
-        if fused_mode != "off":
-            self.model.compile_elementwise(fused_mode, compile_sample=compile_layers)
+        self.sample_kernel = resolve_sample_kernel(opt, on_cuda)  # decode steps' sampler
+        if fused_mode != "off" or self.sample_kernel != "torch":
+            self.model.compile_elementwise(fused_mode, compile_sample=compile_layers,
+                                           sample_kernel=self.sample_kernel)
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
         if self.decode_attention == "triton":
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode

@@ -28,6 +28,16 @@ from __future__ import annotations
 from typing import Any
 
 _M32 = 0xFFFFFFFF
+SAMPLE_KERNELS = ("torch", "triton")
+"""Values of ``RunnerOptions.sample_kernel``: decode sampling by :func:`sample` (torch, compiled
+with the decode pieces) or, for steps without top-k/top-p, ``engine/kernels/vocab_sample.py``."""
+
+
+def check_sample_kernel(value: Any, owner: str = "sample_kernel") -> str:
+    """``value`` if it is one of :data:`SAMPLE_KERNELS`, else ``ValueError`` naming them."""
+    if value not in SAMPLE_KERNELS:
+        raise ValueError(f"{owner}={value!r}: must be one of {SAMPLE_KERNELS}.")
+    return value
 
 
 def _mix32(x: Any) -> Any:

@@ -21,6 +21,10 @@ with probability ``p`` (the Gumbel-max trick in another form). ``E = -log(u)`` w
 counter-based hash of ``(seed, gen_idx, token id)`` (Chris Wellons' ``lowbias32`` integer hash), so a
 request's draw depends only on its seed and the index of the token it samples: reproducible across
 batch composition, preemption/resumption, CPU vs GPU and CUDA-graph replays.
+
+``RunnerOptions.sample_kernel="triton"`` runs the decode steps without top-k/top-p
+(``use_sort=False``) as two split-vocabulary Triton launches with the same hash, filters and
+logprobs (``engine/kernels/vocab_sample.py``); :func:`sample` stays the reference.
 """
 
 from __future__ import annotations

@@ -21,10 +21,12 @@ import triton
 import triton.language as tl
 from _kernels import DEV, assert_compiles_for_sm90, skip_unless_runnable
 from _tiny import random_prompts, tiny_model
+from test_pdl import gdc_stubs  # noqa: F401 -- a fixture
 from test_sampler import chi_square_p, reference_probs
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM, sampler
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import vocab_sample as vs
 from nbhelpers.engine.runner_options import RunnerOptions, resolve_sample_kernel
 
@@ -168,6 +170,19 @@ def test_routing_and_refusal():
         vs.vocab_sample(logits.t(), temp, min_p, seeds, gen)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="runs the USE_GDC branches in the interpreter; CUDA: "
+                    "test_gpu_qwen3_vocab_matches_torch under the engine's PDL on the H200")
+def test_gdc_branches_give_the_same_bits(gdc_stubs):  # noqa: F811 -- the fixture
+    """``USE_GDC=True`` (PDL instructions stubbed): the plain launch's outputs bit for bit; one
+    wait in every program of both kernels, one launch_dependents in every kernel-1 program."""
+    args = _inputs(4, 1000, torch.float32)
+    want = vs.vocab_sample(*args, chunk=256)
+    with pdl.scope(True):
+        got = vs.vocab_sample(*args, chunk=256)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert gdc_stubs == {"wait": 2 * 4 * 4, "launch": 4 * 4}
+
+
 CHI_SETTINGS = [(1.0, 0.1), (0.7, 0.0), (1.3, 0.05)]  # (temperature, min_p): no top-k/top-p
 
 
@@ -256,6 +271,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import vocab_sample as vs
 PTRS = {"logits_ptr": "*bf16", "idx_ptr": "*i32", "cnt_ptr": "*i32", "seed_ptr": "*i64",
         "gen_ptr": "*i64", "tok_ptr": "*i64"}

@@ -16,7 +16,7 @@ writes, before the wait: :mod:`.skinny_gemm` loads its first W tile there); Trit
 
 Contract: every launcher of a decode kernel here (``skinny_gemm``, ``lora_expand``,
 ``lora_shrink``, ``fused_norm``'s add+RMSNorm and act x up, ``qk_rope_cache``, the two paged
-decode stages) passes ``**pdl.launch_kwargs()``: ``{"USE_GDC": False}`` normally (the kernel
+decode stages, ``vocab_sample``'s two sampler kernels) passes ``**pdl.launch_kwargs()``: ``{"USE_GDC": False}`` normally (the kernel
 compiles to the code it had before this option: the ``USE_GDC`` branches are pruned, and the
 launch keeps Triton's default ``launch_pdl=False``), ``{"USE_GDC": True, "launch_pdl": True}``
 inside :func:`scope` ``(True)``. One flag for both, so no kernel is PDL-launched without its wait.

@@ -2,8 +2,9 @@
 ``sample_kernel``): the in-kernel hash against ``sampler.uniform_noise`` bit for bit, tokens and
 logprobs against ``sampler.sample(use_sort=False, full_logprobs=True)`` (greedy rows mixed in,
 fp32/bf16 logits, several chunkings), workspace reuse and counter reset, the routing, the
-sampler tests' chi-square against the kernel, the engine with ``sample_kernel="triton"`` against
-``"torch"``, the sm_90 build (PDL wait first), and (GPU) Qwen3-4B's vocabulary at batch 4 and 32.
+sampler tests' chi-square against the kernel, the PDL branches, the sm_90 build (PDL wait
+first), and (GPU) Qwen3-4B's vocabulary at batch 4 and 32. The engine option:
+``test_vocab_sample_engine.py``.
 
 On the CPU the kernels run under ``TRITON_INTERPRET=1`` (``tests/conftest.py``; one interpreted
 program costs ~20 ms, hence the small row counts); skipped when triton is not importable.
@@ -20,15 +21,12 @@ pytest.importorskip("triton", reason="vocab_sample needs the triton package")
 import triton
 import triton.language as tl
 from _kernels import DEV, assert_compiles_for_sm90, skip_unless_runnable
-from _tiny import random_prompts, tiny_model
 from test_pdl import gdc_stubs  # noqa: F401 -- a fixture
 from test_sampler import chi_square_p, reference_probs
 
-from nbhelpers.config import SamplingParams
-from nbhelpers.engine import LLM, sampler
+from nbhelpers.engine import sampler
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import vocab_sample as vs
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_sample_kernel
 
 skip_unless_runnable(vs)
 SEEDS = torch.tensor([0, 1, -5, 3407, 2 ** 40 + 7, -(2 ** 62) + 11, 123456789012345, 2 ** 63 - 1])
@@ -206,64 +204,6 @@ def test_empirical_distribution_chi_square(t, min_p):
     assert counts[exact == 0].sum() == 0
     assert chi_square_p(counts, exact) > 1e-3
     np.testing.assert_allclose(lps[:, 0].exp().cpu().numpy(), exact[toks], rtol=1e-4)
-
-
-# ------------------------------------------------------------------------------ engine
-
-def test_option_values():
-    assert RunnerOptions().sample_kernel == "torch"
-    assert resolve_sample_kernel(RunnerOptions(sample_kernel="triton"), on_cuda=True) == "triton"
-    assert resolve_sample_kernel(RunnerOptions(), on_cuda=True) == "torch"
-    assert resolve_sample_kernel(RunnerOptions(sample_kernel="triton", compile_decode=True),
-                                 on_cuda=True) == "torch"
-    with pytest.raises(ValueError, match=r"sample_kernel='fast'.*\('torch', 'triton'\)"):
-        RunnerOptions(sample_kernel="fast")
-    with pytest.raises(ValueError, match="sample_kernel"):
-        LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=4, max_model_len=32,
-            sample_kernel="flashinfer")
-
-
-def _count(monkeypatch):
-    calls = []
-    real = vs.vocab_sample
-    monkeypatch.setattr(vs, "vocab_sample", lambda logits, *a, **k: (
-        calls.append(tuple(logits.shape)), real(logits, *a, **k))[1])
-    return calls
-
-
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(temperature=1.0, min_p=0.1, seed=3407, max_new_tokens=5, ignore_eos=True),
-    SamplingParams(temperature=0.7, seed=11, max_new_tokens=5, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)],
-    ids=["grpo", "t07", "greedy"])
-def test_engine_matches_torch_sampler(monkeypatch, sampling):
-    """Tiny Qwen3 (vocab 512): ``sample_kernel="triton"`` generates the tokens and logprobs
-    (|d| < 1e-5) of ``"torch"``; each decode step is one kernel call (prefill keeps torch).
-    On CUDA under CUDA graphs (the runner's default there)."""
-    model = tiny_model("qwen3").to(DEV)
-    prompts = random_prompts(3, 5, 12, seed=2)
-    calls = _count(monkeypatch)
-    outs = {}
-    for kernel in ("torch", "triton"):
-        llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, sample_kernel=kernel)
-        outs[kernel] = llm.generate(prompts, sampling)
-        if DEV == "cuda":
-            assert llm.runner.timings["graph_captures"] > 0
-    for got, want in zip(outs["triton"], outs["torch"]):
-        assert got.token_ids == want.token_ids
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
-    if DEV == "cpu":  # eager steps: one call a decode step, bucket of 4 rows
-        assert calls == [(4, 512)] * (sampling.max_new_tokens - 1)
-
-
-def test_engine_top_k_keeps_torch(monkeypatch):
-    """A top-k step (``use_sort=True``) never reaches the kernel."""
-    calls = _count(monkeypatch)
-    llm = LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=8, max_model_len=64,
-              sample_kernel="triton")
-    llm.generate(random_prompts(2, 5, 9, seed=4), SamplingParams(
-        temperature=1.0, top_k=20, seed=1, max_new_tokens=4, ignore_eos=True))
-    assert not calls
 
 
 _AOT = """

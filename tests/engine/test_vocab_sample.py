@@ -27,6 +27,7 @@ from test_sampler import chi_square_p, reference_probs
 from nbhelpers.engine import sampler
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import vocab_sample as vs
+from nbhelpers.engine.kernels.vocab_sample import _uniform
 
 skip_unless_runnable(vs)
 SEEDS = torch.tensor([0, 1, -5, 3407, 2 ** 40 + 7, -(2 ** 62) + 11, 123456789012345, 2 ** 63 - 1])
@@ -36,7 +37,7 @@ SEEDS = torch.tensor([0, 1, -5, 3407, 2 ** 40 + 7, -(2 ** 62) + 11, 123456789012
 def _uniform_kernel(seed_ptr, gen_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
-    u = vs._uniform(tl.load(seed_ptr + row), tl.load(gen_ptr + row), offs)
+    u = _uniform(tl.load(seed_ptr + row), tl.load(gen_ptr + row), offs)
     tl.store(out_ptr + row * V + offs, u, mask=offs < V)
 
 
@@ -213,6 +214,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import vocab_sample as vs
+from nbhelpers.engine.kernels.vocab_sample import _uniform
 PTRS = {"logits_ptr": "*bf16", "idx_ptr": "*i32", "cnt_ptr": "*i32", "seed_ptr": "*i64",
         "gen_ptr": "*i64", "tok_ptr": "*i64"}
 FIRST_GLOBAL = re.compile(r"\\b(ld|st|atom|red)\\.global")

@@ -34,6 +34,7 @@ SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit
 AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
 AB_FLEX_IS = "scripts/ab_flex_is.py"  # same-process A/B: flex IS ratio at loss time vs extra forward
 AB_ATTN = "scripts/device/ab_paged_decode.py"  # grouped vs per-head paged decode attention
+EPI_PROBE = "scripts/device/epilogue_probe.py"  # lora_expand="epilogue" kernel vs default path
 # engine A/B at the GRPO rollout shape and W (one process per point x variant, floor + profile)
 K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --no-floor-gemms --points "
             "qwen3-4b:fp32:4,qwen3-4b:bf16:32,qwen3-4b:none:32 --variants "
@@ -128,6 +129,17 @@ N12_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "{\"name\": \"consumer\", \"options\": {\"lora_expand\": \"consumer\"}};"
              "{\"name\": \"fused_attn\", \"options\": {\"decode_kernel_options\": "
              "{\"kernel\": \"fused\"}}}'")
+
+# session 9's end (~210 s of device time left): the three CPU-built changes of session 9 at the
+# GRPO rollout shape, one process each, against the default in the same call: the reworked
+# LoRA epilogue kernel (16-byte loads, volatile spin), the split-vocab Triton sampler, the
+# split-K kernels for every shape (cuBLAS out); sidecars carry the skinny tuner's table.
+N13_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+             "qwen3-4b:fp32:4 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"epilogue\", \"options\": {\"lora_expand\": \"epilogue\"}};"
+             "{\"name\": \"sampler\", \"options\": {\"sample_kernel\": \"triton\"}};"
+             "{\"name\": \"nocublas\", \"options\": {\"skinny_gemm_cublas\": \"never\"}}'")
 
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
@@ -316,6 +328,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
     "n12": ([], [], [
         (BENCH, {"args": N12_BENCH}, 400, 560, 0)]),
+    "n13": ([], [], [
+        (BENCH, {"args": N13_BENCH}, 130, 170, 0),
+        (SUITE, {"args": "--paths tests/engine/test_vocab_sample.py,"
+                 "tests/engine/test_skinny_lora_epilogue.py,tests/engine/test_skinny_gemm_cublas.py"
+                 " --tb=short"}, 35, 50, 0),
+        (EPI_PROBE, {"args": "--out $OUT --rows 4,32 --pdl on --variants "
+                     "plain,default,epilogue,epilogue_dns --budget-s 30"}, 40, 50, 0)]),
     "n11f": ([], [], [
         (BENCH, {"args": N11F_BENCH}, 200, 300, 0)]),
     # FA4 (issue 13 part 3): stage the two parts back to back, then its GPU tests (the real FA4

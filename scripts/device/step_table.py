@@ -328,6 +328,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N11D_BENCH}, 260, 360, 0)]),
     "n12": ([], [], [
         (BENCH, {"args": N12_BENCH}, 400, 560, 0)]),
+    # the whole suite in two calls (n11a's one call stopped at its 560 s cap at 99 %, session 9:
+    # tests/engine held 1,275 of the 1,951 test-seconds): engine tests first, with n11a's staging
+    "n14a": ([], ["gguf2", "gsm8k"], [
+        (SUITE, {"args": "--paths tests/engine --tb=short --durations=30"}, 380, 560, 0)]),
+    "n14b": ([], [], [
+        (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "
+                 "--durations=30"}, 250, 400, 0)]),
     "n13": ([], [], [
         (BENCH, {"args": N13_BENCH}, 130, 170, 0),
         (SUITE, {"args": "--paths tests/engine/test_vocab_sample.py,"

@@ -163,7 +163,6 @@ def read_bandwidth(torch):
     """TB/s of a 4 GiB bf16 ``sum`` (read once), CUDA-graph timed."""
     big = torch.ones(1 << 31, device="cuda", dtype=torch.bfloat16)
     us = graph_us(torch, [lambda: big.sum(dtype=torch.float32)] * 3, 5)
-    del big
     return (2 << 31) / us / 1e6
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from nbhelpers.engine.fused import Elementwise, norm_params, rope
 from nbhelpers.engine.kv_cache import KVCache
+from nbhelpers.engine.l2_prefetch import L2Prefetch
 from nbhelpers.engine.lora import LiveGroup, storage_signature
 
 
@@ -90,6 +91,7 @@ class EngineModel:
         self.flex = flex_fn or flex_attention_fn(compiled=False)
         self.fx_eager = self.fx_decode = Elementwise(compiled=False)
         self.skinny: Any = None  # skinny_linear.SkinnyLinear: decode GEMMs (set_skinny_gemm)
+        self.l2 = L2Prefetch("off", None)  # o_proj weight prefetch (runner option l2_prefetch)
         self._init_attention()
 
     def _qkv_group(self, attn: Any, fuse_lora_a: bool) -> LiveGroup:
@@ -229,6 +231,7 @@ class EngineModel:
         t = h.shape[1]
         fx = self.fx_decode if attn.is_decode else self.fx_eager
         (q, k, v), lora = self._project(fx, self.qkv[i], h)
+        self.l2.fork(self.o[i])  # decode only: o_proj's weight into L2 beside attention
         q = q.view(1, t, self.num_heads, self.head_dim)
         k = k.view(1, t, self.num_kv_heads, self.head_dim)
         qn = norm_params(layer.self_attn.q_norm) if self.spec.has_qk_norm else None
@@ -254,6 +257,7 @@ class EngineModel:
         return self._o_proj(fx, i, out.reshape(1, t, -1))
 
     def _o_proj(self, fx: Elementwise, i: int, out: Any) -> tuple[Any, Any]:
+        self.l2.join()  # the prefetch (side stream) ordered before o_proj (l2_prefetch.py)
         outs, lora = self._project(fx, self.o[i], out)
         return outs[0], lora
 

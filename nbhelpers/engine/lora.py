@@ -274,6 +274,13 @@ class LiveGroup:
             out["B"] = [b]
         return out
 
+    def gemm_weight(self) -> Any:
+        """The weight buffer the base GEMM reads: ``W [sum(out), in]``, with LoRA A's rows
+        below it in the ``ext`` layout (``[sum(out) + sum(r), in]``), or ``None`` when the parts
+        run one by one (runner option ``l2_prefetch`` reads it into L2)."""
+        f = self._buffers()
+        return None if f is None else f["W"]
+
     def __call__(self, x: Any) -> list[Any]:
         f = self._buffers()
         if f is None:

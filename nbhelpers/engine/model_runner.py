@@ -28,6 +28,7 @@ from nbhelpers.engine.attention import (
 from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
+from nbhelpers.engine.l2_prefetch import L2Prefetch
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
 from nbhelpers.engine.models import build_engine_model
 from nbhelpers.engine.prefill_fa4 import check_fa4_prefill
@@ -42,6 +43,7 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     RunnerOptions,
     resolve_fused_elementwise,
     resolve_kernels,
+    resolve_l2_prefetch,
     resolve_lora_dtype,
     resolve_lora_fused,
     resolve_pdl,
@@ -93,6 +95,8 @@ class ModelRunner:
                                    opt.skinny_gemm_max_rows, opt.skinny_gemm_cublas)
         self.pdl = resolve_pdl(opt, next(iter(model.parameters())).device)  # decode kernels
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
+        self.l2 = self.model.l2 = L2Prefetch(resolve_l2_prefetch(opt, self.model.device),
+                                             self.model.device)  # o_proj weights into L2
         fused_mode = resolve_fused_elementwise(opt, compile_layers, self.kernels_ok)
         self.sample_kernel = resolve_sample_kernel(opt, on_cuda)  # decode steps' sampler
         if fused_mode != "off" or self.sample_kernel != "torch":
@@ -286,8 +290,9 @@ class ModelRunner:
     def _step_body(self, st: DecodeState, use_sort: bool) -> None:
         compute = self._decode_compiled or self._decode_compute
         # decode GEMMs (skinny_gemm option; prefill: cuBLAS); PDL launches (pdl option): the
-        # same body runs warm-up, capture and eager steps, so graph and eager launch alike
-        with self.skinny.decoding(), pdl.scope(self.pdl):
+        # same body runs warm-up, capture and eager steps, so graph and eager launch alike;
+        # l2_prefetch option: o_proj weights into L2 on a side stream (decode only)
+        with self.skinny.decoding(), pdl.scope(self.pdl), self.l2.decoding():
             tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature,
                               st.min_p, st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))

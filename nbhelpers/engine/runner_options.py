@@ -10,6 +10,7 @@ from typing import Any
 
 from nbhelpers.engine.kernels import pdl as pdl_launch  # pure python, no triton at import
 from nbhelpers.engine.kernels.paged_decode_plan import pick_kernel  # pure python, no triton
+from nbhelpers.engine.l2_prefetch import check_l2_prefetch  # pure python, no torch at import
 from nbhelpers.engine.lora import (
     LORA_DTYPES,
     LORA_EXPAND_MODES,
@@ -170,6 +171,17 @@ class RunnerOptions:
     logprobs, on CUDA or under ``TRITON_INTERPRET=1``; other steps, other devices and
     ``compile_decode`` keep ``"torch"`` (:func:`resolve_sample_kernel`). Why: the profiler put
     the compiled sampler at 0.137 ms a step at batch 4 (~10 kernels, one 77 us row reduction)."""
+    l2_prefetch: str = "off"
+    """``"off"`` (the default) or ``"o_proj"`` (opt-in, not yet measured on the H200): in each
+    decode step, after layer ``i``'s qkv GEMM a side stream reads layer ``i``'s o_proj weight
+    buffer (``[W; A]`` when LoRA A rides in the GEMM) into L2 while attention runs, joined
+    before o_proj (``engine/l2_prefetch.py``, ``engine/kernels/l2_prefetch.py``). Why: at batch 4
+    on the H200 (2026-12-02 profile, Qwen3-4B) o_proj took 9.1 us for 21.2 MB with cold weights
+    while the ~9 us of q/k norm + RoPE and paged attention before it read ~4.5 MB; at batch >=
+    32 attention is bandwidth-bound itself, so expect no gain there. Runs on CUDA only (decode
+    warm-up, capture and eager steps; not prefill, Gemma-4's own attention block, the CPU,
+    ``TRITON_INTERPRET=1`` or ``compile_decode``), silently off elsewhere
+    (:func:`resolve_l2_prefetch`)."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128
@@ -218,6 +230,7 @@ class RunnerOptions:
         if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
             raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
                              f"{('auto', *pdl_launch.PDL_MODES)}.")
+        check_l2_prefetch(self.l2_prefetch, "RunnerOptions.l2_prefetch")
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
         if self.sample_kernel == "triton" and importlib.util.find_spec("triton") is None:
             raise ImportError("RunnerOptions.sample_kernel='triton' needs triton: pip install "
@@ -285,6 +298,15 @@ def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
     (``pdl.supported``: CUDA with compute capability >= 9, triton, no interpreter) and
     ``compile_decode`` is off; anything else is off, silently (the option is a speed knob)."""
     return opt.pdl != "off" and not opt.compile_decode and pdl_launch.supported(device)
+
+
+def resolve_l2_prefetch(opt: RunnerOptions, device: Any) -> str:
+    """``opt.l2_prefetch``, kept ``"o_proj"`` only where it runs (``l2_prefetch.runs_on``:
+    CUDA, triton, no interpreter) and without ``compile_decode`` (a whole-step trace has no
+    side stream); else ``"off"``, silently (the option is a speed knob)."""
+    from nbhelpers.engine.l2_prefetch import runs_on
+    keep = opt.l2_prefetch == "o_proj" and not opt.compile_decode and runs_on(device)
+    return "o_proj" if keep else "off"
 
 
 def resolve_sample_kernel(opt: RunnerOptions, on_cuda: bool) -> str:

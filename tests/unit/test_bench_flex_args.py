@@ -59,6 +59,9 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     ([*AB, "--variants", '{"name":"a","options":{"skinny_gemm_cublas":"off"}}'],
      "--variants[0] ('a'): RunnerOptions.skinny_gemm_cublas='off': must be one of "
      "('auto', 'never')"),
+    ([*AB, "--variants", '{"name":"a","options":{"l2_prefetch":"on"}}'],
+     ("--variants[0] ('a'): RunnerOptions.l2_prefetch='on': must be one of "
+      "('off', 'o_proj')")),
     ([*SMOKE, "--decode-kernel-options", '{"num_warps": 8};{"lora_expand": "fast"}'],
      "--decode-kernel-options part 1: RunnerOptions.lora_expand='fast'"),
     # 4: --sweep checked before the parity / W stages

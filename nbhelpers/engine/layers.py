@@ -63,7 +63,9 @@ class EngineModel:
     ``ArchSpec``. What the runner uses, for every architecture: ``spec``, ``config``, ``layers``,
     ``decode_kernels``, ``fx_eager``/``fx_decode`` (eager / compiled elementwise pieces and
     sampler), ``live_groups()``, ``compile_elementwise()``, ``allocate_kv``, ``signature``,
-    ``forward``, ``logits``, ``device``/``dtype``. A subclass (Gemma-4) changes the block through
+    ``forward``, ``logits``, ``device``/``dtype``, ``l2`` (the runner's
+    :class:`~nbhelpers.engine.l2_prefetch.L2Prefetch`: forked after each layer's qkv GEMM,
+    joined before its o_proj; Gemma-4's own attention block does not prefetch). A subclass (Gemma-4) changes the block through
     the overridable ``_qkv_group``, ``_init_attention``, ``live_groups``, ``allocate_kv`` and
     ``forward``, never by skipping this constructor.
 

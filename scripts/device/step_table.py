@@ -141,6 +141,18 @@ N13_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gem
              "{\"name\": \"sampler\", \"options\": {\"sample_kernel\": \"triton\"}};"
              "{\"name\": \"nocublas\", \"options\": {\"skinny_gemm_cublas\": \"never\"}}'")
 
+# next session, after n14a's GPU tests: the A/B of session 9's opt-ins (one process per point
+# x variant, ~30-45 s each): the rollout shape and no LoRA with all four (n15a, 8 processes), W's
+# batch 32 without the L2 prefetch (attention is bandwidth-bound there: n15b, 3 processes)
+_N15_VARIANTS = ("'{\"name\": \"default\", \"options\": {}};"
+                 "{\"name\": \"sampler\", \"options\": {\"sample_kernel\": \"triton\"}};"
+                 "{\"name\": \"nocublas\", \"options\": {\"skinny_gemm_cublas\": \"never\"}}")
+N15A_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4,qwen3-4b:none:4 --variants " + _N15_VARIANTS
+              + ";{\"name\": \"l2pf\", \"options\": {\"l2_prefetch\": \"o_proj\"}}'")
+N15B_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:bf16:32 --variants " + _N15_VARIANTS + "'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -335,6 +347,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n14b": ([], [], [
         (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "
                  "--durations=30"}, 250, 400, 0)]),
+    "n15a": ([], [], [
+        (BENCH, {"args": N15A_BENCH}, 360, 480, 0)]),
+    "n15b": ([], [], [
+        (BENCH, {"args": N15B_BENCH}, 140, 220, 0)]),
     "n13": ([], [], [
         (BENCH, {"args": N13_BENCH}, 130, 170, 0),
         (SUITE, {"args": "--paths tests/engine/test_vocab_sample.py,"

@@ -41,6 +41,8 @@ from nbhelpers.engine.runner_options import (  # noqa: F401 (re-exported: public
     DECODE_ATTENTION,
     DecodeState,
     RunnerOptions,
+)
+from nbhelpers.engine.runner_resolve import (
     resolve_fused_elementwise,
     resolve_kernels,
     resolve_l2_prefetch,

@@ -1,5 +1,6 @@
-"""Engine options (:class:`RunnerOptions`), their ``"auto"`` kernel resolution and the static
-device buffers of one decode batch bucket (:class:`DecodeState`); used by ``model_runner.py``.
+"""Engine options (:class:`RunnerOptions`) and the static device buffers of one decode batch
+bucket (:class:`DecodeState`); used by ``model_runner.py``. What ``"auto"`` resolves to:
+:mod:`nbhelpers.engine.runner_resolve`.
 """
 
 from __future__ import annotations
@@ -248,93 +249,6 @@ def option_names() -> frozenset[str]:
     ``max_num_seqs``, ``max_prefill_tokens``, ``share_prefix``)."""
     import dataclasses
     return frozenset(f.name for f in dataclasses.fields(RunnerOptions))
-
-
-def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
-                    decode_kernels: tuple[str, ...] = ("flex", "triton"),
-                    sdpa_ok: bool = False) -> tuple[str, str]:
-    """``(decode_attention, lora_expand)`` with ``"auto"`` resolved: the Triton kernels on CUDA
-    when the triton package imports (decode attention only where the model's
-    ``decode_kernels`` lists ``"triton"``: Gemma-4 keeps flex); on the CPU decode ``"sdpa"``
-    when ``sdpa_ok`` (the model's score_mod/masks have an SDPA form,
-    ``attention.sdpa_supports``), else ``"flex"``; LoRA B ``"addmm"`` off CUDA."""
-    triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
-    cpu = "sdpa" if sdpa_ok and not on_cuda else "flex"
-    attn = opt.decode_attention if opt.decode_attention != "auto" else (
-        "triton" if triton_ok and "triton" in decode_kernels else cpu)
-    expand = opt.lora_expand if opt.lora_expand != "auto" else (
-        "triton" if triton_ok else "addmm")
-    return attn, expand
-
-
-def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
-    """``opt.prefill_attention`` with ``"auto"`` resolved: ``"sdpa"`` on the CPU when
-    ``sdpa_ok`` (see :func:`resolve_kernels`), else ``"flex"``."""
-    if opt.prefill_attention != "auto":
-        return opt.prefill_attention
-    return "sdpa" if sdpa_ok and not on_cuda else "flex"
-
-
-def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.lora_fused`` with ``"auto"`` resolved to ``"off"`` (the fused kernel lost the H200
-    A/B of ``scripts/device/ab_lora_gemm.py``, see :class:`RunnerOptions`; ``on_cuda`` is where
-    a faster one would pick ``"triton"``)."""
-    del on_cuda  # auto -> off on every device for now
-    return "off" if opt.lora_fused == "auto" else opt.lora_fused
-
-
-def resolve_skinny_gemm(opt: RunnerOptions, kernels_ok: bool) -> str:
-    """``opt.skinny_gemm`` with ``"auto"`` resolved: ``"triton"`` when ``kernels_ok`` (CUDA and a
-    16/32-bit model, ``ModelRunner.kernels_ok``) and the triton package imports, else ``"off"``
-    (the H200 A/B is in :attr:`RunnerOptions.skinny_gemm`)."""
-    if opt.skinny_gemm != "auto":
-        return opt.skinny_gemm
-    return "triton" if kernels_ok and importlib.util.find_spec("triton") is not None else "off"
-
-
-def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
-    """Whether the decode kernels launch with PDL: ``opt.pdl`` is ``"on"`` or ``"auto"`` (the
-    H200 A/B is in :attr:`RunnerOptions.pdl`), ``device`` supports it
-    (``pdl.supported``: CUDA with compute capability >= 9, triton, no interpreter) and
-    ``compile_decode`` is off; anything else is off, silently (the option is a speed knob)."""
-    return opt.pdl != "off" and not opt.compile_decode and pdl_launch.supported(device)
-
-
-def resolve_l2_prefetch(opt: RunnerOptions, device: Any) -> str:
-    """``opt.l2_prefetch``, kept ``"o_proj"`` only where it runs (``l2_prefetch.runs_on``:
-    CUDA, triton, no interpreter) and without ``compile_decode`` (a whole-step trace has no
-    side stream); else ``"off"``, silently (the option is a speed knob)."""
-    from nbhelpers.engine.l2_prefetch import runs_on
-    keep = opt.l2_prefetch == "o_proj" and not opt.compile_decode and runs_on(device)
-    return "o_proj" if keep else "off"
-
-
-def resolve_sample_kernel(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.sample_kernel``, kept ``"triton"`` only on CUDA or under the interpreter
-    (``pdl.interpreted``) and without ``compile_decode`` (a whole-step trace keeps the torch
-    sampler, as it keeps cuBLAS); else ``"torch"``, silently (the option is a speed knob)."""
-    runs = on_cuda or pdl_launch.interpreted()
-    return "triton" if opt.sample_kernel == "triton" and runs and not opt.compile_decode \
-        else "torch"
-
-
-def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.lora_dtype`` with ``"auto"`` resolved: ``"model"`` on CUDA, else ``"adapter"``."""
-    if opt.lora_dtype != "auto":
-        return opt.lora_dtype
-    return "model" if on_cuda else "adapter"
-
-
-def resolve_fused_elementwise(opt: RunnerOptions, compile_layers: bool,
-                              on_cuda: bool = False) -> str:
-    """``opt.fused_elementwise`` with ``"auto"`` resolved: ``"triton"`` on CUDA when the triton
-    package imports (the H200 A/B is in :attr:`RunnerOptions.fused_elementwise`), else
-    ``"compile"`` when ``compile_layers`` (resolved) else ``"off"``."""
-    if opt.fused_elementwise != "auto":
-        return opt.fused_elementwise
-    if on_cuda and importlib.util.find_spec("triton") is not None:
-        return "triton"
-    return "compile" if compile_layers else "off"
 
 
 class DecodeState:

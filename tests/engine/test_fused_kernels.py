@@ -296,7 +296,8 @@ def test_failed_capture_swaps_the_triton_pieces_for_eager(monkeypatch):
 def test_auto_is_triton_on_cuda_and_bad_values_are_clear():
     """``auto`` = the Triton pieces on CUDA (H200 A/B of 2026-12-01, RunnerOptions docstring),
     elsewhere compiled pieces iff ``compile_layers``, else eager."""
-    from nbhelpers.engine.runner_options import RunnerOptions, resolve_fused_elementwise
+    from nbhelpers.engine.runner_options import RunnerOptions
+    from nbhelpers.engine.runner_resolve import resolve_fused_elementwise
     assert resolve_fused_elementwise(RunnerOptions(), compile_layers=True, on_cuda=True) == \
         "triton"
     assert resolve_fused_elementwise(RunnerOptions(), compile_layers=True) == "compile"

@@ -23,7 +23,8 @@ from nbhelpers.engine import l2_prefetch as l2
 from nbhelpers.engine.kernels import fused_norm
 from nbhelpers.engine.kernels import l2_prefetch as kern
 from nbhelpers.engine.lora import LiveGroup
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_l2_prefetch
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_l2_prefetch
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 SMALL = {"page_size": 64, "num_pages": 8, "max_model_len": 64}

@@ -22,7 +22,8 @@ from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import lora_expand as le
 from nbhelpers.engine.lora import LiveGroup, check_lora_expand
 from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_kernels
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_kernels
 
 skip_unless_runnable(le)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)

@@ -14,7 +14,8 @@ from _tiny import random_prompts
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.lora import LiveGroup
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_lora_dtype
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_lora_dtype
 
 
 def _groups(model):

@@ -19,7 +19,8 @@ from _tiny import random_prompts, tiny_model
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import pdl
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_pdl
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_pdl
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 CUDA = torch.device("cuda")

@@ -18,7 +18,8 @@ from _tiny import tiny_model
 
 from nbhelpers.engine import LLM, prefill_fa4
 from nbhelpers.engine.attention import sliding_window, soft_cap
-from nbhelpers.engine.runner_options import PREFILL_ATTENTION, RunnerOptions, resolve_prefill
+from nbhelpers.engine.runner_options import PREFILL_ATTENTION, RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_prefill
 
 OPTS = {"page_size": 16, "num_pages": 16, "max_model_len": 64}
 

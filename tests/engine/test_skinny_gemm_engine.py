@@ -22,7 +22,8 @@ from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import skinny_gemm as sg
 from nbhelpers.engine.kernels import skinny_gemm_tune as tune
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_skinny_gemm
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_skinny_gemm
 from nbhelpers.engine.skinny_linear import SkinnyLinear, check_skinny_gemm
 
 skip_unless_runnable(sg)

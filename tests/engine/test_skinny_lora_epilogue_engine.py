@@ -26,7 +26,8 @@ from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import skinny_gemm_tune as tune
 from nbhelpers.engine.kernels import skinny_lora_epilogue as ep
 from nbhelpers.engine.lora import check_lora_expand
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_kernels
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_kernels
 
 skip_unless_runnable(ep)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)

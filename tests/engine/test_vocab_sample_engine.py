@@ -20,7 +20,8 @@ from _tiny import random_prompts, tiny_model
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import vocab_sample as vs
-from nbhelpers.engine.runner_options import RunnerOptions, resolve_sample_kernel
+from nbhelpers.engine.runner_options import RunnerOptions
+from nbhelpers.engine.runner_resolve import resolve_sample_kernel
 
 skip_unless_runnable(vs)
 

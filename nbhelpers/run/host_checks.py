@@ -9,7 +9,9 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
 - A random-weight registry model or 33's ``shape`` above :data:`CPU_PARAMS_LIMIT` parameters
   (the H200 workloads: qwen3-4b, llama-3.2-3b, gemma-4-e2b) needs CUDA here.
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
-  overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` (any host).
+  overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` (any host); 33's
+  ``variants`` / ``lora_modes`` pass its plan's checks on the host that runs it
+  (:func:`check_flex_plan_params`).
 """
 from __future__ import annotations
 
@@ -43,13 +45,43 @@ def check_engine_options_param(params: dict[str, Any], phase: str,
         raise UserInputError(f"{where('engine_options')}: {exc}") from exc
 
 
+def check_flex_plan_params(params: dict[str, Any], phase: str,
+                           where: Callable[[str], str]) -> None:
+    """Notebook 33's ``variants`` (each over ``engine_options``) and ``lora_modes`` through the
+    checks its plan cell makes (:func:`nbhelpers.bench.flex_configs.plan_configs`), so a bad
+    variant fails here instead of in cell 5 after the kernel started, with a failed notebook,
+    sidecar and INDEX row written (fresh-user trial, 2026-12-02: ``-p variants '[{"name": "a",
+    "options": {"sample_kernel": "Triton"}}]'``). Only the parameters given are checked (the
+    notebook's own defaults are valid). Called from :func:`check_host`, where this host runs the
+    notebook: a variant's options may need a package only the GPU host stages
+    (``prefill_attention: fa4``, step ``f4b``), so a dry run's planning does not ask.
+    Raises :class:`UserInputError`."""
+    if phase != "phase3":
+        return
+    from nbhelpers.bench import flex_ab, flex_configs
+    base = params.get("engine_options")
+    checks = (("variants", lambda v: flex_ab.check_variants(
+                  v, "variants", base if isinstance(base, dict) else None)),
+              ("lora_modes", flex_configs.plan_configs))
+    for name, check in checks:
+        value = params.get(name)
+        if not isinstance(value, list) or (name == "variants" and not value):
+            continue  # the type check names a non-list; no variants: the notebook's 'default'
+        try:
+            check(value)
+        except (TypeError, ValueError) as exc:
+            raise UserInputError(f"{where(name)}: {exc}") from exc
+
+
 def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str]) -> None:
     """``device`` and the model size against this host: called where this host will run the
     notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
-    only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU).
+    only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU);
+    33's variants and LoRA modes too (:func:`check_flex_plan_params`).
     Raises :class:`UserInputError` naming the parameter and the fix."""
     if phase != "phase3":
         return
+    check_flex_plan_params(params, phase, where)
     device = params.get("device")
     if isinstance(device, str) and device.startswith("cuda") and not cuda_available():
         raise UserInputError(f"{where('device')}: device={device!r} but torch sees no CUDA GPU "

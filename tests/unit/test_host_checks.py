@@ -17,11 +17,11 @@ N30 = "notebooks/phase3_flex/30_engine_walkthrough.ipynb"
 
 
 @pytest.mark.parametrize("nb,over,want", [
-    (N33, {"shape": "qwen3-4b"}, r"-p shape \(33_flex_vs_baselines.ipynb\): shape='qwen3-4b' is "
-     r"a GPU workload \(random weights, 4\.0 B parameters\).*-p shape tiny"),
+    (N33, {"shape": "qwen3-4b"}, (r"-p shape \(33_flex_vs_baselines.ipynb\): shape='qwen3-4b' is "
+     r"a GPU workload \(random weights, 4\.0 B parameters\).*-p shape tiny")),
     (N34, {"model": "gemma-4-e2b"}, r"model='gemma-4-e2b' is a GPU workload .*tiny-gemma4"),
-    (N30, {"device": "cuda"}, r"device='cuda' but torch sees no CUDA GPU on this host: use -p "
-     r"device cpu here"),
+    (N30, {"device": "cuda"}, (r"device='cuda' but torch sees no CUDA GPU on this host: use -p "
+     r"device cpu here")),
 ])
 def test_gpu_sized_requests_are_refused_before_anything_is_claimed(monkeypatch, tmp_path, nb,
                                                                    over, want):
@@ -55,3 +55,46 @@ def test_phase3_engine_options_are_checked_on_any_host(opts, want):
     with pytest.raises(UserInputError, match=r"-p engine_options \(33_flex_vs_baselines.ipynb\)"
                        r": engine_options: " + want):
         plan_parameters([REPO / N33], "cpu", {"engine_options": opts}, REPO)
+
+
+@pytest.mark.parametrize("over,want", [
+    ({"variants": [{"name": "a", "options": {"sample_kernel": "Triton"}}]},
+     (r"-p variants \(33_flex_vs_baselines.ipynb\): variants\[0\] \('a'\): RunnerOptions\."
+     r"sample_kernel='Triton': must be one of \('torch', 'triton'\)")),
+    ({"variants": [{"name": "a", "options": {"sampel_kernel": "triton"}}]},
+     r"-p variants .*did you mean 'sample_kernel'\?"),
+    ({"variants": [{"name": "a", "options": {"skinny_gemm_cublas": None}}]},
+     r"-p variants .*skinny_gemm_cublas=None: must be one of \('auto', 'never'\)"),
+    ({"variants": [1]}, r"-p variants .*variants\[0\] = 1: each variant is a dict"),
+    ({"variants": [{"name": "a"}, {"name": "a"}]}, r"-p variants .*names must be unique"),
+    ({"variants": [{"name": "a", "options": {"lora_expand": "addmm"}}],
+      "engine_options": {"pdl": "off", "sample_kernel": "torch"}}, None),
+    ({"lora_modes": ["Bf16"]}, r"-p lora_modes .*'Bf16' is no LoRA mode"),
+    ({"lora_modes": []}, r"-p lora_modes .*give a non-empty list"),
+])
+def test_33_variants_and_lora_modes_are_refused_before_anything_is_claimed(tmp_path, over,
+                                                                            want):
+    """A bad variant failed in cell 5 after the kernel started and left a failed notebook,
+    sidecar and INDEX row (fresh-user trial, 2026-12-02); now nothing is written."""
+    out = tmp_path / "executed"
+    if want is None:  # a valid variant over valid engine_options plans
+        (job,) = plan_jobs(N33, "cpu", over, None, out, REPO)
+        assert job.parameters["variants"] == over["variants"]
+        return
+    with pytest.raises(UserInputError, match=want):
+        plan_jobs(N33, "cpu", over, None, out, REPO)
+    assert not out.exists() or not any(out.rglob("*.*"))
+
+
+def test_a_gpu_host_variant_plans_in_a_dry_run_and_is_refused_where_it_would_run(monkeypatch,
+                                                                                  tmp_path):
+    """Step f4b's FA4 variant: run_step.py --dry-run plans it on a CPU host without FA4
+    (plan_parameters checks values only); the runner on such a host refuses it at once."""
+    from nbhelpers.engine import prefill_fa4
+    monkeypatch.setattr(prefill_fa4, "fa4_importable", lambda: False)
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: True)
+    over = {"variants": [{"name": "fa4", "options": {"prefill_attention": "fa4"}}]}
+    ((_, params),) = plan_parameters([REPO / N33], "h200", over, REPO)
+    assert params["variants"] == over["variants"]
+    with pytest.raises(UserInputError, match=r"-p variants .*needs FlashAttention-4"):
+        plan_jobs(N33, "h200", over, None, tmp_path / "executed", REPO)

@@ -105,7 +105,7 @@ def parse_variants(text: str) -> list[dict[str, Any]]:
             (the message names ``--variants`` and the fix).
     """
     parts = parse_json_parts(text, "--variants", VARIANTS_EXAMPLE) or [{"name": "default"}]
-    return check_variants(parts, "--variants")
+    return check_variants(parts, "--variants", example=f"--variants '{VARIANTS_EXAMPLE}'")
 
 
 def lora_mode(value: Any, where: str = "lora_modes") -> str:
@@ -166,27 +166,32 @@ def check_engine_options(options: Any, where: str) -> dict[str, Any]:
     return dict(options)
 
 
-def check_variants(parts: Any, where: str = "variants",
-                   base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def check_variants(parts: Any, where: str = "variants", base: dict[str, Any] | None = None,
+                   example: str | None = None) -> list[dict[str, Any]]:
     """``[{"name", "options"}]`` checked before anything runs: each part a dict with a unique
     ``name`` (letters, digits, ``_.-``: it names files) and optional ``options`` (RunnerOptions
     overrides, :func:`check_engine_options`), laid over ``base`` (notebook 33's
-    ``engine_options``).
+    ``engine_options``); ``example``: the form its messages show (default notebook 33's list;
+    ``--variants`` shows its ``;``-separated objects, which a JSON list is not).
 
     Raises:
-        ValueError: not a non-empty list of such dicts, a repeated name or bad options.
+        ValueError: not a non-empty list of such dicts (an unknown key named), a repeated name
+            or bad options.
     """
-    example = '[{"name": "default", "options": {}}, {"name": "previous", "options": {...}}]'
+    example = example or ('[{"name": "default", "options": {}}, {"name": "previous", '
+                          '"options": {...}}]')
     if not isinstance(parts, (list, tuple)) or not parts:
         raise ValueError(f"{where}: give a non-empty list like {example}, got {parts!r}.")
     out = []
     for i, part in enumerate(parts):
         name = part.get("name") if isinstance(part, dict) else None
-        if (not isinstance(name, str) or not _NAME.fullmatch(name)
-                or set(part) - {"name", "options"}
+        extra = sorted(set(part) - {"name", "options"}) if isinstance(part, dict) else []
+        if (not isinstance(name, str) or not _NAME.fullmatch(name) or extra
                 or not isinstance(part.get("options") or {}, dict)):
-            raise ValueError(f"{where}[{i}] = {part!r}: each variant is a dict with a 'name' "
-                             f"(letters, digits, _ . -) and optional 'options', e.g. {example}.")
+            why = f" has unknown key(s) {extra}" if extra else ""
+            raise ValueError(f"{where}[{i}] = {part!r}{why}: each variant is a dict with a "
+                             f"'name' (letters, digits, _ . -) and optional 'options', e.g. "
+                             f"{example}.")
         opts = check_engine_options({**(base or {}), **(part.get("options") or {})},
                                     f"{where}[{i}] ({name!r})")
         out.append({"name": name, "options": opts})

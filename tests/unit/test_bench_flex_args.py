@@ -57,8 +57,8 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     ([*AB, "--variants", '{"name":"a","options":{"pdl":"yes"}}'],
      r"--variants[0] ('a'): RunnerOptions.pdl='yes': must be one of ('auto', 'off', 'on')"),
     ([*AB, "--variants", '{"name":"a","options":{"skinny_gemm_cublas":"off"}}'],
-     "--variants[0] ('a'): RunnerOptions.skinny_gemm_cublas='off': must be one of "
-     "('auto', 'never')"),
+     ("--variants[0] ('a'): RunnerOptions.skinny_gemm_cublas='off': must be one of "
+      "('auto', 'never')")),
     ([*AB, "--variants", '{"name":"a","options":{"l2_prefetch":"on"}}'],
      ("--variants[0] ('a'): RunnerOptions.l2_prefetch='on': must be one of "
       "('off', 'o_proj')")),
@@ -79,6 +79,17 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     # 8: a typo in --skip
     ([*SMOKE, "--skip", "parity,swep"],
      "unknown stage(s) ['swep']; the stages are parity_tiny,parity,w,sweep"),
+    # a JSON list (notebook 33's -p variants form) or a typo'd key: the CLI's own form shown
+    # (fresh-user trial, 2026-12-02: the list form was refused with the list form as the example)
+    ([*AB, "--variants", '[{"name": "a"}]'],
+     ("--variants[0] = [{'name': 'a'}]: each variant is a dict with a 'name' (letters, digits, "
+     "_ . -) and optional 'options', e.g. --variants '{\"name\": \"old\", \"options\": "
+     "{\"lora_expand\": \"addmm\"}};{\"name\": \"new\"}'.")),
+    ([*AB, "--variants", '{"name": "a", "option": {"sample_kernel": "triton"}}'],
+     "has unknown key(s) ['option']: each variant is a dict"),
+    ([*AB, "--variants", '{"name": "a", "options": {"sample_kernel": "Triton"}}'],
+     ("--variants[0] ('a'): RunnerOptions.sample_kernel='Triton': must be one of "
+     "('torch', 'triton')")),
     # --variants only means something with --points
     ([*SMOKE, "--variants", '{"name": "a"}'], "--variants is the A/B mode's and needs --points"),
 ])

@@ -38,7 +38,7 @@ from nbhelpers.bench.profile import (  # noqa: F401 (re-exported: the notebooks'
     profile_decode_step,
 )
 from nbhelpers.config import LoraSpec, SamplingParams
-from nbhelpers.engine.tuner_tables import tuner_tables
+from nbhelpers.engine.tuner_tables import resolved_kernels, tuner_tables
 
 QWEN3_4B_SHAPE = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
                       "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
@@ -200,7 +200,9 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
     ``profile``: a CUDA kernel profile (``breakdown["profile"]``, ``["kernel_breakdown"]``) and
     the aten-op count (``["aten_ops"]``). Always: the GEMM tuners' choices and per-candidate ms
     for the shapes this engine tuned (``breakdown["skinny_tuner"]``, ``["lora_gemm_tuner"]``,
-    :func:`nbhelpers.engine.tuner_tables.tuner_tables`; ``{}`` on the CPU). ``floor``: ``res["floor"]`` and ``res["pct_of_floor"]``
+    :func:`nbhelpers.engine.tuner_tables.tuner_tables`; ``{}`` on the CPU) and the kernels that
+    ran (``breakdown["resolved"]``, :func:`~nbhelpers.engine.tuner_tables.resolved_kernels`).
+    ``floor``: ``res["floor"]`` and ``res["pct_of_floor"]``
     (:func:`nbhelpers.bench.floor.floor_record`, measured after the timed rounds, at the mean
     decode context ``prompt_tokens + max_new_tokens / 2``; ``floor_gemms``: cold GEMM times too).
     """
@@ -213,7 +215,7 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
                                  "max_new_tokens": max_new_tokens})
     prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
     res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
-    res["breakdown"].update(tuner_tables(llm.runner))
+    res["breakdown"].update(tuner_tables(llm.runner), resolved=resolved_kernels(llm.runner))
     if profile:
         res["breakdown"].update(profile_point(llm, batch, back=max_new_tokens // 2))
     llm.sleep()

@@ -9,8 +9,13 @@ process or served from the JSON cache file). ``{}`` where a path is off or chose
 CPU nothing is tuned: the fixed default config runs). ``inf`` times (a candidate that failed) stay
 ``inf`` here; the sidecar writer turns them into ``None``.
 
-Run: ``scripts/bench_flex.py`` records it under ``breakdown`` (``nbhelpers.bench.flex_sweep``);
-tests: ``tests/engine/test_skinny_gemm_cublas.py``.
+:func:`resolved_kernels` says what the runner runs once ``"auto"`` and the silent device
+fallbacks are resolved (``sample_kernel="triton"`` is the torch sampler on the CPU without
+``TRITON_INTERPRET=1``; ``skinny_gemm_cublas`` means nothing with the skinny path off): a
+variant's options say what was asked, this what ran (fresh-user trial, 2026-12-02).
+
+Run: ``scripts/bench_flex.py`` records both under ``breakdown`` (``nbhelpers.bench.flex_sweep``);
+tests: ``tests/engine/test_skinny_gemm_cublas.py``, ``tests/engine/test_resolved_kernels.py``.
 """
 
 from __future__ import annotations
@@ -46,3 +51,16 @@ def tuner_tables(runner: Any) -> dict[str, dict]:
     """``{"skinny_tuner": ..., "lora_gemm_tuner": ...}`` of ``runner`` (module docstring)."""
     return {"skinny_tuner": skinny_table(getattr(runner, "skinny", None)),
             "lora_gemm_tuner": lora_gemm_table(runner.model.live_groups())}
+
+
+def resolved_kernels(runner: Any) -> dict[str, Any]:
+    """``runner``'s kernels after resolution (module docstring): ``decode_attention``,
+    ``prefill_attention``, ``lora_expand`` (the groups' mode; unsupported shapes still fall back
+    to ``addmm`` per call), ``skinny_gemm`` (``"triton"`` / ``"off"``), ``skinny_gemm_cublas``
+    (``None`` with the skinny path off), ``pdl`` (bool) and ``sample_kernel``."""
+    skinny = runner.skinny
+    return {"decode_attention": runner.decode_attention,
+            "prefill_attention": runner.prefill_attention, "lora_expand": runner.lora_expand,
+            "skinny_gemm": skinny.mode if skinny.enabled else "off",
+            "skinny_gemm_cublas": skinny.cublas if skinny.enabled else None,
+            "pdl": bool(runner.pdl), "sample_kernel": runner.sample_kernel}

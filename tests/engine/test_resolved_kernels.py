@@ -1,0 +1,57 @@
+"""``tuner_tables.resolved_kernels``: what the runner runs once ``"auto"`` and the silent device
+fallbacks are resolved, recorded in every flex point's ``breakdown["resolved"]``
+(``bench.flex_sweep.run_flex_point``: scripts/bench_flex.py's A/B sidecars, notebook 33's points).
+
+Why (fresh-user trial, 2026-12-02): ``--variants '{"name": "a", "options": {"sample_kernel":
+"triton"}}'`` on a CPU host without ``TRITON_INTERPRET=1`` ran the torch sampler and its sidecar
+said only ``"sample_kernel": "triton"``; ``skinny_gemm_cublas="never"`` with the skinny path
+off changes nothing. Tiny Qwen3 on the CPU; the tests run under the interpreter
+(``tests/conftest.py``) unless they patch ``pdl.interpreted``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from _tiny import tiny_model
+
+from nbhelpers.bench import flex_sweep as eb
+from nbhelpers.engine import LLM
+from nbhelpers.engine.kernels import pdl
+from nbhelpers.engine.tuner_tables import resolved_kernels
+
+TRITON = importlib.util.find_spec("triton") is not None
+POOL = {"page_size": 8, "num_pages": 16, "max_model_len": 64}
+
+
+def test_cpu_defaults():
+    got = resolved_kernels(LLM(tiny_model("qwen3"), **POOL).runner)
+    assert got == {"decode_attention": "sdpa", "prefill_attention": "sdpa",
+                   "lora_expand": "addmm", "skinny_gemm": "off", "skinny_gemm_cublas": None,
+                   "pdl": False, "sample_kernel": "torch"}
+
+
+@pytest.mark.skipif(not TRITON, reason="sample_kernel='triton' needs triton: pip install triton "
+                    "(scripts/test.sh installs the interp extra)")
+def test_what_was_asked_and_what_ran_differ_off_cuda_without_the_interpreter(monkeypatch):
+    opts = {"sample_kernel": "triton", "skinny_gemm_cublas": "never", "pdl": "on"}
+    llm = LLM(tiny_model("qwen3"), **POOL, **opts)
+    assert resolved_kernels(llm.runner)["sample_kernel"] == "triton"  # interpreted: it runs
+    monkeypatch.setattr(pdl, "interpreted", lambda: False)
+    llm = LLM(tiny_model("qwen3"), **POOL, **opts)
+    assert (llm.opt.sample_kernel, llm.opt.skinny_gemm_cublas, llm.opt.pdl) == \
+        ("triton", "never", "on")  # asked
+    got = resolved_kernels(llm.runner)
+    assert (got["sample_kernel"], got["skinny_gemm_cublas"], got["pdl"]) == ("torch", None, False)
+
+
+def test_every_flex_point_records_them():
+    model = tiny_model("qwen3")
+    res = eb.run_flex_point(model, 2, 5, 3, rounds=1, warmup=0, sync_every=2, floor=False,
+                            decode_attention="flex")
+    got = res["breakdown"]["resolved"]
+    assert got["decode_attention"] == "flex" and got["sample_kernel"] == "torch"
+    side = eb.flex_sidecar("t_b2", {"name": "tiny"}, None, 2, 5, 3, res, run_id="r")
+    assert json.loads(json.dumps(side))["breakdown"]["resolved"] == got

@@ -149,7 +149,9 @@ class RunnerOptions:
     where it times fastest) or ``"never"`` (an A/B knob: every shape the skinny path serves runs
     its fastest correct Triton config, tuned under its own cache key; no cuBLAS launch breaks
     the ``pdl`` chain). Why ask: on the H200 (2026-12-02 profile, Qwen3-4B) the tuner kept
-    cuBLAS for o_proj at batch 4 and o/down_proj at batch 32; not yet A/B-measured."""
+    cuBLAS for o_proj at batch 4 and o/down_proj at batch 32; not yet A/B-measured. With
+    ``skinny_gemm="off"`` ``"never"`` is refused (``ValueError``); where ``"auto"`` resolves the
+    skinny path off (the CPU) it has no effect (``tuner_tables.resolved_kernels`` records it)."""
     pdl: str = "auto"
     """Programmatic Dependent Launch of the decode step's Triton kernels (skinny GEMM, LoRA
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
@@ -228,6 +230,10 @@ class RunnerOptions:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
         check_skinny_gemm_max_rows(self.skinny_gemm_max_rows, "RunnerOptions.skinny_gemm_max_rows")
         check_skinny_gemm_cublas(self.skinny_gemm_cublas, "RunnerOptions.skinny_gemm_cublas")
+        if self.skinny_gemm_cublas == "never" and self.skinny_gemm == "off":
+            raise ValueError("RunnerOptions.skinny_gemm_cublas='never' with skinny_gemm='off': "
+                             "the skinny path is off, so every decode GEMM is cuBLAS; use "
+                             "skinny_gemm='auto' (or 'triton'), or drop skinny_gemm_cublas.")
         if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
             raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
                              f"{('auto', *pdl_launch.PDL_MODES)}.")

@@ -5,8 +5,8 @@ fallbacks are resolved, recorded in every flex point's ``breakdown["resolved"]``
 Why (fresh-user trial, 2026-12-02): ``--variants '{"name": "a", "options": {"sample_kernel":
 "triton"}}'`` on a CPU host without ``TRITON_INTERPRET=1`` ran the torch sampler and its sidecar
 said only ``"sample_kernel": "triton"``; ``skinny_gemm_cublas="never"`` with the skinny path
-off changes nothing. Tiny Qwen3 on the CPU; the tests run under the interpreter
-(``tests/conftest.py``) unless they patch ``pdl.interpreted``.
+off changes nothing (with ``skinny_gemm="off"`` it is now refused). Tiny Qwen3 on the CPU; the
+tests run under the interpreter (``tests/conftest.py``) unless they patch ``pdl.interpreted``.
 """
 
 from __future__ import annotations
@@ -55,3 +55,17 @@ def test_every_flex_point_records_them():
     assert got["decode_attention"] == "flex" and got["sample_kernel"] == "torch"
     side = eb.flex_sidecar("t_b2", {"name": "tiny"}, None, 2, 5, 3, res, run_id="r")
     assert json.loads(json.dumps(side))["breakdown"]["resolved"] == got
+
+
+def test_never_with_the_skinny_path_off_is_refused():
+    """``skinny_gemm="off", skinny_gemm_cublas="never"`` was accepted and ran cuBLAS for every
+    decode GEMM (fresh-user trial, 2026-12-02); an A/B variant gets the same one message."""
+    from nbhelpers.bench import flex_ab
+    from nbhelpers.engine.runner_options import RunnerOptions
+    with pytest.raises(ValueError, match=r"skinny_gemm_cublas='never' with skinny_gemm='off'.*"
+                       r"use skinny_gemm='auto'"):
+        RunnerOptions(skinny_gemm="off", skinny_gemm_cublas="never")
+    with pytest.raises(ValueError, match=r"x: RunnerOptions.skinny_gemm_cublas='never' with"):
+        flex_ab.check_engine_options({"skinny_gemm": "off", "skinny_gemm_cublas": "never"}, "x")
+    assert RunnerOptions(skinny_gemm="off").skinny_gemm_cublas == "auto"
+    assert RunnerOptions(skinny_gemm_cublas="never").skinny_gemm == "auto"  # auto: no refusal

@@ -22,6 +22,7 @@ adapters (LoRA-shrink kernel) and 4.33 ms with bf16 ones
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from nbhelpers.backends import _common
@@ -51,15 +52,8 @@ class FlexBackend:
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
         _common.require("torch", self.name, "cpu")
-        unknown = set(engine_options) - _LOAD_OPTIONS - _LLM_OPTIONS
-        if unknown:
-            raise ValueError(f"{self.name}: unknown engine options {sorted(unknown)}; use "
-                             f"{sorted(_LOAD_OPTIONS | _LLM_OPTIONS)}.")
+        _preflight(model, engine_options)  # bad names and values fail before the weights load
         adapter_dtype = engine_options.get("adapter_dtype", "peft")
-        if adapter_dtype not in ADAPTER_DTYPES:
-            raise ValueError(f"{self.name}: adapter_dtype={adapter_dtype!r}: use one of "
-                             f"{ADAPTER_DTYPES}.")
-        _preflight(model, engine_options)  # bad values fail before the weights load
         self.model, self.tokenizer, self.adapter_path = _common.load_hf(
             model, lora, device=engine_options.get("device"),
             adapter_path=engine_options.get("adapter_path"), seed=engine_options.get("seed", 0))
@@ -92,15 +86,36 @@ class FlexBackend:
         _common.free_device_memory()
 
 
-def _preflight(model: ModelSpec, options: dict[str, Any]) -> None:
-    """Check the engine options that need no weights, before ``load_hf`` reads them (a 4B model
-    is ~8 GB): every :class:`RunnerOptions` value (its ``ValueError`` / ``TypeError`` names the
-    fix) and an explicit ``max_model_len`` against the model's context from its config alone
-    (:func:`llm_checks.fit_max_model_len`, vLLM's rule). ``LLM`` checks them again, on the model."""
-    from nbhelpers.engine.llm_checks import fit_max_model_len
+def check_engine_options(options: dict[str, Any], name: str = "flex") -> None:
+    """The option checks of ``load`` that need neither the model nor its config: every name
+    known (``ValueError`` naming the valid ones), ``adapter_dtype`` one of
+    :data:`ADAPTER_DTYPES` and every :class:`RunnerOptions` value (its ``ValueError`` /
+    ``TypeError``; ``ImportError`` for a kernel whose package is missing). The runner calls it
+    for phase 1's ``engine_options["flex"]`` before the notebook starts
+    (:mod:`nbhelpers.run.host_checks`)."""
     from nbhelpers.engine.runner_options import RunnerOptions
+    unknown = set(options) - _LOAD_OPTIONS - _LLM_OPTIONS
+    if unknown:
+        close = {u: difflib.get_close_matches(u, _LOAD_OPTIONS | _LLM_OPTIONS, n=1)
+                 for u in sorted(unknown)}
+        hint = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        raise ValueError(f"{name}: unknown engine options {sorted(unknown)}{hint}; use "
+                         f"{sorted(_LOAD_OPTIONS | _LLM_OPTIONS)}.")
+    adapter_dtype = options.get("adapter_dtype", "peft")
+    if adapter_dtype not in ADAPTER_DTYPES:
+        raise ValueError(f"{name}: adapter_dtype={adapter_dtype!r}: use one of "
+                         f"{ADAPTER_DTYPES}.")
     fields = option_names() - {"num_pages"}
     RunnerOptions(**{k: v for k, v in options.items() if k in fields})
+
+
+def _preflight(model: ModelSpec, options: dict[str, Any]) -> None:
+    """Check the engine options before ``load_hf`` reads the weights (a 4B model is ~8 GB):
+    :func:`check_engine_options` (names and values, each error naming the fix), then an explicit
+    ``max_model_len`` against the model's context from its config alone
+    (:func:`llm_checks.fit_max_model_len`, vLLM's rule). ``LLM`` checks them again, on the model."""
+    from nbhelpers.engine.llm_checks import fit_max_model_len
+    check_engine_options(options)
     if "max_model_len" in options:
         from nbhelpers import models
         fit_max_model_len(models.build_config(model.name),

@@ -11,7 +11,8 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
   overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` (any host); 33's
   ``variants`` / ``lora_modes`` pass its plan's checks on the host that runs it
-  (:func:`check_flex_plan_params`).
+  (:func:`check_flex_plan_params`), and so do phase 1's flex options
+  (:func:`check_flex_backend_options`).
 """
 from __future__ import annotations
 
@@ -73,12 +74,35 @@ def check_flex_plan_params(params: dict[str, Any], phase: str,
             raise UserInputError(f"{where(name)}: {exc}") from exc
 
 
+def check_flex_backend_options(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    """Phase 1's ``engine_options["flex"]`` (the harness keys aside,
+    :data:`nbhelpers.bench.rollout.HARNESS_KEYS`) through the flex backend's own checks
+    (:func:`nbhelpers.backends.flex.check_engine_options`) when flex is a backend of the run: a
+    bad value failed at the backend's load, and the notebook ran on to its last cell and wrote a
+    failed notebook, sidecars and an INDEX row (fresh-user trial, 2026-12-02: ``-p backends
+    '[flex]' -p engine_options '{flex: {sample_kernel: Triton}}'``, 29 s). On the host that runs
+    it (a kernel's package may be missing only here). Raises :class:`UserInputError`."""
+    opts, backends = params.get("engine_options"), params.get("backends")
+    flex = opts.get("flex") if isinstance(opts, dict) else None
+    if not isinstance(flex, dict) or (isinstance(backends, list) and "flex" not in backends):
+        return
+    from nbhelpers.backends.flex import check_engine_options
+    from nbhelpers.bench.rollout import HARNESS_KEYS
+    try:
+        check_engine_options({k: v for k, v in flex.items() if k not in HARNESS_KEYS})
+    except (TypeError, ValueError, ImportError) as exc:
+        raise UserInputError(f"{where('engine_options')}: engine_options['flex']: {exc}") from exc
+
+
 def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str]) -> None:
     """``device`` and the model size against this host: called where this host will run the
     notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
     only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU);
-    33's variants and LoRA modes too (:func:`check_flex_plan_params`).
+    33's variants and LoRA modes too (:func:`check_flex_plan_params`), and phase 1's flex
+    options (:func:`check_flex_backend_options`).
     Raises :class:`UserInputError` naming the parameter and the fix."""
+    if phase == "phase1":
+        check_flex_backend_options(params, where)
     if phase != "phase3":
         return
     check_flex_plan_params(params, phase, where)

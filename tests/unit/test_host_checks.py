@@ -98,3 +98,31 @@ def test_a_gpu_host_variant_plans_in_a_dry_run_and_is_refused_where_it_would_run
     assert params["variants"] == over["variants"]
     with pytest.raises(UserInputError, match=r"-p variants .*needs FlashAttention-4"):
         plan_jobs(N33, "h200", over, None, tmp_path / "executed", REPO)
+
+
+N10 = "notebooks/phase1_rollout/10_lora_rollout.ipynb"
+
+
+@pytest.mark.parametrize("over,want", [
+    ({"backends": ["flex"], "engine_options": {"flex": {"sample_kernel": "Triton"}}},
+     (r"-p engine_options \(10_lora_rollout.ipynb\): engine_options\['flex'\]: RunnerOptions\."
+     r"sample_kernel='Triton': must be one of \('torch', 'triton'\)")),
+    ({"backends": ["flex"], "engine_options": {"flex": {"sampel_kernel": "torch"}}},
+     (r"flex: unknown engine options \['sampel_kernel'\] \('sampel_kernel': did you mean "
+     r"'sample_kernel'\?\)")),
+    ({"backends": ["flex"], "engine_options": {"flex": {"adapter_dtype": "bf16"}}},
+     r"adapter_dtype='bf16': use one of \('peft', 'model'\)"),
+    ({"backends": ["flex"], "engine_options": {"flex": {"rounds": 1, "lora_expand": "addmm"}}},
+     None),  # a harness key and a good option: planned
+])
+def test_phase1_flex_options_are_refused_before_anything_is_claimed(tmp_path, over, want):
+    """A bad flex option failed at the backend's load; notebook 10 ran on and wrote a failed
+    notebook, sidecars and an INDEX row (fresh-user trial, 2026-12-02)."""
+    out = tmp_path / "executed"
+    if want is None:
+        (job,) = plan_jobs(N10, "cpu", over, None, out, REPO)
+        assert job.parameters["engine_options"] == over["engine_options"]
+        return
+    with pytest.raises(UserInputError, match=want):
+        plan_jobs(N10, "cpu", over, None, out, REPO)
+    assert not out.exists() or not any(out.rglob("*.*"))

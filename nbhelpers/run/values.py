@@ -83,9 +83,10 @@ NOTEBOOK_RANGES = {"vllm_gpu_memory_utilization": (0.0, 1.0), "timeout_s": (0.0,
 """``(low, high]`` of float parameters that no config dataclass holds (every float parameter
 must also be finite: :func:`_check_floats`)."""
 
-NOTEBOOK_COUNT_LISTS = {"batch_sizes": 1, "batches": 1}
+NOTEBOOK_COUNT_LISTS = {"batch_sizes": (1, 512), "batches": (1, 512)}
 """List parameters of counts (34's ``batch_sizes``, 33's ``batches``): non-empty, each entry an
-int >= the bound, each once."""
+int in ``[low, high]``, each once (512: the flex engine's largest decode batch, ``LLM``'s
+``max_num_seqs`` bound and ``bench.flex_configs.sweep_settings``')."""
 
 Where = Callable[[str], str]
 
@@ -133,15 +134,16 @@ def _check_minima(params: dict[str, Any], notebook: Path, where: Where) -> None:
 def _check_count_lists(params: dict[str, Any], where: Where) -> None:
     """:data:`NOTEBOOK_COUNT_LISTS`: refused before the notebook runs (an empty or negative
     batch list otherwise fails minutes in, with an internal field's name)."""
-    for name, low in NOTEBOOK_COUNT_LISTS.items():
+    for name, (low, high) in NOTEBOOK_COUNT_LISTS.items():
         value = params.get(name)
         if not isinstance(value, list):
             continue  # the type check against the parameters cell names a non-list
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < low]
+        bad = [v for v in value
+               if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high]
         if not value or bad or len(set(value)) != len(value):
             what = ("is empty" if not value else f"has {bad}" if bad else "repeats an entry")
             raise UserInputError(f"{where(name)}: {name}={value} {what}: give a non-empty list "
-                                 f"of distinct ints >= {low}, e.g. [4, 8].")
+                                 f"of distinct ints in [{low}, {high}], e.g. [4, 8].")
 
 
 def _check_floats(params: dict[str, Any], where: Where) -> None:

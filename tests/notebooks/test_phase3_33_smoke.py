@@ -92,12 +92,11 @@ def _sweep_and_table_hold_each_points_numbers(side, points):
      "did you mean 'lora_expand'"),
 ])
 def test_33_bad_modes_or_variants_fail_before_any_point(tmp_path, bad, fix):
-    jobs = runner.run(NOTEBOOK, profile="cpu", overrides={**SMOKE, **bad}, executed=tmp_path)
-    assert [j.status for j in jobs] == ["failed"]
-    nb = nbformat.read(jobs[0].output, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    failed = [i for i, c in enumerate(code) for o in c.outputs if o.get("output_type") == "error"]
-    errors = [o for c in code for o in c.outputs if o.get("output_type") == "error"]
-    assert errors and fix in errors[0]["evalue"], errors
-    sweep_cell = next(i for i, c in enumerate(code) if "fc.run_configs(" in c.source)
-    assert failed == [sweep_cell - 1] and not code[sweep_cell].outputs  # derived cell, no points
+    """Refused when the runner plans the run (session 9's fresh-user trial: the notebook's own
+    check failed in cell 5 and left a failed notebook, sidecar and INDEX row): one error naming
+    the fix, no kernel started, nothing written."""
+    from nbhelpers.run.errors import UserInputError
+    with pytest.raises(UserInputError) as err:
+        runner.run(NOTEBOOK, profile="cpu", overrides={**SMOKE, **bad}, executed=tmp_path)
+    assert fix in str(err.value) and f"-p {next(iter(bad))}" in str(err.value)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

@@ -76,14 +76,7 @@ def test_33_variants_and_lora_modes_are_refused_before_anything_is_claimed(tmp_p
                                                                             want):
     """A bad variant failed in cell 5 after the kernel started and left a failed notebook,
     sidecar and INDEX row (fresh-user trial, 2026-12-02); now nothing is written."""
-    out = tmp_path / "executed"
-    if want is None:  # a valid variant over valid engine_options plans
-        (job,) = plan_jobs(N33, "cpu", over, None, out, REPO)
-        assert job.parameters["variants"] == over["variants"]
-        return
-    with pytest.raises(UserInputError, match=want):
-        plan_jobs(N33, "cpu", over, None, out, REPO)
-    assert not out.exists() or not any(out.rglob("*.*"))
+    _plans_or_is_refused(N33, over, want, "variants", tmp_path)  # want None: a valid variant
 
 
 def test_a_gpu_host_variant_plans_in_a_dry_run_and_is_refused_where_it_would_run(monkeypatch,
@@ -118,11 +111,17 @@ N10 = "notebooks/phase1_rollout/10_lora_rollout.ipynb"
 def test_phase1_flex_options_are_refused_before_anything_is_claimed(tmp_path, over, want):
     """A bad flex option failed at the backend's load; notebook 10 ran on and wrote a failed
     notebook, sidecars and an INDEX row (fresh-user trial, 2026-12-02)."""
+    _plans_or_is_refused(N10, over, want, "engine_options", tmp_path)
+
+
+def _plans_or_is_refused(nb, over, want, key, tmp_path):
+    """``want`` None: ``over`` plans one job carrying ``over[key]``; else planning raises
+    ``UserInputError`` matching ``want`` and nothing is written under ``executed/``."""
     out = tmp_path / "executed"
     if want is None:
-        (job,) = plan_jobs(N10, "cpu", over, None, out, REPO)
-        assert job.parameters["engine_options"] == over["engine_options"]
+        (job,) = plan_jobs(nb, "cpu", over, None, out, REPO)
+        assert job.parameters[key] == over[key]
         return
     with pytest.raises(UserInputError, match=want):
-        plan_jobs(N10, "cpu", over, None, out, REPO)
+        plan_jobs(nb, "cpu", over, None, out, REPO)
     assert not out.exists() or not any(out.rglob("*.*"))

@@ -21,10 +21,11 @@ nbformat = pytest.importorskip("nbformat", reason="the runner needs the notebook
 pytest.importorskip("papermill", reason="the runner needs the notebooks extra: "
                     "pip install -e '.[notebooks]'")
 
+from runner_proc import child_env, start_phase0
+
 from nbhelpers.run import interrupted
 from nbhelpers.run.execute import Job, stop_jobs
 
-REAL_REPO = Path(__file__).resolve().parents[2]
 CAP_S = 600.0
 """A cap on a hung run, not a timing: the test proceeds on events (pid file, runner exit)."""
 
@@ -156,9 +157,7 @@ print("one line after close", file=sys.stderr)
 
 def test_stderr_capture_diverts_what_comes_after_the_signal_into_the_log(tmp_path):
     log = tmp_path / "run.interrupt.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REAL_REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", CAPTURE_SCRIPT, str(log)], env=env,
+    done = subprocess.run([sys.executable, "-c", CAPTURE_SCRIPT, str(log)], env=child_env(),
                           capture_output=True, text=True, timeout=CAP_S, check=True)
     assert done.stderr.splitlines() == ["genuine error before the stop", "kernel says hello",
                                         "one line after close"]
@@ -211,17 +210,9 @@ def test_interrupted_run_records_itself_and_keeps_kernel_noise_off_the_terminal(
     ipykernel's ZMQError one) is in ``<run>.interrupt.log``, which the child's line names."""
     pid_file = tmp_path / "kernel.pid"
     _notebook(tmp_path / "notebooks/phase0_reference/00_noisy.ipynb")
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs/00_noisy.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
-    code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
-            f"from nbhelpers.run import runner as run; run.REPO = Path({str(tmp_path)!r}); "
-            "sys.exit(main(['run', 'phase0']))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REAL_REPO), os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "runner.log"  # stdout and stderr, as a terminal shows them
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = start_phase0(tmp_path, "00_noisy", pid_file, out, subprocess.STDOUT)
     try:
         _wait_for(pid_file.exists, "kernel pid file", proc, log)
         proc.send_signal(signal.SIGINT)

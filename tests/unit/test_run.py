@@ -456,22 +456,13 @@ def test_interrupt_stops_the_kernel_and_records_the_run(tmp_path, sig):
     import os
     import signal
     import subprocess
-    import sys
     pid_file = tmp_path / "kernel.pid"
     _notebook(tmp_path / "notebooks/phase0_reference/00_sleep.ipynb", SLEEP_SOURCE,
               "pid_file = ''\nsidecar_path = ''")
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs/00_sleep.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
-    code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
-            f"from nbhelpers.run import runner as run; run.REPO = Path({str(tmp_path)!r}); "
-            "sys.exit(main(['run', 'phase0']))")
-    # prepend, not replace: the GPU host's papermill/ipykernel come from PYTHONPATH (/tmp/site)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REAL_REPO), os.environ.get("PYTHONPATH")]))}
+    from runner_proc import start_phase0
     log = tmp_path / "runner.log"  # a file, not a pipe: a full pipe would stall the runner
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = start_phase0(tmp_path, "00_sleep", pid_file, subprocess.DEVNULL, err)
     try:
         _wait_for(pid_file.exists, READY_CAP_S, "kernel pid file (kernel start)", proc, log)
         kernel = int(pid_file.read_text())

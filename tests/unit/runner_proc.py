@@ -1,0 +1,35 @@
+"""Test helper (no tests here): the lab's runner, ``nbhelpers run phase0``, in a child process over
+a throwaway repo, as a user's terminal starts it; for the tests that signal a running notebook
+(``test_run.py``, ``test_interrupted_record.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REAL_REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the real repo prepended to ``PYTHONPATH`` (prepended, not replaced:
+    the GPU host's papermill/ipykernel come from ``PYTHONPATH``, /tmp/site)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REAL_REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def start_phase0(root: Path, config: str, pid_file: Path, stdout: Any,
+                 stderr: Any) -> subprocess.Popen:
+    """Write ``root/configs/<config>.cpu.yaml`` (``pid_file: ...``, the notebook's readiness
+    signal) and start ``nbhelpers run phase0`` with ``runner.REPO = root``; ``stdout`` /
+    ``stderr`` as for ``subprocess.Popen`` (use files, not pipes: a full pipe stalls the
+    runner)."""
+    (root / "configs").mkdir(exist_ok=True)
+    (root / f"configs/{config}.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
+    code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
+            f"from nbhelpers.run import runner as run; run.REPO = Path({str(root)!r}); "
+            "sys.exit(main(['run', 'phase0']))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=child_env(),
+                            stdout=stdout, stderr=stderr, text=True)

@@ -149,7 +149,10 @@ class RunnerOptions:
     where it times fastest) or ``"never"`` (an A/B knob: every shape the skinny path serves runs
     its fastest correct Triton config, tuned under its own cache key; no cuBLAS launch breaks
     the ``pdl`` chain). Why ask: on the H200 (2026-12-02 profile, Qwen3-4B) the tuner kept
-    cuBLAS for o_proj at batch 4 and o/down_proj at batch 32; not yet A/B-measured. With
+    cuBLAS for qkv at batch 4 and o/down_proj at batch 32. A/B (steps ``n15a``/``n15b``,
+    2026-12-02, 256 new tokens, one process per variant): batch 4 fp32 adapters 3.67 -> 3.63 ms,
+    batch 4 no LoRA 3.20 -> 3.22, batch 32 bf16 adapters 4.40 -> 4.42: within noise, so
+    ``"auto"`` stays the default. With
     ``skinny_gemm="off"`` ``"never"`` is refused (``ValueError``); where ``"auto"`` resolves the
     skinny path off (the CPU) it has no effect (``tuner_tables.resolved_kernels`` records it)."""
     pdl: str = "auto"
@@ -166,22 +169,32 @@ class RunnerOptions:
     prefill keeps ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs
     and with ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) both
     ``"on"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`)."""
-    sample_kernel: str = "torch"
-    """Decode sampling: ``"torch"`` (the default: ``engine/sampler.py`` ``sample``, compiled with
-    the decode pieces when ``compile_layers``) or ``"triton"`` (opt-in, not yet measured on the
-    H200): steps whose rows use no top-k/top-p (``use_sort=False``: GRPO's min_p sampling) run
-    the split-vocabulary kernel pair of ``engine/kernels/vocab_sample.py``, same tokens and
-    logprobs, on CUDA or under ``TRITON_INTERPRET=1``; other steps, other devices and
-    ``compile_decode`` keep ``"torch"`` (:func:`resolve_sample_kernel`). Why: the profiler put
-    the compiled sampler at 0.137 ms a step at batch 4 (~10 kernels, one 77 us row reduction)."""
+    sample_kernel: str = "auto"
+    """Decode sampling: ``"torch"`` (``engine/sampler.py`` ``sample``, compiled with the decode
+    pieces when ``compile_layers``), ``"triton"`` (steps whose rows use no top-k/top-p,
+    ``use_sort=False``: GRPO's min_p sampling, run the split-vocabulary kernel pair of
+    ``engine/kernels/vocab_sample.py``, same tokens and logprobs, on CUDA or under
+    ``TRITON_INTERPRET=1``) or ``"auto"`` (the default): ``"triton"`` on CUDA when the triton
+    package imports, else ``"torch"``. Other steps, other devices and ``compile_decode`` keep
+    ``"torch"`` (:func:`resolve_sample_kernel`). Why: the H200 A/B (``scripts/bench_flex.py
+    --points qwen3-4b:fp32:4,qwen3-4b:none:4`` and ``qwen3-4b:bf16:32``, one process per variant,
+    256 new tokens, 2026-12-02, steps ``n15a``/``n15b`` of ``docs/h200_runbook.md``): the decode
+    step 3.67 -> 3.52 ms (batch 4, PEFT fp32 adapters), 3.20 -> 3.05 ms (batch 4, no LoRA), 4.40
+    -> 4.24 ms (batch 32, bf16 adapters); the sampler 0.137 -> 0.017 ms a step at batch 4 (one
+    77 us compiled row reduction and ~10 kernels -> 2 launches); its GPU parity tests passed in
+    the same session (``n14a``)."""
     l2_prefetch: str = "off"
-    """``"off"`` (the default) or ``"o_proj"`` (opt-in, not yet measured on the H200): in each
+    """``"off"`` (the default) or ``"o_proj"`` (opt-in; it loses on the H200, below): in each
     decode step, after layer ``i``'s qkv GEMM a side stream reads layer ``i``'s o_proj weight
     buffer (``[W; A]`` when LoRA A rides in the GEMM) into L2 while attention runs, joined
     before o_proj (``engine/l2_prefetch.py``, ``engine/kernels/l2_prefetch.py``). Why: at batch 4
     on the H200 (2026-12-02 profile, Qwen3-4B) o_proj took 9.1 us for 21.2 MB with cold weights
     while the ~9 us of q/k norm + RoPE and paged attention before it read ~4.5 MB; at batch >=
-    32 attention is bandwidth-bound itself, so expect no gain there. Runs on CUDA only (decode
+    32 attention is bandwidth-bound itself, so expect no gain there. Measured (step ``n15a``,
+    2026-12-02, ``scripts/bench_flex.py``, one process per variant): batch 4 decode step 3.67 ->
+    4.16 ms with PEFT fp32 adapters and 3.20 -> 3.67 ms without LoRA; o_proj's GEMM time fell
+    (GEMM class 3.01 -> 2.91 ms) but the 36 prefetch launches took 0.84 ms (elementwise class
+    0.30 -> 1.14 ms) and did not hide behind attention. Runs on CUDA only (decode
     warm-up, capture and eager steps; not prefill, Gemma-4's own attention block, the CPU,
     ``TRITON_INTERPRET=1`` or ``compile_decode``), silently off elsewhere
     (:func:`resolve_l2_prefetch`)."""
@@ -239,7 +252,7 @@ class RunnerOptions:
                              f"{('auto', *pdl_launch.PDL_MODES)}.")
         check_l2_prefetch(self.l2_prefetch, "RunnerOptions.l2_prefetch")
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
-        if self.sample_kernel == "triton" and importlib.util.find_spec("triton") is None:
+        if self.sample_kernel == "triton" and importlib.util.find_spec("triton") is None:  # asked
             raise ImportError("RunnerOptions.sample_kernel='triton' needs triton: pip install "
                               "triton, or use sample_kernel='torch'.")
         if self.fused_elementwise not in FUSED_ELEMENTWISE:

@@ -74,12 +74,16 @@ def resolve_l2_prefetch(opt: RunnerOptions, device: Any) -> str:
 
 
 def resolve_sample_kernel(opt: RunnerOptions, on_cuda: bool) -> str:
-    """``opt.sample_kernel``, kept ``"triton"`` only on CUDA or under the interpreter
-    (``pdl.interpreted``) and without ``compile_decode`` (a whole-step trace keeps the torch
-    sampler, as it keeps cuBLAS); else ``"torch"``, silently (the option is a speed knob)."""
-    runs = on_cuda or pdl_launch.interpreted()
-    return "triton" if opt.sample_kernel == "triton" and runs and not opt.compile_decode \
-        else "torch"
+    """``opt.sample_kernel`` resolved to what the decode steps run: ``"auto"`` is ``"triton"`` on
+    CUDA when the triton package imports, else ``"torch"`` (the interpreter is a test tool, not
+    a CPU fast path); ``"triton"`` is kept only on CUDA or under the interpreter
+    (``pdl.interpreted``); with ``compile_decode`` both give ``"torch"`` (a whole-step trace
+    keeps the torch sampler, as it keeps cuBLAS). Silent: the option is a speed knob."""
+    if opt.compile_decode or opt.sample_kernel == "torch":
+        return "torch"
+    if opt.sample_kernel == "auto":
+        return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+    return "triton" if on_cuda or pdl_launch.interpreted() else "torch"
 
 
 def resolve_lora_dtype(opt: RunnerOptions, on_cuda: bool) -> str:

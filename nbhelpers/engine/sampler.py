@@ -22,8 +22,8 @@ counter-based hash of ``(seed, gen_idx, token id)`` (Chris Wellons' ``lowbias32`
 request's draw depends only on its seed and the index of the token it samples: reproducible across
 batch composition, preemption/resumption, CPU vs GPU and CUDA-graph replays.
 
-``RunnerOptions.sample_kernel="triton"`` runs the decode steps without top-k/top-p
-(``use_sort=False``) as two split-vocabulary Triton launches with the same hash, filters and
+``RunnerOptions.sample_kernel="triton"`` (what ``"auto"``, the default, picks on CUDA) runs the
+decode steps without top-k/top-p (``use_sort=False``) as two split-vocabulary Triton launches with the same hash, filters and
 logprobs (``engine/kernels/vocab_sample.py``); :func:`sample` stays the reference.
 """
 
@@ -32,9 +32,11 @@ from __future__ import annotations
 from typing import Any
 
 _M32 = 0xFFFFFFFF
-SAMPLE_KERNELS = ("torch", "triton")
+SAMPLE_KERNELS = ("auto", "torch", "triton")
 """Values of ``RunnerOptions.sample_kernel``: decode sampling by :func:`sample` (torch, compiled
-with the decode pieces) or, for steps without top-k/top-p, ``engine/kernels/vocab_sample.py``."""
+with the decode pieces) or, for steps without top-k/top-p, ``engine/kernels/vocab_sample.py``;
+``"auto"``: ``"triton"`` on CUDA when triton imports, else ``"torch"``
+(``engine/runner_resolve.py`` ``resolve_sample_kernel``)."""
 
 
 def check_sample_kernel(value: Any, owner: str = "sample_kernel") -> str:

@@ -37,6 +37,7 @@ def test_cpu_defaults():
                     "(scripts/test.sh installs the interp extra)")
 def test_what_was_asked_and_what_ran_differ_off_cuda_without_the_interpreter(monkeypatch):
     opts = {"sample_kernel": "triton", "skinny_gemm_cublas": "never", "pdl": "on"}
+    monkeypatch.setattr(pdl, "interpreted", lambda: True)  # a CUDA host runs it un-interpreted
     llm = LLM(tiny_model("qwen3"), **POOL, **opts)
     assert resolved_kernels(llm.runner)["sample_kernel"] == "triton"  # interpreted: it runs
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
@@ -69,3 +70,27 @@ def test_never_with_the_skinny_path_off_is_refused():
         flex_ab.check_engine_options({"skinny_gemm": "off", "skinny_gemm_cublas": "never"}, "x")
     assert RunnerOptions(skinny_gemm="off").skinny_gemm_cublas == "auto"
     assert RunnerOptions(skinny_gemm_cublas="never").skinny_gemm == "auto"  # auto: no refusal
+
+
+@pytest.mark.parametrize("asked, on_cuda, interpreted, compile_decode, ran", [
+    ("auto", True, False, False, "triton"),   # the default on CUDA (H200 A/B: n15a/n15b)
+    ("auto", False, True, False, "torch"),    # the interpreter is a test tool, not a CPU path
+    ("auto", False, False, False, "torch"),
+    ("auto", True, False, True, "torch"),     # compile_decode keeps the torch sampler
+    ("triton", False, True, False, "triton"),
+    ("triton", False, False, False, "torch"),
+    ("torch", True, False, False, "torch"),
+])
+@pytest.mark.skipif(not TRITON, reason="'auto' picks triton only when it imports: pip install "
+                    "triton (scripts/test.sh installs the interp extra)")
+def test_sample_kernel_resolution(monkeypatch, asked, on_cuda, interpreted, compile_decode, ran):
+    from nbhelpers.engine.runner_options import RunnerOptions
+    from nbhelpers.engine.runner_resolve import resolve_sample_kernel
+    monkeypatch.setattr(pdl, "interpreted", lambda: interpreted)
+    opt = RunnerOptions(sample_kernel=asked, compile_decode=compile_decode)
+    assert resolve_sample_kernel(opt, on_cuda) == ran
+
+
+def test_sample_kernel_default_is_auto():
+    from nbhelpers.engine.runner_options import RunnerOptions
+    assert RunnerOptions().sample_kernel == "auto"

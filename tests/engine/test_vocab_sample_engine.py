@@ -27,12 +27,13 @@ skip_unless_runnable(vs)
 
 
 def test_option_values():
-    assert RunnerOptions().sample_kernel == "torch"
+    assert RunnerOptions().sample_kernel == "auto"
     assert resolve_sample_kernel(RunnerOptions(sample_kernel="triton"), on_cuda=True) == "triton"
-    assert resolve_sample_kernel(RunnerOptions(), on_cuda=True) == "torch"
+    assert resolve_sample_kernel(RunnerOptions(), on_cuda=True) == "triton"  # auto on CUDA
+    assert resolve_sample_kernel(RunnerOptions(sample_kernel="torch"), on_cuda=True) == "torch"
     assert resolve_sample_kernel(RunnerOptions(sample_kernel="triton", compile_decode=True),
                                  on_cuda=True) == "torch"
-    with pytest.raises(ValueError, match=r"sample_kernel='fast'.*\('torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"sample_kernel='fast'.*\('auto', 'torch', 'triton'\)"):
         RunnerOptions(sample_kernel="fast")
     with pytest.raises(ValueError, match="sample_kernel"):
         LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=4, max_model_len=32,

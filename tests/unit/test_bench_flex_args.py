@@ -89,7 +89,7 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
      "has unknown key(s) ['option']: each variant is a dict"),
     ([*AB, "--variants", '{"name": "a", "options": {"sample_kernel": "Triton"}}'],
      ("--variants[0] ('a'): RunnerOptions.sample_kernel='Triton': must be one of "
-     "('torch', 'triton')")),
+     "('auto', 'torch', 'triton')")),
     # --variants only means something with --points
     ([*SMOKE, "--variants", '{"name": "a"}'], "--variants is the A/B mode's and needs --points"),
 ])

@@ -60,7 +60,7 @@ def test_phase3_engine_options_are_checked_on_any_host(opts, want):
 @pytest.mark.parametrize("over,want", [
     ({"variants": [{"name": "a", "options": {"sample_kernel": "Triton"}}]},
      (r"-p variants \(33_flex_vs_baselines.ipynb\): variants\[0\] \('a'\): RunnerOptions\."
-     r"sample_kernel='Triton': must be one of \('torch', 'triton'\)")),
+     r"sample_kernel='Triton': must be one of \('auto', 'torch', 'triton'\)")),
     ({"variants": [{"name": "a", "options": {"sampel_kernel": "triton"}}]},
      r"-p variants .*did you mean 'sample_kernel'\?"),
     ({"variants": [{"name": "a", "options": {"skinny_gemm_cublas": None}}]},
@@ -99,7 +99,7 @@ N10 = "notebooks/phase1_rollout/10_lora_rollout.ipynb"
 @pytest.mark.parametrize("over,want", [
     ({"backends": ["flex"], "engine_options": {"flex": {"sample_kernel": "Triton"}}},
      (r"-p engine_options \(10_lora_rollout.ipynb\): engine_options\['flex'\]: RunnerOptions\."
-     r"sample_kernel='Triton': must be one of \('torch', 'triton'\)")),
+     r"sample_kernel='Triton': must be one of \('auto', 'torch', 'triton'\)")),
     ({"backends": ["flex"], "engine_options": {"flex": {"sampel_kernel": "torch"}}},
      (r"flex: unknown engine options \['sampel_kernel'\] \('sampel_kernel': did you mean "
      r"'sample_kernel'\?\)")),

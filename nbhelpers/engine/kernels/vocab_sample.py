@@ -1,6 +1,6 @@
 """Split-vocabulary decode sampler: :func:`nbhelpers.engine.sampler.sample` without top-k/top-p
 (``use_sort=False``, ``full_logprobs=True``) in two Triton launches (runner option
-``sample_kernel="triton"``).
+``sample_kernel="triton"``, what the default ``"auto"`` runs on CUDA).
 
 Contract: :func:`vocab_sample` maps ``logits [B, V]`` (fp32, bf16 or fp16, unit column stride, any
 row stride; read in its dtype and upcast in registers) and ``temperature, min_p [B]`` fp32,

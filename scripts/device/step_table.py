@@ -153,6 +153,11 @@ N15A_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-ge
 N15B_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
               "qwen3-4b:bf16:32 --variants " + _N15_VARIANTS + "'")
 
+# session 10's second window: the tests the sampler default and the phase-2 time split touch
+N16A_TESTS = ("--paths tests/engine/test_resolved_kernels.py,tests/engine/test_vocab_sample_engine.py,"
+              "tests/engine/test_vocab_sample.py,tests/unit/test_grpo_flex.py,"
+              "tests/unit/test_flex_is_loss_time.py --tb=short --durations=15")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -360,6 +365,18 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                      "plain,default,epilogue,epilogue_dns --budget-s 30"}, 40, 50, 0)]),
     "n11f": ([], [], [
         (BENCH, {"args": N11F_BENCH}, 200, 300, 0)]),
+    # session 10, second window (after sample_kernel "auto" -> the Triton sampler on CUDA): the
+    # changed tests with the phase-2 staging, 33 with the new default for the three adapter modes
+    # (one process each; n15a/n15b hold the same-call A/B against the torch sampler), phase 2
+    # [flex] at the Qwen3-4B shape with the per-step time split, 34 (Gemma-4) at batch 32.
+    "n16a": (["notebooks", "trl"], ["tok", "gsm8k"], [
+        (SUITE, {"args": N16A_TESTS}, 70, 130, 0)]),
+    "n16b": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[fp32, none, bf16]"},
+         360, 480, 0)]),
+    "n16c": ([], [], [
+        (P2, {"backends": "[flex]"}, 130, 200, 0),
+        (N34, {"batch_sizes": "[32]", "rounds": "2", "probe_kernels_s": "0"}, 110, 160, 0)]),
     # FA4 (issue 13 part 3): stage the two parts back to back, then its GPU tests (the real FA4
     # against flex prefill logits on a tiny bf16 model) and 33's prefill A/B without LoRA
     # (helper-33's variants: flex prefill vs prefill_attention="fa4"; read `prefill_s` in the

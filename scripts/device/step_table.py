@@ -158,6 +158,20 @@ N16A_TESTS = ("--paths tests/engine/test_resolved_kernels.py,tests/engine/test_v
               "tests/engine/test_vocab_sample.py,tests/unit/test_grpo_flex.py,"
               "tests/unit/test_flex_is_loss_time.py --tb=short --durations=15")
 
+# session 10: pdl="early" (helper-46: weights loaded before griddepcontrol.wait in the LoRA
+# expand, add+RMSNorm, q/k norm + RoPE and the consumer kernels) against pdl "on" (the default),
+# alone and with lora_expand="consumer" (whose B loads it moves off the critical path); the
+# no-LoRA point without the consumer variant (it changes nothing there).
+_N16_EARLY = ("{\"name\": \"early\", \"options\": {\"pdl\": \"early\"}}")
+N16D_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4,qwen3-4b:bf16:32 --variants "
+              "'{\"name\": \"default\", \"options\": {}};" + _N16_EARLY + ";"
+              "{\"name\": \"early_consumer\", \"options\": {\"pdl\": \"early\", "
+              "\"lora_expand\": \"consumer\"}}'")
+N16E_BENCH = ("--out $OUT/bench_ab_none --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:none:4 --variants '{\"name\": \"default\", \"options\": {}};"
+              + _N16_EARLY + "'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -374,6 +388,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n16b": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[fp32, none, bf16]"},
          360, 480, 0)]),
+    "n16d": ([], [], [
+        (BENCH, {"args": N16D_BENCH}, 220, 300, 0),
+        (BENCH, {"args": N16E_BENCH}, 80, 120, 0)]),
     "n16c": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0),
         (N34, {"batch_sizes": "[32]", "rounds": "2", "probe_kernels_s": "0"}, 110, 160, 0)]),

@@ -62,10 +62,15 @@ class StatisticsCallback(TrainerCallback):
     TRL only when ``beta > 0``), ``reward``, each ``rewards/<func>/mean``,
     ``completion_length_mean_tokens``.
 
+    With a ``timer`` (:class:`~nbhelpers.grpo.step_timing.StepTimer`, set by
+    :func:`nbhelpers.grpo.trainer.train`) each record also gets its split of ``wall_s``:
+    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS`.
+
     ``records`` is a list of flat dicts, one per step, ready for ``pandas.DataFrame``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Any = None) -> None:
+        self.timer = timer
         self.records: list[dict[str, Any]] = []
         self._by_step: dict[int, dict[str, Any]] = {}
         self._t0: float | None = None
@@ -79,9 +84,11 @@ class StatisticsCallback(TrainerCallback):
         _cuda_sync()
         wall_s = time.perf_counter() - self._t0 if self._t0 is not None else None
         mem = peak_memory_gib()
-        self._record(state.global_step).update(
-            wall_s=wall_s, peak_mem_allocated_gib=mem["allocated"],
-            peak_mem_device_gib=mem["device"])
+        rec = self._record(state.global_step)
+        rec.update(wall_s=wall_s, peak_mem_allocated_gib=mem["allocated"],
+                   peak_mem_device_gib=mem["device"])
+        if self.timer is not None:
+            rec.update(self.timer.split(wall_s))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "train_runtime" in logs:  # the end-of-training summary is not a step

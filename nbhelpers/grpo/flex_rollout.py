@@ -94,6 +94,10 @@ def group_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]],
 class FlexRollout:
     """A TRL ``rollout_func`` running the flex engine on the trainer's policy (module docstring).
 
+    Per rollout it keeps ``generate_s`` (seconds of ``llm.generate``, CUDA-synchronised) and
+    ``engine_stats`` (:func:`nbhelpers.grpo.step_timing.engine_split`, also logged to TRL's
+    metrics as ``flex/*``, hence into each step row).
+
     Args:
         max_model_len: prompt + completion tokens one sequence may hold.
         kv_tokens: KV pool size in tokens (``generation_batch_size * max_model_len`` is enough).
@@ -119,6 +123,7 @@ class FlexRollout:
         self.policy: Any = None
         self.history: list[dict[str, Any]] = []
         self.generate_s: list[float] = []
+        self.engine_stats: list[dict[str, float]] = []  # per rollout: step_timing.FLEX_KEYS
 
     def engine(self, trainer: Any) -> Any:
         """The engine over ``trainer``'s policy; built on first use, then reused (same tensors)."""
@@ -134,21 +139,31 @@ class FlexRollout:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         import torch
+
+        from nbhelpers.grpo.step_timing import engine_split, log_metrics
+        from nbhelpers.stats import _cuda_sync
+        t_call = time.perf_counter()
         llm = self.engine(trainer)
         prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
         n = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         heads, n = group_prompts([list(p) for p in prompt_ids], n)
         sampling = sampling_from_args(trainer.args, n)
+        _cuda_sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             outs = llm.generate(heads, sampling)
+        _cuda_sync()
         self.generate_s.append(time.perf_counter() - t0)
+        gen_stats = dict(llm.last_stats)
         if self.sleep_between_rollouts:
             llm.sleep()
         result = {"prompt_ids": [list(o.prompt_ids) for o in outs],
                   "completion_ids": [list(o.token_ids) for o in outs],
                   "logprobs": [list(o.logprobs) for o in outs],
                   FULL_KEY: [list(o.full_logprobs) for o in outs]}
+        self.engine_stats.append(engine_split(gen_stats, self.generate_s[-1],
+                                              time.perf_counter() - t_call))
+        log_metrics(trainer, self.engine_stats[-1])
         if self.keep_history:
             self.history.append({"global_step": trainer.state.global_step, **result})
         return result

@@ -56,14 +56,21 @@ class GRPOResult:
                 "dataset_stats": self.dataset_stats, "format_warmup": self.format_warmup}
 
 
+FLEX_PREFIX = "flex/"
+"""TRL log keys of the flex engine's per-rollout split (:data:`nbhelpers.grpo.step_timing.
+FLEX_KEYS`), logged by :class:`~nbhelpers.grpo.flex_rollout.FlexRollout`."""
+
+
 def step_rows(result: Any) -> list[dict[str, Any]]:
-    """Per-step rows: the StatisticsCallback record joined with the extra TRL log keys
-    (``generate_s``, ``sampling/sampling_logp_difference/{mean,max}``, ``step_time``)."""
+    """Per-step rows: the StatisticsCallback record (with its ``time/*`` split) joined with the
+    extra TRL log keys (``generate_s``, ``sampling/sampling_logp_difference/{mean,max}``,
+    ``step_time``, and flex's ``flex/*``)."""
     extra_keys = (GENERATE_KEY, "step_time", "sampling/sampling_logp_difference/mean",
                   "sampling/sampling_logp_difference/max")
     by_step = {h.get("step"): h for h in result.log_history if "train_runtime" not in h}
     rows = []
     for rec in result.records:
         logs = by_step.get(rec["step"], {})
-        rows.append(dict(rec) | {k: logs[k] for k in extra_keys if k in logs})
+        rows.append(dict(rec) | {k: v for k, v in logs.items()
+                                 if k in extra_keys or k.startswith(FLEX_PREFIX)})
     return rows

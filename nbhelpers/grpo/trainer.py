@@ -9,7 +9,10 @@ only in ``warmup_adapter`` (below).
 
 ``compile_mode`` compiles the policy (and reference) backbone after the trainer is built and the
 compile report lands in ``GRPOResult.config["compile_report"]``. Every backend's ``_generate`` is
-timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised). A backend whose engine is not
+timed (``generate_s`` in TRL's logs, seconds, CUDA-synchronised), and every step's wall is split
+into generate-and-score, loss forward+backward, optimizer and the rest
+(:mod:`nbhelpers.grpo.step_timing`, ``time/*`` keys of each record; flex adds its engine's
+``flex/*`` split per rollout). A backend whose engine is not
 installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
 
 Format warm-up. ``format_warmup_steps`` > 0 (backends of
@@ -266,6 +269,7 @@ def _build_trainer(plan: BackendPlan, model: Any, tok: Any, peft: Any, train_ds:
                    config_overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     from nbhelpers.grpo import rewards
     from nbhelpers.grpo.callbacks import CompletionRecorder, StatisticsCallback
+    from nbhelpers.grpo.step_timing import StepTimer
     from nbhelpers.shims import trl_fused_logprob_cpu
     if trl_fused_logprob_cpu.install():
         log.info("TRL's Triton log-prob kernel is unavailable: using the pure-torch shim")
@@ -280,6 +284,7 @@ def _build_trainer(plan: BackendPlan, model: Any, tok: Any, peft: Any, train_ds:
                                train_dataset=train_ds, processing_class=tok, peft_config=peft,
                                callbacks=[stats, recorder, *callbacks], **plan.trainer_kwargs)
     instrument_generation(trainer)
+    stats.timer = StepTimer().install(trainer)
     return trainer, {"args": args, "stats": stats, "recorder": recorder}
 
 

@@ -105,6 +105,8 @@ EQ_GATE = """gates = check_runs(runs, reference_backend, thresholds)
 summary = grpo_compare.summary_frame(runs, gates)
 summary"""
 
+EQ_SPLIT = """grpo_compare.step_split_frame(runs).T"""
+
 EQ_IS = """display(grpo_compare.is_frame(runs))
 compile_table = grpo_compare.compile_frame(runs)
 if compile_mode != "none":
@@ -177,6 +179,17 @@ def equivalence() -> nbformat.NotebookNode:
           "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "
           "`logprob_mismatch_max`: worst per-step mean |engine - trainer| logprob, nats/token."),
          EQ_GATE),
+        (("## Where the step goes\nPer backend, medians over the steps in the summary's "
+          "medians (after `skip_first`) of this run's step rows "
+          "(`grpo_compare.step_split_frame`), seconds, CUDA-synchronised on the GPU. `wall_s`: "
+          "the step; `generate_s`: TRL's `_generate` (the rollout); "
+          "`time/generate_and_score_s`: `_generate_and_score_completions` (rollout, rewards, "
+          "old/ref logprobs, advantages); `time/loss_fwd_bwd_s`: loss forward + backward; "
+          "`time/optimizer_s`: `optimizer.step()`; `time/other_s`: the rest of the step. flex "
+          "only, its engine per rollout: `flex/rollout_s` (the whole `rollout_func`), "
+          "`flex/generate_wall_s` (`llm.generate`) = `flex/prefill_s` + `flex/decode_s` + "
+          "`flex/host_s` + `flex/other_s` (scheduler, graph captures), `flex/decode_steps`, "
+          "`flex/decode_ms_per_step` (ms)."), EQ_SPLIT),
         (("## Importance sampling and recompiles\nPer backend, means over the run's steps "
           "(`grpo_compare.is_frame`): `is_ratio_mean`, the per-token ratio exp(trainer - "
           "engine) logprob; `is_outside_0.9_1.1`, the fraction of tokens outside [0.9, 1.1]; "

@@ -46,6 +46,7 @@ from nbhelpers.grpo.compare_tables import (
     perf_goal,
     result_line,
     source_word,
+    step_split_frame,
     steps_long,
     summary_frame,
 )
@@ -56,7 +57,7 @@ __all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dy
            "compile_frame", "filter_device", "flex_options", "gate_frame", "gate_latest",
            "headline", "is_frame", "is_summary", "latest_per_backend",
            "perf_goal", "result_line", "run_backends", "run_isolated", "runs_from_sidecars",
-           "source_word", "steps_long", "summary_frame", "write_sidecars"]
+           "source_word", "step_split_frame", "steps_long", "summary_frame", "write_sidecars"]
 
 WARMUP_ADAPTER = "merge"
 """Phase 2 merges a format warm-up into the base (``train(warmup_adapter=...)``): every backend of

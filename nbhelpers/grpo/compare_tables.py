@@ -5,7 +5,7 @@
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
 reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
 row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
-memory ratios), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
+memory ratios), :func:`step_split_frame` (where each step's seconds go), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
 :func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
 :func:`compile_frame` (the compile report per run). pandas is imported inside.
 Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
@@ -49,6 +49,26 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
         for row, run in zip(rows, runs.values()):
             row["source"] = source_word(run)
     return pd.DataFrame(rows).set_index("backend")
+
+
+def step_split_frame(runs: dict[str, dict[str, Any]]):
+    """Where each backend's step goes: one row per run, for ``wall_s``, ``generate_s``,
+    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS` and (flex)
+    :data:`~nbhelpers.grpo.step_timing.FLEX_KEYS` the median over the run's own step rows after
+    its summary's ``skip_first`` (the steps in the summary's medians; seconds, ``decode_steps``
+    a count, ``decode_ms_per_step`` ms). ``None`` where a run never logged the key (``flex/*``
+    for other backends, ``time/*`` for records from before 2026-12-02)."""
+    import pandas as pd
+
+    from nbhelpers.grpo.step_timing import FLEX_KEYS, TIME_KEYS
+    from nbhelpers.stats import median
+    cols = ("wall_s", "generate_s", *TIME_KEYS, *FLEX_KEYS)
+    rows = []
+    for name, run in runs.items():
+        steps = (run.get("rows") or [])[(run.get("summary") or {}).get("skip_first", 0):]
+        rows.append({"backend": name, "n_steps": len(steps)}
+                    | {c: median([r.get(c) for r in steps]) for c in cols})
+    return pd.DataFrame(rows, columns=["backend", "n_steps", *cols]).set_index("backend")
 
 
 def _mean(vals: list[Any]) -> float | None:

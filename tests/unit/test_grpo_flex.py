@@ -272,3 +272,27 @@ def test_format_warmup_is_merged_then_grpo_trains_a_fresh_adapter(tmp_path):
     assert len(result.records) == 1 and math.isfinite(result.records[0]["loss"])
     with pytest.raises(ValueError, match="format_warmup_steps=3 with backend='vllm'"):
         train("tiny-llama", settings, backend="vllm", output_dir=tmp_path, format_warmup_steps=3)
+
+
+def test_step_rows_split_the_step_and_the_engine(flex_run):
+    """Issue 13: every step row has the trainer split (time/*) and the flex engine split
+    (flex/*); parts are non-negative and sum to no more than their wall."""
+    from nbhelpers.grpo.step_timing import FLEX_KEYS, TIME_KEYS
+    result, rollout, _, _ = flex_run
+    rows = step_rows(result)
+    assert len(rows) == 2
+    for row in rows:
+        assert all(row[k] is not None and row[k] >= 0 for k in (*TIME_KEYS, *FLEX_KEYS)), row
+        parts = sum(row[k] for k in TIME_KEYS[:3])
+        assert parts <= row["wall_s"] + 1e-3
+        assert parts + row["time/other_s"] == pytest.approx(row["wall_s"], abs=1e-3)
+        engine = row["flex/prefill_s"] + row["flex/decode_s"] + row["flex/host_s"]
+        assert engine <= row["flex/generate_wall_s"] + 1e-6
+        assert row["flex/generate_wall_s"] <= row["flex/rollout_s"] + 1e-6
+        assert row["flex/rollout_s"] <= row["generate_s"] + 1e-3  # rollout_func inside _generate
+        assert row["generate_s"] <= row["time/generate_and_score_s"] + 1e-3
+        assert row["flex/decode_steps"] >= 1
+    # one rollout per step here: the row's engine numbers are that rollout's own
+    assert [r["flex/decode_s"] for r in rows] == pytest.approx(
+        [s["flex/decode_s"] for s in rollout.engine_stats])
+    assert len(rollout.engine_stats) == len(rollout.generate_s) == 2

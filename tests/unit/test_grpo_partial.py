@@ -159,3 +159,20 @@ def test_the_runner_takes_reuse_runs_from_the_command_line(first_call):
     gone = parse_overrides([("reuse_runs", "{hf_generate: executed/x/run__hf_generate.json}")])
     with pytest.raises(UserInputError, match=r"-p reuse_runs .*no such file"):
         plan_parameters([nb], "cpu", gone, repo=repo)
+
+
+def test_hf_generate_step_rows_carry_the_step_split(first_call):
+    """Issue 13: the trainer split (time/*) is in every hf_generate step row of the sidecar,
+    non-negative, its parts within the step wall; no flex/* keys for a non-flex backend."""
+    from nbhelpers.grpo.step_timing import TIME_KEYS
+    side = json.loads((first_call / "run__hf_generate.json").read_text())
+    for row in side["grpo_steps"]:
+        assert all(row[k] is not None and row[k] >= 0 for k in TIME_KEYS), row
+        assert sum(row[k] for k in TIME_KEYS[:3]) <= row["wall_s"] + 1e-3
+        assert row["generate_s"] <= row["time/generate_and_score_s"] + 1e-3
+        assert not [k for k in row if k.startswith("flex/")]
+    table = grpo_compare.step_split_frame({"hf_generate": {"rows": side["grpo_steps"],
+                                                          "summary": side["grpo_summary"]}})
+    assert table.loc["hf_generate", "n_steps"] == len(side["grpo_steps"])
+    assert table.loc["hf_generate", "time/optimizer_s"] == side["grpo_steps"][0]["time/optimizer_s"]
+    assert table.loc["hf_generate", "flex/decode_s"] is None

@@ -156,7 +156,9 @@ N15B_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-ge
 # session 10's second window: the tests the sampler default and the phase-2 time split touch
 N16A_TESTS = ("--paths tests/engine/test_resolved_kernels.py,tests/engine/test_vocab_sample_engine.py,"
               "tests/engine/test_vocab_sample.py,tests/unit/test_grpo_flex.py,"
-              "tests/unit/test_flex_is_loss_time.py --tb=short --durations=15")
+              "tests/unit/test_flex_is_loss_time.py,tests/unit/test_step_timing.py,"
+              "tests/engine/test_pdl_early.py,tests/engine/test_pdl_builds.py,"
+              "tests/engine/test_lora_consumer_engine.py --tb=short --durations=15")
 
 # session 10: pdl="early" (helper-46: weights loaded before griddepcontrol.wait in the LoRA
 # expand, add+RMSNorm, q/k norm + RoPE and the consumer kernels) against pdl "on" (the default),
@@ -384,7 +386,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # (one process each; n15a/n15b hold the same-call A/B against the torch sampler), phase 2
     # [flex] at the Qwen3-4B shape with the per-step time split, 34 (Gemma-4) at batch 32.
     "n16a": (["notebooks", "trl"], ["tok", "gsm8k"], [
-        (SUITE, {"args": N16A_TESTS}, 70, 130, 0)]),
+        (SUITE, {"args": N16A_TESTS}, 100, 160, 0)]),
     "n16b": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[fp32, none, bf16]"},
          360, 480, 0)]),

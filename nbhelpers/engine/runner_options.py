@@ -160,7 +160,11 @@ class RunnerOptions:
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
     2; ``engine/kernels/pdl.py``): each may start while the kernel before it finishes, waits
     (``griddepcontrol.wait``) before touching what that kernel may write, and lets the next one
-    start after its main loop. ``"on"``, ``"off"`` or ``"auto"`` (the default) = ``"on"``. Why:
+    start after its main loop. ``"on"``, ``"off"``, ``"early"`` or ``"auto"`` (the default) =
+``"on"``. ``"early"``: ``"on"`` plus the weights (LoRA B, RMSNorm and q/k-norm weights) of
+``lora_expand``, add+RMSNorm, q/k norm + RoPE and the gate_up consumer loaded before the wait
+(``PREWAIT``, ``pdl.py``'s kernel rules; bit-identical results), an A/B candidate (issue 12:
+the weight's cold HBM load follows the wait today). Why ``"on"``:
     the engine A/B on the H200 (``scripts/bench_flex.py --points qwen3-4b:fp32:4,qwen3-4b:none:4
     --variants ... {"pdl": "on"}``, one process per variant, 256 new tokens, 2026-12-01, step
     ``n8p`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.77 -> 3.65 ms with PEFT
@@ -168,7 +172,7 @@ class RunnerOptions:
     at runtime and applies to decode steps only (warm-up, CUDA-graph capture, eager steps;
     prefill keeps ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs
     and with ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) both
-    ``"on"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`)."""
+    ``"on"``, ``"early"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`)."""
     sample_kernel: str = "auto"
     """Decode sampling: ``"torch"`` (``engine/sampler.py`` ``sample``, compiled with the decode
     pieces when ``compile_layers``), ``"triton"`` (steps whose rows use no top-k/top-p,

@@ -64,6 +64,15 @@ def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
     return opt.pdl != "off" and not opt.compile_decode and pdl_launch.supported(device)
 
 
+def resolve_pdl_mode(opt: RunnerOptions, device: Any) -> str:
+    """The resolved ``pdl`` mode (one of ``pdl.PDL_MODES``): ``"off"`` where
+    :func:`resolve_pdl` is False, else ``"early"`` when asked for, else ``"on"`` (``"auto"``
+    is ``"on"`` until an H200 A/B says otherwise)."""
+    if not resolve_pdl(opt, device):
+        return "off"
+    return "early" if opt.pdl == "early" else "on"
+
+
 def resolve_l2_prefetch(opt: RunnerOptions, device: Any) -> str:
     """``opt.l2_prefetch``, kept ``"o_proj"`` only where it runs (``l2_prefetch.runs_on``:
     CUDA, triton, no interpreter) and without ``compile_decode`` (a whole-step trace has no

@@ -198,8 +198,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, lora_act_mul as lam, qk_rope_cache as qrc
-NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False, USE_GDC=False)  # PDL: test_pdl.py
-LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False)  # lora_expand="consumer"
+NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False, USE_GDC=False,
+               PREWAIT=False)  # PDL: test_pdl.py
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False, PREWAIT=False)  # lora_expand="consumer"
 cases = [
     (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
                                O_STYLE=1, O_W=True, BLOCK=4096, **NO_LORA)),
@@ -209,7 +210,7 @@ cases = [
                                O_STYLE=2, O_W=True, BLOCK=2048, **NO_LORA)),
     (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024, USE_GDC=False)),
     (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32, DOT_FP32=False,
-                                    RNE=False, USE_GDC=False)),  # lora_expand="consumer"
+                                    RNE=False, USE_GDC=False, PREWAIT=False)),  # consumer
     (fn._act_mul_kernel, dict(ACT=1, BLOCK=1024, USE_GDC=False)),
     (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64, **NO_LORA)),
     (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64,

@@ -203,7 +203,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, lora_act_mul as lam, qk_rope_cache as qrc
-LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False)
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False, PREWAIT=False)
 cases = [(fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False,
                                     STORE_RES=True, O_STYLE=1, O_W=True, BLOCK=4096, **LORA)),
          (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0, BLOCK_H=64,
@@ -211,7 +211,8 @@ cases = [(fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=
 lora_ptrs = {"xa_ptr", "b_ptr", "bg_ptr", "bu_ptr", "bq_ptr", "bk_ptr", "bv_ptr"}
 for model_dt, lora_dt in (("bf16", "fp32"), ("fp16", "fp16")):
     act = (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
-                                          DOT_FP32=lora_dt == "fp32", RNE=False, USE_GDC=False))
+                                          DOT_FP32=lora_dt == "fp32", RNE=False, USE_GDC=False,
+                                          PREWAIT=False))
     for kern, consts in (*cases, act):
         sig = {a: ("*i64" if a == "slot_ptr" else "*" + (lora_dt if a in lora_ptrs else model_dt))
                if a.endswith("_ptr") else "fp32" if a.startswith("eps") or a == "scaling"

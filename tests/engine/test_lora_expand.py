@@ -169,7 +169,8 @@ for y, b, parts, dot32 in (("bf16", "bf16", 3, False), ("bf16", "fp32", 2, True)
     sig = {"xa_ptr": "*" + b, "y_ptr": "*" + y, "b0_ptr": "*" + b, "b1_ptr": "*" + b,
            "b2_ptr": "*" + b, **dict.fromkeys(ints, "i32"), "scaling": "fp32"}
     consts = {"NUM_PARTS": parts, "BLOCK_M": 32, "BLOCK_OUT": 64, "BLOCK_R": 32,
-              "DOT_FP32": dot32, "BF16_RNE": False, "USE_GDC": False}
+              "DOT_FP32": dot32, "BF16_RNE": False, "USE_GDC": False,
+              "PREWAIT": False}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -76,8 +76,8 @@ def _spy(monkeypatch) -> list[bool]:
     seen: list[bool] = []
     real = pdl.launch_kwargs
 
-    def spy() -> dict[str, bool]:
-        kw = real()
+    def spy(**prewait: bool) -> dict[str, bool]:
+        kw = real(**prewait)
         seen.append(kw["USE_GDC"])
         assert kw.get("launch_pdl", False) == kw["USE_GDC"]  # never one without the other
         return kw

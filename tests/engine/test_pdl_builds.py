@@ -36,40 +36,64 @@ SK = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=False, BF16_RNE=False)
 ST1 = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=128,
            USE_WINDOW=False, USE_SOFT_CAP=False, DOT_PRECISION="tf32")
 I64, F32 = {"slot_ptr": "*i64", "BlockTable": "*i64", "SeqLens": "*i64"}, "*fp32"
-# name: (kernel, constexprs, pointer dtypes besides bf16, launches dependents, W before wait)
+# name: (kernel, constexprs, pointer dtypes besides bf16, launches dependents, W before wait,
+#        W before wait with PREWAIT or None: the kernel takes no PREWAIT)
 CASES = {
     "skinny_split": (sg._skinny_gemm, dict(HAS_BIAS=False, SPLIT=True, **SK),
-                     {"ws_ptr": F32, "cnt_ptr": "*i32"}, True, True),
+                     {"ws_ptr": F32, "cnt_ptr": "*i32"}, True, True, None),
     "skinny_bias": (sg._skinny_gemm, dict(HAS_BIAS=True, SPLIT=False, **SK),
-                    {"ws_ptr": F32, "cnt_ptr": "*i32"}, True, True),
+                    {"ws_ptr": F32, "cnt_ptr": "*i32"}, True, True, None),
     "lora_expand": (le._lora_expand_gemm, dict(NUM_PARTS=3, BLOCK_M=16, BLOCK_OUT=64,
                                                BLOCK_R=32, DOT_FP32=False, BF16_RNE=False),
-                    {}, True, False),
+                    {}, True, False, True),
+    "lora_expand_fp32": (le._lora_expand_gemm, dict(NUM_PARTS=1, BLOCK_M=16, BLOCK_OUT=64,
+                                                    BLOCK_R=64, DOT_FP32=True, BF16_RNE=False),
+                         {"xa_ptr": F32, "b0_ptr": F32, "b1_ptr": F32, "b2_ptr": F32}, True,
+                         False, True),
     "lora_shrink": (ls._lora_shrink_gemm, dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, SPLIT_K=8),
-                    {"a_ptr": F32, "xa_ptr": F32}, True, False),
+                    {"a_ptr": F32, "xa_ptr": F32}, True, False, None),
     "add_norm_lora": (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False,
                                                 HAS_SCALE=False, STORE_RES=True, O_STYLE=1,
-                                                O_W=True, BLOCK=4096, **LORA), {}, True, False),
-    "act_mul": (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024), {}, True, False),
+                                                O_W=True, BLOCK=4096, **LORA), {}, True, False,
+                      True),
+    "add_norm_gemma": (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=2, D_W=True,
+                                                 HAS_SCALE=True, STORE_RES=True, O_STYLE=2,
+                                                 O_W=True, BLOCK=2048, **NO), {}, True, False,
+                       True),
+    "add_norm_no_weights": (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False,
+                                                      HAS_SCALE=False, STORE_RES=True,
+                                                      O_STYLE=2, O_W=False, BLOCK=2048, **NO),
+                            {}, True, False, False),  # dummy weight pointers: never read early
+    "act_mul": (fn._act_mul_kernel, dict(ACT=0, BLOCK=1024), {}, True, False, None),
     "act_mul_lora": (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=32,
-                                                    DOT_FP32=False, RNE=False), {}, True, False),
+                                                    DOT_FP32=False, RNE=False), {}, True, False,
+                     True),
     "qk_rope_cache": (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0,
-                                                      BLOCK_H=64, **NO), I64, True, False),
+                                                      BLOCK_H=64, **NO), I64, True, False, True),
+    "qk_rope_cache_lora": (qrc._qk_rope_cache_kernel, dict(QK_STYLE=1, QK_W=True, V_STYLE=0,
+                                                           BLOCK_H=64, **{**LORA, "LORA_K": 32}),
+                           {**I64, "xa_ptr": F32, "bq_ptr": F32, "bk_ptr": F32, "bv_ptr": F32},
+                           True, False, True),
+    "qk_rope_cache_llama": (qrc._qk_rope_cache_kernel, dict(QK_STYLE=0, QK_W=False, V_STYLE=0,
+                                                            BLOCK_H=64, **NO), I64, True, False,
+                            False),  # no norm weights, no LoRA: nothing to load early
     "stage1": (pk._paged_attention_stage1, dict(NUM_SPLITS=4, MIN_SPLIT_TILES=0, DIRECT=False,
                                                 **ST1), {**I64, "MidO": F32, "MidLse": F32},
-               True, False),
+               True, False, None),
     "stage1_direct": (pk._paged_attention_stage1, dict(NUM_SPLITS=1, MIN_SPLIT_TILES=4,
-                                                       DIRECT=True, **ST1), I64, True, False),
+                                                       DIRECT=True, **ST1), I64, True, False,
+                      None),
     "stage2": (pk._paged_attention_stage2, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4,
                                                 BLOCK_S=4), {"MidO": F32, "MidLse": F32},
-               True, False),
+               True, False, None),
 }
 FLOATS = {"scale", "soft_cap", "scaling"}
 GLOBAL_WRITE = re.compile(r"\\b(st|atom|red)\\.global|\\bcp\\.async")
 GLOBAL_LOAD = re.compile(r"\\bld\\.global")
-for name, (kern, consts, ptrs, launches, w_first) in CASES.items():
-    for gdc in (True, False):
-        c = {**consts, "USE_GDC": gdc}
+BUILDS = ((True, False), (False, False), (True, True))  # (USE_GDC, PREWAIT): on, off, early
+for name, (kern, consts, ptrs, launches, w_first, w_early) in CASES.items():
+    for gdc, pre in BUILDS if w_early is not None else BUILDS[:2]:
+        c = {**consts, "USE_GDC": gdc, **({"PREWAIT": pre} if w_early is not None else {})}
         sig = {a: "constexpr" if a in c else ptrs.get(a) or (
             "fp32" if a in FLOATS or a.startswith("eps") else
             "*bf16" if a.endswith("_ptr") or a[0].isupper() else "i32") for a in kern.arg_names}
@@ -86,7 +110,8 @@ for name, (kern, consts, ptrs, launches, w_first) in CASES.items():
         assert (launch > wait) if launches else launch < 0, name
         before = ptx[:wait]  # the entry block up to the wait: runs before it
         assert not GLOBAL_WRITE.search(before), (name, GLOBAL_WRITE.findall(before))
-        assert bool(GLOBAL_LOAD.search(before)) == w_first, name  # skinny: its first W tile
+        # on: only the skinny GEMM's first W tile; early: the kernel's weights, when it has any
+        assert bool(GLOBAL_LOAD.search(before)) == (w_early if pre else w_first), (name, pre)
 print("compiled")
 """
 
@@ -95,7 +120,10 @@ def test_kernels_ptx_wait_and_launch_for_sm90():
     """Every PDL kernel built for sm_90: with ``USE_GDC=True`` one ``griddepcontrol.wait`` with
     no global store, atomic or async copy before it and no global load before it except the
     skinny GEMM's first W tile (weights), then ``griddepcontrol.launch_dependents``; with
-    ``USE_GDC=False`` neither instruction (the default build)."""
+    ``USE_GDC=False`` neither instruction (the default build). The ``PREWAIT`` kernels
+    (``pdl="early"``) also with ``USE_GDC=PREWAIT=True``: one wait, no store before it, and a
+    global load before it exactly when the build has a weight (norm weights, LoRA B): none for
+    a build whose weight slots are dummies (activation pointers)."""
     assert_compiles_for_sm90(_AOT)
 
 

@@ -28,7 +28,12 @@ GELU-tanh gated products); FlashInfer ``norm.cuh`` ``FusedAddRMSNormKernel``.
 
 PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): both kernels ``gdc_wait()`` first in
 every program and ``gdc_launch_dependents()`` once their inputs are read (only the stores
-remain).
+remain). With ``PREWAIT`` (``pdl="early"``) add+RMSNorm loads its weights before the wait: the
+RMSNorm weights ``wd``/``wo``, Gemma's ``layer_scalar`` and, with LoRA, the first ``LORA_K``
+ranks of B (:func:`.lora_prologue.lora_cols` peels its first step); each only under the
+constexpr that says it exists, so a dummy pointer (an activation) is never read early. The row,
+``x`` and ``xa`` follow the wait; the arithmetic is unchanged, so the result is bit-identical.
+(``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those loads up.)
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_fused_kernels.py``).
 """
@@ -43,7 +48,7 @@ import triton.language as tl
 from nbhelpers.engine.kernels import lora_prologue as lp
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.act import act_fn
-from nbhelpers.engine.kernels.lora_prologue import add_lora
+from nbhelpers.engine.kernels.lora_prologue import add_lora, lora_b_tile
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """``TRITON_INTERPRET=1`` at import: the kernels then run on CPU tensors."""
@@ -64,15 +69,29 @@ def _rnd(x, DT: tl.constexpr):
 
 @triton.jit
 def _rms(h, w_ptr, cols, m, n, eps, STYLE: tl.constexpr, HAS_W: tl.constexpr,
-         DT: tl.constexpr):
-    """HF RMSNorm of the fp32 row ``h`` (style: 1 llama, 2 gemma), rounded to ``DT``."""
+         DT: tl.constexpr, w_pre, PRE: tl.constexpr):
+    """HF RMSNorm of the fp32 row ``h`` (style: 1 llama, 2 gemma), rounded to ``DT``; the
+    weight (fp32) is ``w_pre`` when ``PRE`` (loaded before the PDL wait; needs ``HAS_W``, which
+    a llama norm always has), else loaded here."""
     hn = h * tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
     if STYLE == 1:
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if PRE:
+            w = w_pre
+        else:
+            w = _load_w(w_ptr, cols, m)
         return _rnd(w * _rnd(hn, DT), DT)
     if HAS_W:
-        hn = hn * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if PRE:
+            hn = hn * w_pre
+        else:
+            hn = hn * _load_w(w_ptr, cols, m)
     return _rnd(hn, DT)
+
+
+@triton.jit
+def _load_w(w_ptr, cols, m):
+    """A norm weight's columns ``cols`` (masked by ``m``) as fp32."""
+    return tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -81,30 +100,48 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
                      HAS_X: tl.constexpr, D_STYLE: tl.constexpr, D_W: tl.constexpr,
                      HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
                      O_W: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K: tl.constexpr,
-                     LORA_RNE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # PDL (pdl.py): the row comes from the previous kernel
-        tl.extra.cuda.gdc_wait()
+                     LORA_RNE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+                     PREWAIT: tl.constexpr):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not PREWAIT:  # PDL (pdl.py): the row comes from the previous kernel
+            tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n_cols
     DT: tl.constexpr = res_ptr.dtype.element_ty
+    wd, wo, sv, b0 = 0.0, 0.0, 0.0, 0.0  # the PREWAIT values (unused otherwise)
+    if PREWAIT:  # "early" (pdl.py): the weights that exist (a missing one's slot holds an
+        # activation pointer; a llama norm always has its weight), then the wait
+        if D_W:
+            wd = _load_w(wd_ptr, cols, m)
+        if O_W:
+            wo = _load_w(wo_ptr, cols, m)
+        if HAS_SCALE:
+            sv = tl.load(s_ptr).to(tl.float32)
+        if HAS_LORA:  # B's first LORA_K ranks (lora_prologue.lora_cols peels its first step)
+            b0 = lora_b_tile(b_ptr, rank, cols, m, tl.arange(0, LORA_K))
+        if USE_GDC:  # the row, x and xa only after the previous kernel
+            tl.extra.cuda.gdc_wait()
     y = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_LORA:  # delta = y_base + s * xa @ B^T, rounded once (lora_prologue.py)
         y = add_lora(y, xa_ptr + row * stride_xa, b_ptr, rank, cols, m, scaling, DT, LORA_RNE,
-                     BLOCK, LORA_K, 0)
+                     BLOCK, LORA_K, 0, b0, PREWAIT)
     if D_STYLE != 0:
-        y = _rms(y, wd_ptr, cols, m, n_cols, eps_d, D_STYLE, D_W, DT)
+        y = _rms(y, wd_ptr, cols, m, n_cols, eps_d, D_STYLE, D_W, DT, wd, PREWAIT)
     if HAS_X:
         y = _rnd(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32) + y,
                  DT)
     if HAS_SCALE:
-        y = _rnd(y * tl.load(s_ptr).to(tl.float32), DT)
+        if PREWAIT:
+            y = _rnd(y * sv, DT)
+        else:
+            y = _rnd(y * tl.load(s_ptr).to(tl.float32), DT)
     if USE_GDC:  # every input read: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     if STORE_RES:
         tl.store(res_ptr + row * n_cols + cols, y.to(DT), mask=m)
     if O_STYLE != 0:
-        o = _rms(y, wo_ptr, cols, m, n_cols, eps_o, O_STYLE, O_W, DT)
+        o = _rms(y, wo_ptr, cols, m, n_cols, eps_o, O_STYLE, O_W, DT, wo, PREWAIT)
         tl.store(out_ptr + row * n_cols + cols, o.to(DT), mask=m)
 
 
@@ -182,7 +219,7 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
         LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n),
         num_warps=_warps(n) if lora is None else lp.warps_for(triton.next_power_of_2(n),
                                                               _warps(n)),
-        **pdl.launch_kwargs())
+        **pdl.launch_kwargs(prewait=True))
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)

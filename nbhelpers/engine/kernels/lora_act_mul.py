@@ -26,7 +26,9 @@ activation in its epilogue. Rows: up to ``lora_pending.CONSUMER_MAX_ROWS`` (64),
 Numerics: fp32 B multiplies in IEEE fp32 (no TF32); bf16/fp16 B with bf16/fp16 ``xa`` in the
 operand dtype with fp32 accumulation (the products are exact). Under ``TRITON_INTERPRET=1`` every
 operand is upcast before ``tl.dot`` (the interpreter's bf16 ``tl.dot`` is wrong, see
-``lora_expand``) and bf16 rounds by bit arithmetic. PDL as :mod:`.fused_norm`.
+``lora_expand``) and bf16 rounds by bit arithmetic. PDL as :mod:`.fused_norm`; with ``PREWAIT``
+(``pdl="early"``) both B tiles (weights, addressed by the program's column block) are loaded
+before the wait, gate, up and xa after it: the same operations, bit-identical.
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_consumer.py``).
 """
@@ -49,15 +51,25 @@ BLOCK_N = 64
 
 
 @triton.jit
+def _b_tile(b_ptr, rank, cols, cm, BLOCK_R: tl.constexpr):
+    """B's transpose tile ``[BLOCK_R, BLOCK_N]`` (B ``[I, rank]`` row-major; ranks ``>= rank``
+    and columns past ``I`` read 0): a weight, so it may be loaded before the PDL wait."""
+    ks = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + cols.to(tl.int64)[None, :] * rank + ks[:, None],
+                   mask=(ks < rank)[:, None] & cm[None, :], other=0.0)
+
+
+@triton.jit
 def _lora_dot(xa_ptr, stride_xa, roff, b_ptr, rank, rows, rm, cols, cm, BLOCK_R: tl.constexpr,
-              DOT_FP32: tl.constexpr):
-    """``xa[rows, roff:roff + rank] @ B[cols, :rank]^T`` in fp32, ``[BLOCK_M, BLOCK_N]``."""
+              DOT_FP32: tl.constexpr, b, PRE: tl.constexpr):
+    """``xa[rows, roff:roff + rank] @ B[cols, :rank]^T`` in fp32, ``[BLOCK_M, BLOCK_N]``;
+    ``PRE``: B's tile is ``b`` (:func:`_b_tile`, loaded before the PDL wait)."""
     ks = tl.arange(0, BLOCK_R)
     km = ks < rank
     a = tl.load(xa_ptr + rows[:, None] * stride_xa + roff + ks[None, :],
                 mask=rm[:, None] & km[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-    b = tl.load(b_ptr + cols.to(tl.int64)[None, :] * rank + ks[:, None],
-                mask=km[:, None] & cm[None, :], other=0.0)  # B^T tile [BLOCK_R, BLOCK_N]
+    if not PRE:
+        b = _b_tile(b_ptr, rank, cols, cm, BLOCK_R)
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
@@ -67,18 +79,28 @@ def _lora_dot(xa_ptr, stride_xa, roff, b_ptr, rank, rows, rm, cols, cm, BLOCK_R:
 def _act_mul_lora_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_rows, n_cols, stride_g,
                          stride_u, stride_xa, r_g, r_u, scaling, ACT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                         DOT_FP32: tl.constexpr, RNE: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # PDL (pdl.py): gate, up and xa come from the previous kernel
-        tl.extra.cuda.gdc_wait()
+                         DOT_FP32: tl.constexpr, RNE: tl.constexpr, USE_GDC: tl.constexpr,
+                         PREWAIT: tl.constexpr):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not PREWAIT:  # PDL (pdl.py): gate, up and xa come from the previous kernel
+            tl.extra.cuda.gdc_wait()
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm, cm = rows < n_rows, cols < n_cols
     m2 = rm[:, None] & cm[None, :]
     DT: tl.constexpr = o_ptr.dtype.element_ty
+    bg, bu = 0.0, 0.0  # the PREWAIT tiles
+    if PREWAIT:  # "early" (pdl.py): both B tiles (weights) before the wait
+        bg = _b_tile(bg_ptr, r_g, cols, cm, BLOCK_R)
+        bu = _b_tile(bu_ptr, r_u, cols, cm, BLOCK_R)
+        if USE_GDC:  # gate, up and xa only after the previous kernel
+            tl.extra.cuda.gdc_wait()
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m2, other=0.0)
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=m2, other=0.0)
-    lg = _lora_dot(xa_ptr, stride_xa, 0, bg_ptr, r_g, rows, rm, cols, cm, BLOCK_R, DOT_FP32)
-    lu = _lora_dot(xa_ptr, stride_xa, r_g, bu_ptr, r_u, rows, rm, cols, cm, BLOCK_R, DOT_FP32)
+    lg = _lora_dot(xa_ptr, stride_xa, 0, bg_ptr, r_g, rows, rm, cols, cm, BLOCK_R, DOT_FP32, bg,
+                   PREWAIT)
+    lu = _lora_dot(xa_ptr, stride_xa, r_g, bu_ptr, r_u, rows, rm, cols, cm, BLOCK_R, DOT_FP32,
+                   bu, PREWAIT)
     if USE_GDC:  # every input read: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     g = round_once(g.to(tl.float32) + scaling * lg, DT, RNE)
@@ -109,4 +131,4 @@ def act_mul_lora(g2: Any, u2: Any, out: Any, act: int, lora: Any) -> None:
         g2, u2, out, xa, bg, bu, rows, n, g2.stride(0), u2.stride(0), sxa, rg, ru, s, ACT=act,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(max(rg, ru))),
         DOT_FP32=xa.dtype == torch.float32 or interp, RNE=lp.rne(out.dtype), num_warps=4,
-        **pdl.launch_kwargs())
+        **pdl.launch_kwargs(prewait=True))

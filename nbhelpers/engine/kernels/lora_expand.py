@@ -32,7 +32,12 @@ device pointer table.
 
 PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in every program
 (xa and y are the previous kernels' outputs), ``gdc_launch_dependents()`` after the rank loop
-(the read-add-store of y remains).
+(the read-add-store of y remains). With ``PREWAIT`` (``pdl="early"``) the program picks its
+part (from its program id and the arguments only) and loads its first ``BLOCK_R`` ranks of B
+before the wait, the first rank iteration peeled as :mod:`.skinny_gemm` peels its first W tile
+(B is a weight: no decode kernel writes it); xa and y still after it. Same operations, same
+order: bit-identical to ``PREWAIT`` off. (``PREWAIT`` without ``USE_GDC``, which no launcher
+passes, only peels the loop.)
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_expand.py``).
 """
@@ -62,9 +67,10 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
                    end0, end1, roff1, roff2, r0, r1, r2, scaling,
                    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr,
-                   USE_GDC: tl.constexpr):
-    if USE_GDC:  # PDL (pdl.py): xa and y come from the previous kernels
-        tl.extra.cuda.gdc_wait()
+                   USE_GDC: tl.constexpr, PREWAIT: tl.constexpr):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not PREWAIT:  # PDL (pdl.py): xa and y come from the previous kernels
+            tl.extra.cuda.gdc_wait()
     col0 = tl.program_id(1) * BLOCK_OUT  # first output column of this tile (global)
     b_ptr, start, roff, rank = b0_ptr, end0 * 0, roff1 * 0, r0  # part 0
     # constexpr tests stand alone so the compiler prunes unused parts
@@ -79,17 +85,18 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
     ks = tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < n_rows
     acc = tl.zeros((BLOCK_M, BLOCK_OUT), dtype=tl.float32)
-    for k0 in range(0, rank, BLOCK_R):
-        kk = k0 + ks
-        a = tl.load(xa_ptr + rows[:, None] * stride_xa + (roff + kk)[None, :],
-                    mask=row_ok & (kk[None, :] < rank), other=0.0)  # [BLOCK_M, BLOCK_R]
-        # B_i is [out_i, r_i] row-major: element (n, k) at n * r_i + k; load B_i^T's tile
-        b = tl.load(b_ptr + (col0 - start + cols)[None, :] * rank + kk[:, None],
-                    mask=kk[:, None] < rank, other=0.0)  # [BLOCK_R, BLOCK_OUT]
-        if DOT_FP32:  # exact products either way: bf16 x bf16 fits fp32
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+    k_start = 0
+    if PREWAIT:  # "early" (pdl.py): the first rank chunk peeled, its B load before the wait
+        b0 = _b_tile(b_ptr, col0 - start + cols, rank, ks)
+        if USE_GDC:  # xa and y only after the previous kernel
+            tl.extra.cuda.gdc_wait()
+        a0 = _xa_tile(xa_ptr, rows, stride_xa, roff, ks, rank, row_ok)
+        acc = _dot(a0, b0, acc, DOT_FP32)
+        k_start = BLOCK_R
+    for k0 in range(k_start, rank, BLOCK_R):
+        a = _xa_tile(xa_ptr, rows, stride_xa, roff, k0 + ks, rank, row_ok)
+        b = _b_tile(b_ptr, col0 - start + cols, rank, k0 + ks)
+        acc = _dot(a, b, acc, DOT_FP32)
     if USE_GDC:  # rank loop done: the next kernel may start its prologue
         tl.extra.cuda.gdc_launch_dependents()
     y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
@@ -99,6 +106,30 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
         tl.store(y_ptrs, _bf16_rne(out), mask=row_ok)
     else:
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _b_tile(b_ptr, b_rows, rank, kk):
+    """B_i^T's ``[BLOCK_R, BLOCK_OUT]`` tile: ranks ``kk``, B rows ``b_rows`` (B_i is
+    ``[out_i, r_i]`` row-major: element (n, k) at n * r_i + k); ranks ``>= rank`` read 0."""
+    return tl.load(b_ptr + b_rows[None, :] * rank + kk[:, None], mask=kk[:, None] < rank,
+                   other=0.0)
+
+
+@triton.jit
+def _xa_tile(xa_ptr, rows, stride_xa, roff, kk, rank, row_ok):
+    """``xa[rows, roff + kk]``, ``[BLOCK_M, BLOCK_R]``; ranks ``>= rank`` and rows past the end
+    read 0."""
+    return tl.load(xa_ptr + rows[:, None] * stride_xa + (roff + kk)[None, :],
+                   mask=row_ok & (kk[None, :] < rank), other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """``acc + a @ b`` in fp32 (IEEE for fp32 operands)."""
+    if DOT_FP32:  # exact products either way: bf16 x bf16 fits fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -161,4 +192,4 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
                          NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
                          DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,
                          BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16,
-                         num_warps=4, **pdl.launch_kwargs())
+                         num_warps=4, **pdl.launch_kwargs(prewait=True))

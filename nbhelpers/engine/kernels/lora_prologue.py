@@ -47,21 +47,40 @@ LORA_K = 4
 
 @triton.jit
 def lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK: tl.constexpr, LORA_K: tl.constexpr,
-              STEPS: tl.constexpr):
+              STEPS: tl.constexpr, b0, PRE: tl.constexpr):
     """``sum_k xa_row[k] * B[b_rows, k]`` in fp32, ``[BLOCK]``; ``b_rows`` the output columns
     (B's rows, within the part), masked by ``m``; B row-major ``[out, rank]``. ``STEPS`` 0: a
     loop over ``rank`` in steps of ``LORA_K`` (one ``[BLOCK, LORA_K]`` tile live: wide rows);
     ``STEPS`` > 0: ``STEPS`` unrolled steps, ``STEPS * LORA_K >= rank`` (the caller's promise;
-    straight-line code, so the loads of several calls are in flight together: one head)."""
+    straight-line code, so the loads of several calls are in flight together: one head).
+    ``PRE``: ``b0`` is the first step's tile, :func:`lora_b_tile` of ranks ``[0, LORA_K)``,
+    loaded by the caller before its PDL wait; the first step is peeled (same sums, same order)."""
     ks = tl.arange(0, LORA_K)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if PRE:
+        acc += _lora_dot(xa_row, b0, rank, ks)
     if STEPS == 0:
-        for k0 in range(0, rank, LORA_K):
+        for k0 in range(LORA_K if PRE else 0, rank, LORA_K):
             acc += _lora_step(xa_row, b_ptr, rank, b_rows, m, k0 + ks)
     else:
-        for i in tl.static_range(STEPS):
+        for i in tl.static_range(1 if PRE else 0, STEPS):
             acc += _lora_step(xa_row, b_ptr, rank, b_rows, m, i * LORA_K + ks)
     return acc
+
+
+@triton.jit
+def lora_b_tile(b_ptr, rank, b_rows, m, kk):
+    """``B[b_rows, kk]`` as fp32 ``[BLOCK, LORA_K]`` (rows masked by ``m``, ranks ``>= rank``
+    read 0): a weight, so a PDL kernel may load it before its wait (``pdl.py``)."""
+    return tl.load(b_ptr + b_rows.to(tl.int64)[:, None] * rank + kk[None, :],
+                   mask=m[:, None] & (kk < rank)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _lora_dot(xa_row, b, rank, kk):
+    """``sum_{k in kk} xa_row[k] * b[:, k]`` (fp32, ``[BLOCK]``); ``b`` a :func:`lora_b_tile`."""
+    a = tl.load(xa_row + kk, mask=kk < rank, other=0.0).to(tl.float32)  # [LORA_K]
+    return tl.sum(b * a[None, :], axis=1)
 
 
 @triton.jit
@@ -85,11 +104,12 @@ def round_once(out, DT: tl.constexpr, RNE: tl.constexpr):
 
 @triton.jit
 def add_lora(y, xa_row, b_ptr, rank, b_rows, m, scaling, DT: tl.constexpr, RNE: tl.constexpr,
-             BLOCK: tl.constexpr, LORA_K: tl.constexpr, STEPS: tl.constexpr):
+             BLOCK: tl.constexpr, LORA_K: tl.constexpr, STEPS: tl.constexpr, b0,
+             PRE: tl.constexpr):
     """``y + scaling * lora_cols(...)`` (fp32 ``y`` ``[BLOCK]``) rounded once to ``DT`` and
-    back to fp32 (:func:`round_once`)."""
+    back to fp32 (:func:`round_once`); ``b0``, ``PRE``: :func:`lora_cols`."""
     return round_once(y + scaling * lora_cols(xa_row, b_ptr, rank, b_rows, m, BLOCK, LORA_K,
-                                              STEPS), DT, RNE)
+                                              STEPS, b0, PRE), DT, RNE)
 
 
 def warps_for(block: int, warps: int, lora_k: int = LORA_K) -> int:

@@ -19,8 +19,13 @@ Contract: every launcher of a decode kernel here (``skinny_gemm``, ``lora_expand
 decode stages, ``vocab_sample``'s two sampler kernels) passes ``**pdl.launch_kwargs()``: ``{"USE_GDC": False}`` normally (the kernel
 compiles to the code it had before this option: the ``USE_GDC`` branches are pruned, and the
 launch keeps Triton's default ``launch_pdl=False``), ``{"USE_GDC": True, "launch_pdl": True}``
-inside :func:`scope` ``(True)``. One flag for both, so no kernel is PDL-launched without its wait.
-The runner enters ``scope(self.pdl)`` around its decode step body, which warm-up, CUDA-graph
+inside :func:`scope` ``(True)`` (or ``("on")``). One flag for both, so no kernel is PDL-launched
+without its wait. ``scope("early")`` is ``"on"`` plus ``PREWAIT``: the launchers of
+``lora_expand``, ``fused_norm``'s add+RMSNorm, ``qk_rope_cache`` and ``lora_act_mul`` pass
+``**pdl.launch_kwargs(prewait=True)``, which adds ``"PREWAIT": early()`` (``False`` outside
+``"early"``, so those kernels then compile to their ``"on"`` / ``"off"`` code); every other
+launcher's kwargs are unchanged. The runner enters ``scope(self.pdl_mode)`` around its decode
+step body, which warm-up, CUDA-graph
 capture, eager steps and the profiler all run, so the captured graph and the eager path launch
 the same way; prefill and everything outside see off. The flag is a module global read at
 launch (the engine decodes from one thread), not a ContextVar, so a torch.compile trace of a
@@ -36,6 +41,18 @@ own wait, so the guarantee chains back through a run of PDL kernels; one program
 its wait would break the chain. Kernels launched without the attribute (cuBLAS, torch, inductor)
 start only after the previous kernel completed, as always.
 
+Weights before the wait (``PREWAIT``, mode ``"early"``; the skinny GEMM always with
+``USE_GDC``): a program may load, before its wait, only tensors no decode kernel writes (the
+projection weights, LoRA B, RMSNorm weights, Gemma's ``layer_scalar``; ``ModelRunner.
+refresh_weights`` rewrites shadows with torch copies *between* steps, and a PDL launch overlaps
+only the kernel right before it), and only at addresses computed from its program id and
+scalar arguments, never from a loaded index (slots, positions, block tables: those are
+activations). Nothing else moves: the same operations in the same order on the same values, so
+the results are bit-identical to ``"on"``; only the weights' HBM round trip (cold every step: 8 GB
+of weights stream through the 50 MB L2) overlaps the previous kernel's tail instead of following
+the wait. A dummy pointer (a kernel's unused weight slot, given an activation tensor) is never
+loaded early: every early load sits under the constexpr that says the weight exists.
+
 Triton API (3.6 on the H200 image, 3.9 on the CPU host): ``tl.extra.cuda.gdc_wait()`` /
 ``gdc_launch_dependents()`` (inline PTX ``griddepcontrol.wait`` / ``.launch_dependents`` in 3.6,
 ``triton/language/extra/cuda/gdc.py``; a builtin op in 3.9; both no-ops when the launch had no
@@ -44,8 +61,10 @@ PDL attribute) and the launch keyword ``launch_pdl=True`` (``CUDAOptions.launch_
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, ``backends/nvidia/driver.py``).
 Neither exists in the interpreter, so :func:`scope` stays off under ``TRITON_INTERPRET=1``.
 
-Tests: ``tests/engine/test_pdl.py`` (sm_90 PTX of every kernel, option resolution, and on a GPU
-greedy parity of ``pdl="on"`` against ``"off"`` under CUDA graphs).
+Tests: ``tests/engine/test_pdl.py`` (option resolution, the ``USE_GDC`` branches in the
+interpreter), ``tests/engine/test_pdl_early.py`` (``PREWAIT`` against its absence, bit for bit),
+``tests/engine/test_pdl_builds.py`` (sm_90 PTX of every kernel, and on a GPU greedy parity of
+``pdl="on"`` against ``"off"`` and of ``"early"`` against ``"on"`` under CUDA graphs).
 """
 
 from __future__ import annotations
@@ -55,13 +74,16 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
-PDL_MODES = ("off", "on")
-"""Resolved values of ``RunnerOptions.pdl`` (``"auto"`` resolves to one of them)."""
+PDL_MODES = ("off", "on", "early")
+"""Resolved values of ``RunnerOptions.pdl`` (``"auto"`` resolves to one of them). ``"early"`` is
+``"on"`` plus weights loaded before the wait in the kernels whose launcher asks for ``PREWAIT``
+(:func:`launch_kwargs`)."""
 
 MIN_CAPABILITY = 9
 """Compute capability major version with PDL (Hopper, sm_90)."""
 
 _ON = False
+_EARLY = False
 
 
 def check_pdl(mode: str) -> str:
@@ -92,24 +114,41 @@ def supported(device: Any) -> bool:
 
 
 def active() -> bool:
-    """Whether launches now are PDL launches (inside :func:`scope` ``(True)``)."""
+    """Whether launches now are PDL launches (inside :func:`scope` ``(True)``, ``("on")`` or
+    ``("early")``)."""
     return _ON
 
 
+def early() -> bool:
+    """Whether launches now load weights before the wait (inside :func:`scope` ``("early")``)."""
+    return _EARLY
+
+
 @contextlib.contextmanager
-def scope(on: bool) -> Iterator[None]:
-    """Within this block the kernels above launch with PDL iff ``on`` (a resolved value: the
-    caller checked :func:`supported`); under the interpreter it stays off. Restores the previous
-    state on exit (nesting is fine)."""
-    global _ON
-    old, _ON = _ON, bool(on) and not interpreted()
+def scope(mode: bool | str) -> Iterator[None]:
+    """Within this block the kernels above launch with PDL iff ``mode`` is ``True``, ``"on"``
+    or ``"early"`` (a resolved value: the caller checked :func:`supported`), and the
+    ``PREWAIT`` kernels load their weights before the wait iff it is ``"early"``; ``False`` /
+    ``"off"``: ordinary launches. Under the interpreter it stays off. Restores the previous
+    state on exit (nesting is fine).
+
+    Raises:
+        ValueError: a string that is not one of :data:`PDL_MODES`.
+    """
+    global _ON, _EARLY
+    name = ("on" if mode else "off") if isinstance(mode, bool) else check_pdl(mode)
+    on = name != "off" and not interpreted()
+    old, (_ON, _EARLY) = (_ON, _EARLY), (on, on and name == "early")
     try:
         yield
     finally:
-        _ON = old
+        _ON, _EARLY = old
 
 
-def launch_kwargs() -> dict[str, bool]:
+def launch_kwargs(prewait: bool = False) -> dict[str, bool]:
     """Keyword arguments for a kernel launch: ``USE_GDC`` (the kernel's constexpr) and, when on,
-    ``launch_pdl=True`` (module docstring)."""
-    return {"USE_GDC": True, "launch_pdl": True} if _ON else {"USE_GDC": False}
+    ``launch_pdl=True`` (module docstring). ``prewait``: the kernel also takes the ``PREWAIT``
+    constexpr (weights before the wait), given :func:`early`; launchers without it keep the
+    two keys above."""
+    kw = {"USE_GDC": True, "launch_pdl": True} if _ON else {"USE_GDC": False}
+    return {**kw, "PREWAIT": _EARLY} if prewait else kw

@@ -31,6 +31,12 @@ into the RoPE kernel); FlashInfer ``apply_rope_pos_ids`` + ``append_paged_kv_cac
 PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in every program,
 ``gdc_launch_dependents()`` after the program's last load (a q head: before its stores; a k/v
 head: before the v store, the k store already issued: the loads and stores keep today's order).
+With ``PREWAIT`` (``pdl="early"``) a program loads its weights before the wait, addressed from
+its program id and the arguments only: the q/k norm weight (``q_norm`` for a q head, ``k_norm``
+for a k/v program) and, with LoRA, its B tiles (q's or k's, and v's, masked off in a q
+program); cos/sin, the slot and everything indexed by tokens follow the wait. Same arithmetic,
+so bit-identical (``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those
+loads up).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import triton.language as tl
 from nbhelpers.engine.kernels import lora_prologue as lp
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES, lora_supported
-from nbhelpers.engine.kernels.lora_prologue import add_lora
+from nbhelpers.engine.kernels.lora_prologue import add_lora, lora_b_tile
 
 __all__ = ["INTERPRETED", "qk_norm_rope_cache", "supported"]
 
@@ -55,44 +61,65 @@ def _rnd(x, DT: tl.constexpr):
 
 @triton.jit
 def _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE: tl.constexpr, HAS_W: tl.constexpr,
-                 DT: tl.constexpr):
-    """HF RMSNorm over one head given as two halves ``[BLOCK_H]`` (fp32), rounded to ``DT``."""
+                 DT: tl.constexpr, w1, w2, PRE: tl.constexpr):
+    """HF RMSNorm over one head given as two halves ``[BLOCK_H]`` (fp32), rounded to ``DT``;
+    ``PRE``: the weight's halves are ``w1``, ``w2`` (fp32, loaded before the PDL wait)."""
     r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
     y1, y2 = x1 * r, x2 * r
     if STYLE == 1:  # llama: cast, then times the weight in the dtype
-        w1 = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + c, mask=m, other=0.0).to(tl.float32)
+        if not PRE:
+            w1, w2 = _weight_halves(w_ptr, c, m, half)
         return _rnd(w1 * _rnd(y1, DT), DT), _rnd(w2 * _rnd(y2, DT), DT)
     if HAS_W:  # gemma: fp32 times weight.float(), then cast
-        y1 = y1 * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        y2 = y2 * tl.load(w_ptr + half + c, mask=m, other=0.0).to(tl.float32)
+        if not PRE:
+            w1, w2 = _weight_halves(w_ptr, c, m, half)
+        y1, y2 = y1 * w1, y2 * w2
     return _rnd(y1, DT), _rnd(y2, DT)
+
+
+@triton.jit
+def _weight_halves(w_ptr, c, m, half):
+    """A per-head norm weight ``[D]`` as two fp32 halves ``[BLOCK_H]``."""
+    w1 = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + c, mask=m, other=0.0).to(tl.float32)
+    return w1, w2
 
 
 @triton.jit
 def _load_head(src, c, m, half, xa_row, b_ptr, rank, b_row0, scaling, HAS_LORA: tl.constexpr,
                DT: tl.constexpr, RNE: tl.constexpr, BLOCK_H: tl.constexpr,
-               LORA_K: tl.constexpr):
+               LORA_K: tl.constexpr, b1, b2, PRE: tl.constexpr):
     """One head's two halves (fp32); with ``HAS_LORA`` plus ``scaling * xa @ B^T`` for its
     columns (B rows ``b_row0 + [0, 2 * half)``), rounded once (:mod:`.lora_prologue`): every
     rank in one ``[BLOCK_H, LORA_K]`` load a half (``LORA_K >= rank``, the wrapper's
-    ``one_load_k``), both halves' loads in flight together (straight-line code)."""
+    ``one_load_k``), both halves' loads in flight together (straight-line code). ``PRE``: the
+    two B tiles are ``b1``, ``b2`` (:func:`_b_halves`, loaded before the PDL wait)."""
     x1 = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + c, mask=m, other=0.0).to(tl.float32)
     if HAS_LORA:
         x1 = add_lora(x1, xa_row, b_ptr, rank, b_row0 + c, m, scaling, DT, RNE, BLOCK_H, LORA_K,
-                      1)
+                      1, b1, PRE)
         x2 = add_lora(x2, xa_row, b_ptr, rank, b_row0 + half + c, m, scaling, DT, RNE, BLOCK_H,
-                      LORA_K, 1)
+                      LORA_K, 1, b2, PRE)
     return x1, x2
 
 
 @triton.jit
+def _b_halves(b_ptr, rank, b_row0, c, m, half, LORA_K: tl.constexpr):
+    """One head's B tiles ``[BLOCK_H, LORA_K]`` (fp32, every rank: ``LORA_K >= rank``)."""
+    ks = tl.arange(0, LORA_K)
+    return (lora_b_tile(b_ptr, rank, b_row0 + c, m, ks),
+            lora_b_tile(b_ptr, rank, b_row0 + half + c, m, ks))
+
+
+@triton.jit
 def _head(x1, x2, w_ptr, c, m, half, eps, cos1, cos2, sin1, sin2, STYLE: tl.constexpr,
-          HAS_W: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
-    """Norm one head given as two halves (STYLE != 0), rotate it (ROPE)."""
+          HAS_W: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr, w1, w2,
+          PRE: tl.constexpr):
+    """Norm one head given as two halves (STYLE != 0; ``w1``, ``w2``, ``PRE``:
+    :func:`_norm_halves`), rotate it (ROPE)."""
     if STYLE != 0:
-        x1, x2 = _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE, HAS_W, DT)
+        x1, x2 = _norm_halves(x1, x2, w_ptr, c, m, half, eps, STYLE, HAS_W, DT, w1, w2, PRE)
     if ROPE:
         o1 = _rnd(_rnd(x1 * cos1, DT) + _rnd(-x2 * sin1, DT), DT)
         o2 = _rnd(_rnd(x2 * cos2, DT) + _rnd(x1 * sin2, DT), DT)
@@ -107,15 +134,28 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                           r_q, r_k, r_v, eps_qk, eps_v, scaling,
                           QK_STYLE: tl.constexpr, QK_W: tl.constexpr, V_STYLE: tl.constexpr,
                           HAS_LORA: tl.constexpr, LORA_K: tl.constexpr, LORA_RNE: tl.constexpr,
-                          BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # PDL (pdl.py): q/k/v, cos/sin and slots come from the previous kernels
-        tl.extra.cuda.gdc_wait()
+                          BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr, PREWAIT: tl.constexpr):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not PREWAIT:  # PDL (pdl.py): q/k/v, cos/sin and slots come from the previous kernels
+            tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half = head_dim // 2
     c = tl.arange(0, BLOCK_H)
     m = c < half
     DT: tl.constexpr = qo_ptr.dtype.element_ty
+    w1, w2, b1, b2, bv1, bv2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0  # the PREWAIT values
+    if PREWAIT:  # "early" (pdl.py): this program's weights (from h and the arguments), then wait
+        is_kv = h >= n_q
+        row0 = tl.where(is_kv, h - n_q, h) * head_dim  # the head's first B row in its part
+        if QK_W:  # q_norm for a q head, k_norm for a k/v program
+            w1, w2 = _weight_halves(tl.where(is_kv, wk_ptr, wq_ptr), c, m, half)
+        if HAS_LORA:  # q's or k's B, and v's (masked off in a q program)
+            b1, b2 = _b_halves(tl.where(is_kv, bk_ptr, bq_ptr), tl.where(is_kv, r_k, r_q), row0,
+                               c, m, half, LORA_K)
+            bv1, bv2 = _b_halves(bv_ptr, r_v, row0, c, m & is_kv, half, LORA_K)
+        if USE_GDC:  # q/k/v, xa, cos/sin and slots only after the previous kernel
+            tl.extra.cuda.gdc_wait()
     cs = t * stride_cs
     cos1 = tl.load(cos_ptr + cs + c, mask=m, other=0.0).to(tl.float32)
     cos2 = tl.load(cos_ptr + cs + half + c, mask=m, other=0.0).to(tl.float32)
@@ -124,9 +164,10 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
     xa_row = xa_ptr + t * stride_xa  # this token's x @ A^T: [r_q | r_k | r_v]
     if h < n_q:
         x1, x2 = _load_head(q_ptr + t * stride_q + h * head_dim, c, m, half, xa_row, bq_ptr, r_q,
-                            h * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H, LORA_K)
+                            h * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H, LORA_K, b1,
+                            b2, PREWAIT)
         o1, o2 = _head(x1, x2, wq_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
-                       QK_W, True, DT)
+                       QK_W, True, DT, w1, w2, PREWAIT)
         if USE_GDC:  # every input read: the next kernel may start its prologue
             tl.extra.cuda.gdc_launch_dependents()
         dst = qo_ptr + (t * n_q + h) * head_dim
@@ -138,16 +179,16 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
         off = hk * stride_ch + slot * head_dim
         x1, x2 = _load_head(k_ptr + t * stride_k + hk * head_dim, c, m, half, xa_row + r_q,
                             bk_ptr, r_k, hk * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H,
-                            LORA_K)
+                            LORA_K, b1, b2, PREWAIT)
         o1, o2 = _head(x1, x2, wk_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
-                       QK_W, True, DT)
+                       QK_W, True, DT, w1, w2, PREWAIT)
         tl.store(kc_ptr + off + c, o1.to(DT), mask=m)
         tl.store(kc_ptr + off + half + c, o2.to(DT), mask=m)
         x1, x2 = _load_head(v_ptr + t * stride_v + hk * head_dim, c, m, half,
                             xa_row + r_q + r_k, bv_ptr, r_v, hk * head_dim, scaling, HAS_LORA,
-                            DT, LORA_RNE, BLOCK_H, LORA_K)
+                            DT, LORA_RNE, BLOCK_H, LORA_K, bv1, bv2, PREWAIT)
         v1, v2 = _head(x1, x2, wk_ptr, c, m, half, eps_v, cos1, cos2, sin1, sin2, V_STYLE,
-                       False, False, DT)
+                       False, False, DT, 0.0, 0.0, False)
         if USE_GDC:  # every input read: the next kernel may start its prologue
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(vc_ptr + off + c, v1.to(DT), mask=m)
@@ -220,5 +261,5 @@ def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int
         float(v_norm[0]) if v_norm else 0.0, s, QK_STYLE=STYLES[style], QK_W=wq is not None,
         V_STYLE=STYLES[v_norm[1]] if v_norm else 0, HAS_LORA=lora is not None,
         LORA_K=lora_k, LORA_RNE=lp.rne(q.dtype), BLOCK_H=block_h, num_warps=warps,
-        **pdl.launch_kwargs())
+        **pdl.launch_kwargs(prewait=True))
     return qo

@@ -28,11 +28,11 @@ CUDA = torch.device("cuda")
 
 def test_option_values_and_auto_is_the_default():
     assert RunnerOptions().pdl == "auto"
-    for mode in ("auto", "off", "on"):
+    for mode in ("auto", "off", "on", "early"):
         assert RunnerOptions(pdl=mode).pdl == mode
-    with pytest.raises(ValueError, match=r"pdl='yes'.*\('auto', 'off', 'on'\)"):
+    with pytest.raises(ValueError, match=r"pdl='yes'.*\('auto', 'off', 'on', 'early'\)"):
         RunnerOptions(pdl="yes")
-    with pytest.raises(ValueError, match=r"\('off', 'on'\)"):
+    with pytest.raises(ValueError, match=r"\('off', 'on', 'early'\)"):
         pdl.check_pdl("auto")  # the launch side takes resolved values only
     with pytest.raises(ValueError, match="pdl"):
         LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=4, max_model_len=32, pdl=True)
@@ -117,6 +117,11 @@ def test_on_is_a_no_op_on_the_cpu(monkeypatch):
 
 @pytest.fixture
 def gdc_stubs(monkeypatch):
+    """:func:`stub_gdc` as a fixture."""
+    return stub_gdc(monkeypatch)
+
+
+def stub_gdc(monkeypatch) -> dict[str, int]:
     """The ``USE_GDC=True`` branches in the interpreter: ``gdc_wait`` / ``gdc_launch_dependents``
     (which the interpreter lacks) as counting no-ops and the interpreter check off, so
     :func:`pdl.scope` turns on (the interpreter drops ``launch_pdl``). Returns the counts."""

@@ -2,7 +2,9 @@
 PTX of every decode kernel with ``USE_GDC`` on (one ``griddepcontrol.wait`` before any global
 store or activation load, ``launch_dependents`` after it) and off (neither), and on a Hopper GPU
 the PDL skinny GEMM and greedy parity of ``pdl="on"`` against ``"off"`` under CUDA graphs with
-every decode kernel launched with ``launch_pdl``. Options and the interpreter: ``test_pdl.py``.
+every decode kernel launched with ``launch_pdl``, and of ``pdl="early"`` against ``"on"``
+(weights before the wait, ``PREWAIT``). Options and the interpreter: ``test_pdl.py``,
+``test_pdl_early.py``.
 
 The PTX checks build in a compiled-mode subprocess with triton's bundled ptxas (no GPU needed).
 """
@@ -203,5 +205,46 @@ def test_gpu_pdl_on_matches_off(monkeypatch, tmp_path, case):
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), rtol=0, atol=1e-6)
     mods = (skinny_gemm, lora_expand, lora_shrink, fused_norm, qk_rope_cache, paged_decode_kernel)
     for name in (*kernels, *COMMON_KERNELS):
+        kernel = next(getattr(m, name) for m in mods if hasattr(m, name))
+        assert _pdl_launched(kernel), name
+
+
+EARLY_KERNELS = {"triton": ("_lora_expand_gemm", "_add_norm_kernel", "_qk_rope_cache_kernel"),
+                 "consumer": ("_act_mul_lora_kernel", "_add_norm_kernel",
+                              "_qk_rope_cache_kernel")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="PDL needs a CUDA GPU of compute capability >= 9 "
+                    "(H100/H200); run on the H200 host")
+@pytest.mark.parametrize("expand", list(EARLY_KERNELS))
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_pdl_early_matches_on(monkeypatch, tmp_path, case, expand):
+    """Tiny Qwen3 with LoRA r=4: greedy tokens and logprobs of ``pdl="early"`` (weights before
+    the wait) equal ``"on"`` under CUDA graphs, with the separate expand and with LoRA B in the
+    consumers (``lora_expand="consumer"``); the decode launches of the ``PREWAIT`` kernels ask
+    for it, prefill's do not, and each of them was compiled for ``launch_pdl=True``."""
+    from test_pdl_early import _prewait_spy
+
+    from nbhelpers.engine.kernels import fused_norm, lora_act_mul, lora_expand, qk_rope_cache
+    dtype, autocast, opts, _ = GPU_CASES[case]
+    monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
+    _force_skinny(monkeypatch)
+    model = peft_tiny(dtype, autocast)
+    prompts = random_prompts(3, 5, 12, seed=2)
+    outs, prewait = {}, []
+    for mode in ("on", "early"):
+        if mode == "early":
+            prewait = _prewait_spy(monkeypatch)
+        llm = LLM(model, pdl=mode, **{**KERNEL_OPTS, "lora_expand": expand}, **opts)
+        assert llm.runner.pdl_mode == mode
+        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+        assert llm.runner.timings["graph_captures"] > 0
+    assert any(prewait) and not all(prewait)  # decode early, prefill not
+    for (t_e, lp_e), (t_on, lp_on) in zip(outs["early"], outs["on"]):
+        assert t_e == t_on
+        torch.testing.assert_close(torch.tensor(lp_e), torch.tensor(lp_on), rtol=0, atol=1e-6)
+    mods = (lora_expand, lora_act_mul, fused_norm, qk_rope_cache)
+    for name in EARLY_KERNELS[expand]:
         kernel = next(getattr(m, name) for m in mods if hasattr(m, name))
         assert _pdl_launched(kernel), name

@@ -48,7 +48,7 @@ def test_planning_an_h200_config_on_the_cpu_is_not_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("opts,want", [
-    ({"pdl": "yes"}, r"RunnerOptions.pdl='yes': must be one of \('auto', 'off', 'on'\)"),
+    ({"pdl": "yes"}, r"RunnerOptions.pdl='yes': must be one of \('auto', 'off', 'on', 'early'\)"),
     ({"nope": 1}, r"unknown RunnerOptions field\(s\) \['nope'\]"),
 ])
 def test_phase3_engine_options_are_checked_on_any_host(opts, want):

@@ -153,7 +153,8 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
         if HAS_LORA:  # q's or k's B, and v's (masked off in a q program)
             b1, b2 = _b_halves(tl.where(is_kv, bk_ptr, bq_ptr), tl.where(is_kv, r_k, r_q), row0,
                                c, m, half, LORA_K)
-            bv1, bv2 = _b_halves(bv_ptr, r_v, row0, c, m & is_kv, half, LORA_K)
+            mv = c < tl.where(is_kv, half, 0)  # m in a k/v program, nothing in a q one
+            bv1, bv2 = _b_halves(bv_ptr, r_v, row0, c, mv, half, LORA_K)
         if USE_GDC:  # q/k/v, xa, cos/sin and slots only after the previous kernel
             tl.extra.cuda.gdc_wait()
     cs = t * stride_cs

@@ -57,8 +57,8 @@ def resolve_skinny_gemm(opt: RunnerOptions, kernels_ok: bool) -> str:
 
 
 def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
-    """Whether the decode kernels launch with PDL: ``opt.pdl`` is ``"on"``, ``"early"`` or ``"auto"`` (the
-    H200 A/B is in :attr:`RunnerOptions.pdl`), ``device`` supports it
+    """Whether the decode kernels launch with PDL: ``opt.pdl`` is ``"on"``, ``"early"`` or
+    ``"auto"`` (the H200 A/B is in :attr:`RunnerOptions.pdl`), ``device`` supports it
     (``pdl.supported``: CUDA with compute capability >= 9, triton, no interpreter) and
     ``compile_decode`` is off; anything else is off, silently (the option is a speed knob)."""
     return opt.pdl != "off" and not opt.compile_decode and pdl_launch.supported(device)

@@ -57,7 +57,8 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
     """``runner``'s kernels after resolution (module docstring): ``decode_attention``,
     ``prefill_attention``, ``lora_expand`` (the groups' mode; unsupported shapes still fall back
     to ``addmm`` per call), ``skinny_gemm`` (``"triton"`` / ``"off"``), ``skinny_gemm_cublas``
-    (``None`` with the skinny path off), ``pdl`` (bool), ``pdl_mode`` (``"off"`` / ``"on"`` / ``"early"``) and ``sample_kernel``."""
+    (``None`` with the skinny path off), ``pdl`` (bool), ``pdl_mode`` (``"off"`` / ``"on"`` /
+    ``"early"``) and ``sample_kernel``."""
     skinny = runner.skinny
     return {"decode_attention": runner.decode_attention,
             "prefill_attention": runner.prefill_attention, "lora_expand": runner.lora_expand,

@@ -200,7 +200,8 @@ from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, lora_act_mul as lam, qk_rope_cache as qrc
 NO_LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False, USE_GDC=False,
                PREWAIT=False)  # PDL: test_pdl.py
-LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False, PREWAIT=False)  # lora_expand="consumer"
+LORA = dict(HAS_LORA=True, LORA_K=4, LORA_RNE=False, USE_GDC=False,
+            PREWAIT=False)  # lora_expand="consumer"
 cases = [
     (fn._add_norm_kernel, dict(HAS_X=True, D_STYLE=0, D_W=False, HAS_SCALE=False, STORE_RES=True,
                                O_STYLE=1, O_W=True, BLOCK=4096, **NO_LORA)),

@@ -32,7 +32,8 @@ remain). With ``PREWAIT`` (``pdl="early"``) add+RMSNorm loads its weights before
 RMSNorm weights ``wd``/``wo``, Gemma's ``layer_scalar`` and, with LoRA, the first ``LORA_K``
 ranks of B (:func:`.lora_prologue.lora_cols` peels its first step); each only under the
 constexpr that says it exists, so a dummy pointer (an activation) is never read early. The row,
-``x`` and ``xa`` follow the wait; the arithmetic is unchanged, so the result is bit-identical.
+``x`` and ``xa`` follow the wait; the arithmetic is unchanged, so the result is bit-identical
+(interpreter; bf16 on the H200: pdl.py).
 (``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those loads up.)
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_fused_kernels.py``).

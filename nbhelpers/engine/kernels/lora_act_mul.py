@@ -28,7 +28,8 @@ operand dtype with fp32 accumulation (the products are exact). Under ``TRITON_IN
 operand is upcast before ``tl.dot`` (the interpreter's bf16 ``tl.dot`` is wrong, see
 ``lora_expand``) and bf16 rounds by bit arithmetic. PDL as :mod:`.fused_norm`; with ``PREWAIT``
 (``pdl="early"``) both B tiles (weights, addressed by the program's column block) are loaded
-before the wait, gate, up and xa after it: the same operations, bit-identical.
+before the wait, gate, up and xa after it: the same operations (bit-identical in the interpreter;
+bf16 on the H200: pdl.py).
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_consumer.py``).
 """

@@ -36,7 +36,8 @@ PDL (runner option ``pdl``, :mod:`.pdl`; ``USE_GDC``): ``gdc_wait()`` first in e
 part (from its program id and the arguments only) and loads its first ``BLOCK_R`` ranks of B
 before the wait, the first rank iteration peeled as :mod:`.skinny_gemm` peels its first W tile
 (B is a weight: no decode kernel writes it); xa and y still after it. Same operations, same
-order: bit-identical to ``PREWAIT`` off. (``PREWAIT`` without ``USE_GDC``, which no launcher
+order: bit-identical to ``PREWAIT`` off in the interpreter (bf16 on the H200: pdl.py).
+(``PREWAIT`` without ``USE_GDC``, which no launcher
 passes, only peels the loop.)
 
 Run the tests on the CPU with ``TRITON_INTERPRET=1`` (``tests/engine/test_lora_expand.py``).

@@ -35,7 +35,8 @@ With ``PREWAIT`` (``pdl="early"``) a program loads its weights before the wait, 
 its program id and the arguments only: the q/k norm weight (``q_norm`` for a q head, ``k_norm``
 for a k/v program) and, with LoRA, its B tiles (q's or k's, and v's, masked off in a q
 program); cos/sin, the slot and everything indexed by tokens follow the wait. Same arithmetic,
-so bit-identical (``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those
+so bit-identical in the interpreter (bf16 on the H200: pdl.py; ``PREWAIT`` without ``USE_GDC``,
+which no launcher passes, only moves those
 loads up).
 """
 

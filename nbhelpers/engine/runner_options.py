@@ -21,6 +21,7 @@ from nbhelpers.engine.lora import (
     check_lora_fused,
 )
 from nbhelpers.engine.prefill_fa4 import check_fa4_importable  # pure python, no torch
+from nbhelpers.engine.runner_option_hints import check_kernel_option_keys, with_yaml_bool_hint
 from nbhelpers.engine.sampler import check_sample_kernel  # torch imported lazily there
 from nbhelpers.engine.skinny_linear import (
     SKINNY_GEMM_MODES,
@@ -213,6 +214,16 @@ the cause is not found. Why ``"on"``:
     on the H200 (limit 227 KiB; measured 2026-11-30), so smaller tiles."""
 
     def __post_init__(self) -> None:
+        import dataclasses
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        try:
+            check_kernel_option_keys(values, values)
+            self._check()
+        except ValueError as err:  # a YAML boolean where a word was meant: say how to quote it
+            strings = [f.name for f in dataclasses.fields(self) if isinstance(f.default, str)]
+            raise ValueError(with_yaml_bool_hint(str(err), values, strings)) from None
+
+    def _check(self) -> None:
         # page 0 is the null page, so a usable pool needs at least 2
         for name, low in (("page_size", 1), ("num_pages", 2), ("max_model_len", 1),
                           ("sync_every", 1), ("prefill_pad", 1)):

@@ -91,6 +91,11 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     ([*AB, "--variants", '{"name": "a", "options": {"sample_kernel": "Triton"}}'],
      ("--variants[0] ('a'): RunnerOptions.sample_kernel='Triton': must be one of "
      "('auto', 'torch', 'triton')")),
+    # an engine option inside --decode-kernel-options: flex ignored it on the CPU, so the stage
+    # measured the default (fresh-user trial, 2026-12-02)
+    ([*SMOKE, "--decode-kernel-options", '{"pdl": "early", "num_warps": 8}'],
+     ("--decode-kernel-options part 0: RunnerOptions.decode_kernel_options={'pdl': 'early', "
+      "'num_warps': 8}: ['pdl'] are engine options, not kernel options")),
     # --variants only means something with --points
     ([*SMOKE, "--variants", '{"name": "a"}'], "--variants is the A/B mode's and needs --points"),
 ])

@@ -9,13 +9,15 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
 - A random-weight registry model or 33's ``shape`` above :data:`CPU_PARAMS_LIMIT` parameters
   (the H200 workloads: qwen3-4b, llama-3.2-3b, gemma-4-e2b) needs CUDA here.
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
-  overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` (any host); 33's
+  overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` and 34's
+  ``parity_engine_options`` :func:`check_parity_options` (any host); 33's
   ``variants`` / ``lora_modes`` pass its plan's checks on the host that runs it
   (:func:`check_flex_plan_params`), and so do phase 1's flex options
   (:func:`check_flex_backend_options`).
 """
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,16 +36,52 @@ def cuda_available() -> bool:
 
 def check_engine_options_param(params: dict[str, Any], phase: str,
                                where: Callable[[str], str]) -> None:
-    """Phase 3's flat ``engine_options`` through the engine's own option checks (any host:
+    """Phase 3's flat ``engine_options`` (and 34's ``parity_engine_options``,
+    :func:`check_parity_options`) through the engine's own option checks (any host:
     :func:`nbhelpers.run.values.check_values` calls it). Raises :class:`UserInputError`."""
-    opts = params.get("engine_options")
-    if phase != "phase3" or not isinstance(opts, dict) or not opts:
+    if phase != "phase3":
         return
     from nbhelpers.bench.flex_ab import check_engine_options
+    for name, check in (("engine_options", check_engine_options),
+                        ("parity_engine_options", check_parity_options)):
+        opts = params.get(name)
+        if not isinstance(opts, dict) or not opts:
+            continue  # the type check names a non-dict
+        try:
+            check(opts, name)
+        except (TypeError, ValueError) as exc:
+            raise UserInputError(f"{where(name)}: {exc}") from exc
+
+
+PARITY_SET = ("page_size", "num_pages", "max_model_len")
+"""What notebook 34's :func:`nbhelpers.bench.gemma4_report.parity_llm` sets itself (page_size
+from its own ``page_size`` parameter, the pool and the length from the prompts)."""
+
+
+def check_parity_options(options: dict[str, Any], where: str) -> None:
+    """Notebook 34's ``parity_engine_options`` (``LLM(**options)`` beside :data:`PARITY_SET`):
+    ``LLM``'s own arguments and RunnerOptions fields only, each value through RunnerOptions'
+    checks; a bad one failed in cell 11 after the models loaded, leaving a failed notebook and
+    INDEX row (fresh-user trial, 2026-12-02: ``-p parity_engine_options '{pdl: Early}'``).
+
+    Raises:
+        ValueError: a name set by the notebook, an unknown name or a bad value.
+    """
+    from nbhelpers.engine.llm_checks import LLM_ARGS
+    from nbhelpers.engine.runner_options import RunnerOptions, option_names
+    if fixed := sorted(set(options) & set(PARITY_SET)):
+        raise ValueError(f"{where}: {fixed} are set by the notebook (page_size: -p page_size; "
+                         "the pool and max_model_len from the prompts); drop them.")
+    known = (option_names() | set(LLM_ARGS)) - set(PARITY_SET)
+    if unknown := sorted(set(options) - known):
+        close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+        hint = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        raise ValueError(f"{where}: unknown engine option(s) {unknown}{hint}; use "
+                         f"{sorted(known)}.")
     try:
-        check_engine_options(opts, "engine_options")
-    except (TypeError, ValueError) as exc:
-        raise UserInputError(f"{where('engine_options')}: {exc}") from exc
+        RunnerOptions(**{k: v for k, v in options.items() if k in option_names()})
+    except (TypeError, ValueError, ImportError) as err:
+        raise ValueError(f"{where}: {err}") from err
 
 
 def check_flex_plan_params(params: dict[str, Any], phase: str,

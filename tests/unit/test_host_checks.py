@@ -125,3 +125,21 @@ def _plans_or_is_refused(nb, over, want, key, tmp_path):
     with pytest.raises(UserInputError, match=want):
         plan_jobs(nb, "cpu", over, None, out, REPO)
     assert not out.exists() or not any(out.rglob("*.*"))
+
+
+@pytest.mark.parametrize("over,want", [
+    ({"parity_engine_options": {"pdl": "Early"}},
+     (r"-p parity_engine_options \(34_gemma4.ipynb\): parity_engine_options: RunnerOptions\."
+      r"pdl='Early': must be one of \('auto', 'off', 'on', 'early'\)")),
+    ({"parity_engine_options": {"sampel_kernel": "torch"}},
+     (r"unknown engine option\(s\) \['sampel_kernel'\] \('sampel_kernel': did you mean "
+      r"'sample_kernel'\?\)")),
+    ({"parity_engine_options": {"page_size": 16}},
+     r"\['page_size'\] are set by the notebook \(page_size: -p page_size"),
+    ({"parity_engine_options": {"pdl": "early", "sample_kernel": "torch",
+                                "use_cuda_graphs": False, "max_num_seqs": 4}}, None),
+])
+def test_34_parity_engine_options_are_refused_before_anything_is_claimed(tmp_path, over, want):
+    """A bad parity option failed in cell 11 after HF and the noise floor ran, leaving a failed
+    notebook, sidecar and INDEX row (fresh-user trial, 2026-12-02)."""
+    _plans_or_is_refused(N34, over, want, "parity_engine_options", tmp_path)

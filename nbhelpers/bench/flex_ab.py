@@ -285,8 +285,12 @@ def _error_sidecar(point: Point, var: dict, settings: dict, run_id: str, out: Pa
 
 def ab_table(sides: list[dict[str, Any]]) -> list[str]:
     """Markdown rows: point, variant, tok/s, ms/step, % of floor, floor ms, GEMM / attention /
-    elementwise / sampling ms and kernels per step (profile), cuBLAS cold GEMM ms per step."""
+    elementwise / sampling ms and kernels per step (profile), cuBLAS cold GEMM ms per step; a
+    variant whose options this host ran otherwise says what ran (:func:`~nbhelpers.bench.
+    flex_ab_figures.not_applied`, e.g. ``early (ran pdl=off)``)."""
+    from nbhelpers.bench.flex_ab_figures import not_applied
     fmt = lambda x, f=".2f": "-" if x is None else format(x, f)
+    ran = lambda s: ", ".join(f"{k}={got}" for k, (_, got) in not_applied(s).items())
     lines = [("| point | variant | tok/s | ms/step | % floor | floor ms | GEMM | attn | elem | "
               "sample | kernels/step | cuBLAS GEMM ms |"), ("|---" * 12) + "|"]
     for s in sides:
@@ -294,7 +298,8 @@ def ab_table(sides: list[dict[str, Any]]) -> list[str]:
         kb = b.get("kernel_breakdown") or {}
         lines.append(
             f"| {s['point']['shape']} {s['point']['lora']} b{s['point']['batch']} | "
-            f"{s['variant']['name']} | {fmt(s.get('decode_tok_per_s_median'), '.0f')} | "
+            f"{s['variant']['name']}{f' (ran {ran(s)})' if ran(s) else ''} | "
+            f"{fmt(s.get('decode_tok_per_s_median'), '.0f')} | "
             f"{fmt(b.get('decode_step_ms'))} | {fmt(s.get('pct_of_floor'), '.1f')} | "
             f"{fmt(fl.get('floor_ms_per_step'))} | {fmt(kb.get('gemm_ms'))} | "
             f"{fmt(kb.get('attention_ms'))} | {fmt(kb.get('elementwise_ms'))} | "

@@ -31,6 +31,25 @@ KERNEL_CLASSES = {"gemm_ms": "GEMM", "attention_ms": "attention", "elementwise_m
                   "sampling_ms": "sort/sample"}
 
 
+def not_applied(side: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{option: (asked, ran)}`` for a variant's options (``side["variant"]["options"]``,
+    ``"auto"`` aside) that the engine resolved to something else on the host (the sidecar's
+    ``breakdown.resolved``, :func:`nbhelpers.engine.tuner_tables.resolved_kernels`; ``pdl`` is
+    its ``pdl_mode``, ``None`` reads ``"off"``). E.g. ``pdl="early"`` and
+    ``sample_kernel="triton"`` run as off / torch on the CPU: that variant measured the default
+    kernels there (fresh-user trial, 2026-12-02: its tok/s was 15 % off the default's, noise).
+    ``{}`` for sidecars from before ``resolved`` was recorded."""
+    ran = (side.get("breakdown") or {}).get("resolved") or {}
+    out = {}
+    for name, value in ((side.get("variant") or {}).get("options") or {}).items():
+        key = "pdl_mode" if name == "pdl" else name
+        got = ran.get(key, value)
+        got = "off" if got is None else got
+        if value != "auto" and got != value:
+            out[name] = (value, got)
+    return out
+
+
 def _variants(flex: Any) -> list[str]:
     return list(dict.fromkeys(flex["variant"]))
 

@@ -221,7 +221,9 @@ the cause is not found. Why ``"on"``:
             self._check()
         except ValueError as err:  # a YAML boolean where a word was meant: say how to quote it
             strings = [f.name for f in dataclasses.fields(self) if isinstance(f.default, str)]
-            raise ValueError(with_yaml_bool_hint(str(err), values, strings)) from None
+            if (hinted := with_yaml_bool_hint(str(err), values, strings)) == str(err):
+                raise
+            raise ValueError(hinted) from None
 
     def _check(self) -> None:
         # page 0 is the null page, so a usable pool needs at least 2

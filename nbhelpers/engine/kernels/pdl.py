@@ -48,10 +48,13 @@ refresh_weights`` rewrites shadows with torch copies *between* steps, and a PDL 
 only the kernel right before it), and only at addresses computed from its program id and
 scalar arguments, never from a loaded index (slots, positions, block tables: those are
 activations). Nothing else moves: the same operations in the same order on the same values, so
-the interpreter gives bit-identical results, as does the sm_90 build for fp32 models; for bf16
-models the H200 gave the same tokens with logprobs up to 1.9e-3 apart (2026-12-02, step
-``n16a``: the compiled code of a moved load rounds one bf16 value differently somewhere; not
-found yet, so ``"early"`` stays opt-in). Only the weights' HBM round trip (cold every step: 8 GB
+the interpreter gives bit-identical results, and the sm_90 build stores the same tree of PTX
+arithmetic (``tests/engine/test_pdl_early_ptx.py``). The H200 once gave bf16 logprobs up to
+1.9e-3 apart (2026-12-02, step ``n16a``): with FMA contraction on, ``qk_rope_cache``'s RoPE sum
+of two rounded products became one ``fma``, and which product it fused followed where the
+weight loads sat; that kernel now launches without contraction (``qk_rope_cache.FP_FUSION``;
+``"early"`` stays opt-in until the H200 suite confirms the parity).
+Only the weights' HBM round trip (cold every step: 8 GB
 of weights stream through the 50 MB L2) overlaps the previous kernel's tail instead of following
 the wait. A dummy pointer (a kernel's unused weight slot, given an activation tensor) is never
 loaded early: every early load sits under the constexpr that says the weight exists.

@@ -34,9 +34,9 @@ head: before the v store, the k store already issued: the loads and stores keep 
 With ``PREWAIT`` (``pdl="early"``) a program loads its weights before the wait, addressed from
 its program id and the arguments only: the q/k norm weight (``q_norm`` for a q head, ``k_norm``
 for a k/v program) and, with LoRA, its B tiles (q's or k's, and v's, masked off in a q
-program); cos/sin, the slot and everything indexed by tokens follow the wait. Same arithmetic,
-so bit-identical in the interpreter (bf16 on the H200: pdl.py; ``PREWAIT`` without ``USE_GDC``,
-which no launcher passes, only moves those
+program); cos/sin, the slot and everything indexed by tokens follow the wait. Same arithmetic:
+bit-identical in the interpreter, and in the sm_90 build since contraction is off
+(:data:`FP_FUSION`; ``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those
 loads up).
 """
 
@@ -52,7 +52,17 @@ from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.fused_norm import INTERPRETED, STYLES, lora_supported
 from nbhelpers.engine.kernels.lora_prologue import add_lora, lora_b_tile
 
-__all__ = ["INTERPRETED", "qk_norm_rope_cache", "supported"]
+__all__ = ["FP_FUSION", "INTERPRETED", "qk_norm_rope_cache", "supported"]
+
+FP_FUSION = False
+"""``enable_fp_fusion`` of every launch: no FMA contraction (PTX ``mul.rn``/``add.rn``, ptxas
+``--fmad=false``), so each RoPE product is rounded as HF rounds it and the result does not
+depend on the operand order LLVM gives an add. With contraction on, LLVM shrank
+``rnd(rnd(a*b) + rnd(c*d))`` to bf16 ops and the backend fused one product into an
+``fma.rn.bf16`` (fp32: ``fma.rn.f32``), skipping its rounding; which product followed where the
+weight loads sit, so the ``PREWAIT`` build fused ``x2 * cos2`` where the others fused
+``x1 * sin2``: the ``pdl="early"`` bf16 logprob gap of 2026-12-02 (``pdl.py``;
+``tests/engine/test_pdl_early_ptx.py``)."""
 
 
 @triton.jit
@@ -263,5 +273,5 @@ def qk_norm_rope_cache(q: Any, k: Any, v: Any, num_heads: int, num_kv_heads: int
         float(v_norm[0]) if v_norm else 0.0, s, QK_STYLE=STYLES[style], QK_W=wq is not None,
         V_STYLE=STYLES[v_norm[1]] if v_norm else 0, HAS_LORA=lora is not None,
         LORA_K=lora_k, LORA_RNE=lp.rne(q.dtype), BLOCK_H=block_h, num_warps=warps,
-        **pdl.launch_kwargs(prewait=True))
+        enable_fp_fusion=FP_FUSION, **pdl.launch_kwargs(prewait=True))
     return qo

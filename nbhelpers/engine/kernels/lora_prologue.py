@@ -85,12 +85,9 @@ def _lora_dot(xa_row, b, rank, kk):
 
 @triton.jit
 def _lora_step(xa_row, b_ptr, rank, b_rows, m, kk):
-    """``sum_{k in kk} xa_row[k] * B[b_rows, k]`` (fp32, ``[BLOCK]``), ranks ``>= rank`` masked."""
-    km = kk < rank
-    a = tl.load(xa_row + kk, mask=km, other=0.0).to(tl.float32)  # [LORA_K]
-    b = tl.load(b_ptr + b_rows.to(tl.int64)[:, None] * rank + kk[None, :],
-                mask=m[:, None] & km[None, :], other=0.0).to(tl.float32)  # [BLOCK, LORA_K]
-    return tl.sum(b * a[None, :], axis=1)
+    """``sum_{k in kk} xa_row[k] * B[b_rows, k]`` (fp32, ``[BLOCK]``), ranks ``>= rank`` masked:
+    :func:`_lora_dot` of :func:`lora_b_tile`, the same loads and sums as a peeled step."""
+    return _lora_dot(xa_row, lora_b_tile(b_ptr, rank, b_rows, m, kk), rank, kk)
 
 
 @triton.jit

@@ -52,8 +52,10 @@ the interpreter gives bit-identical results, and the sm_90 build stores the same
 arithmetic (``tests/engine/test_pdl_early_ptx.py``). The H200 once gave bf16 logprobs up to
 1.9e-3 apart (2026-12-02, step ``n16a``): with FMA contraction on, ``qk_rope_cache``'s RoPE sum
 of two rounded products became one ``fma``, and which product it fused followed where the
-weight loads sat; that kernel now launches without contraction (``qk_rope_cache.FP_FUSION``;
-``"early"`` stays opt-in until the H200 suite confirms the parity).
+weight loads sat; that kernel now launches without contraction (``qk_rope_cache.FP_FUSION``),
+and loads its LoRA B tiles at one point in every build (loaded in its branches, the early build
+got other layouts and summed the q/k norm's squares in another order at head_dim 128).
+``"early"`` stays opt-in until the H200 suite confirms the parity.
 Only the weights' HBM round trip (cold every step: 8 GB
 of weights stream through the 50 MB L2) overlaps the previous kernel's tail instead of following
 the wait. A dummy pointer (a kernel's unused weight slot, given an activation tensor) is never

@@ -34,10 +34,13 @@ head: before the v store, the k store already issued: the loads and stores keep 
 With ``PREWAIT`` (``pdl="early"``) a program loads its weights before the wait, addressed from
 its program id and the arguments only: the q/k norm weight (``q_norm`` for a q head, ``k_norm``
 for a k/v program) and, with LoRA, its B tiles (q's or k's, and v's, masked off in a q
-program); cos/sin, the slot and everything indexed by tokens follow the wait. Same arithmetic:
-bit-identical in the interpreter, and in the sm_90 build since contraction is off
-(:data:`FP_FUSION`; ``PREWAIT`` without ``USE_GDC``, which no launcher passes, only moves those
-loads up).
+program); cos/sin, the slot and everything indexed by tokens follow the wait. The B tiles load
+at that point in every build (without ``PREWAIT`` just after the wait): loaded in the q / k-v
+branches instead, the sm_90 build chose other layouts and the early build summed the q/k
+norm's squares in another order (head_dim 128, r 32). Same arithmetic: bit-identical in the
+interpreter, and in the sm_90 build since contraction is off too (:data:`FP_FUSION`;
+``tests/engine/test_pdl_early_ptx.py``; ``PREWAIT`` without ``USE_GDC``, which no launcher
+passes, only moves the early loads up).
 """
 
 from __future__ import annotations
@@ -156,17 +159,21 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
     m = c < half
     DT: tl.constexpr = qo_ptr.dtype.element_ty
     w1, w2, b1, b2, bv1, bv2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0  # the PREWAIT values
-    if PREWAIT:  # "early" (pdl.py): this program's weights (from h and the arguments), then wait
-        is_kv = h >= n_q
-        row0 = tl.where(is_kv, h - n_q, h) * head_dim  # the head's first B row in its part
+    is_kv = h >= n_q
+    if PREWAIT:  # noqa: SIM102 ("early", pdl.py: this program's weights, from h and the args)
         if QK_W:  # q_norm for a q head, k_norm for a k/v program
             w1, w2 = _weight_halves(tl.where(is_kv, wk_ptr, wq_ptr), c, m, half)
-        if HAS_LORA:  # q's or k's B, and v's (masked off in a q program)
-            b1, b2 = _b_halves(tl.where(is_kv, bk_ptr, bq_ptr), tl.where(is_kv, r_k, r_q), row0,
-                               c, m, half, LORA_K)
-            mv = c < tl.where(is_kv, half, 0)  # m in a k/v program, nothing in a q one
-            bv1, bv2 = _b_halves(bv_ptr, r_v, row0, c, mv, half, LORA_K)
-        if USE_GDC:  # q/k/v, xa, cos/sin and slots only after the previous kernel
+    if HAS_LORA:  # q's or k's B, and v's (masked off in a q program): here in every build (in
+        # "early" before the wait), so the layouts Triton picks, hence the norm's fp32
+        # reduction order, do not depend on PREWAIT (loaded in the branches below, the early
+        # build summed the q/k norm's squares in another layout at head_dim 128)
+        row0 = tl.where(is_kv, h - n_q, h) * head_dim  # the head's first B row in its part
+        b1, b2 = _b_halves(tl.where(is_kv, bk_ptr, bq_ptr), tl.where(is_kv, r_k, r_q), row0,
+                           c, m, half, LORA_K)
+        mv = c < tl.where(is_kv, half, 0)  # m in a k/v program, nothing in a q one
+        bv1, bv2 = _b_halves(bv_ptr, r_v, row0, c, mv, half, LORA_K)
+    if USE_GDC:  # noqa: SIM102
+        if PREWAIT:  # q/k/v, xa, cos/sin and slots only after the previous kernel
             tl.extra.cuda.gdc_wait()
     cs = t * stride_cs
     cos1 = tl.load(cos_ptr + cs + c, mask=m, other=0.0).to(tl.float32)
@@ -177,7 +184,7 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
     if h < n_q:
         x1, x2 = _load_head(q_ptr + t * stride_q + h * head_dim, c, m, half, xa_row, bq_ptr, r_q,
                             h * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H, LORA_K, b1,
-                            b2, PREWAIT)
+                            b2, True)
         o1, o2 = _head(x1, x2, wq_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
                        QK_W, True, DT, w1, w2, PREWAIT)
         if USE_GDC:  # every input read: the next kernel may start its prologue
@@ -191,14 +198,14 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
         off = hk * stride_ch + slot * head_dim
         x1, x2 = _load_head(k_ptr + t * stride_k + hk * head_dim, c, m, half, xa_row + r_q,
                             bk_ptr, r_k, hk * head_dim, scaling, HAS_LORA, DT, LORA_RNE, BLOCK_H,
-                            LORA_K, b1, b2, PREWAIT)
+                            LORA_K, b1, b2, True)
         o1, o2 = _head(x1, x2, wk_ptr, c, m, half, eps_qk, cos1, cos2, sin1, sin2, QK_STYLE,
                        QK_W, True, DT, w1, w2, PREWAIT)
         tl.store(kc_ptr + off + c, o1.to(DT), mask=m)
         tl.store(kc_ptr + off + half + c, o2.to(DT), mask=m)
         x1, x2 = _load_head(v_ptr + t * stride_v + hk * head_dim, c, m, half,
                             xa_row + r_q + r_k, bv_ptr, r_v, hk * head_dim, scaling, HAS_LORA,
-                            DT, LORA_RNE, BLOCK_H, LORA_K, bv1, bv2, PREWAIT)
+                            DT, LORA_RNE, BLOCK_H, LORA_K, bv1, bv2, True)
         v1, v2 = _head(x1, x2, wk_ptr, c, m, half, eps_v, cos1, cos2, sin1, sin2, V_STYLE,
                        False, False, DT, 0.0, 0.0, False)
         if USE_GDC:  # every input read: the next kernel may start its prologue

@@ -3,7 +3,8 @@ interpreter (``test_pdl_early.py``): each ``PREWAIT`` kernel compiled with ``USE
 ``PREWAIT`` False and True, at the tiny engine's decode shapes (``test_pdl_builds.py``'s
 ``test_gpu_pdl_early_matches_on``: hidden 64, head_dim 16, LoRA r 4) for bf16 activations with
 fp32 adapters (``lora_dtype="adapter"``: fp32 ``xa`` and B), bf16 adapters and fp32, and its PTX
-compared with :mod:`_ptx_arith` (load positions excluded). Straight-line kernels: every stored
+compared with :mod:`_ptx_arith` (load positions excluded); plus Qwen3-4B's head_dim 128 / r 32 /
+hidden 2560 for the LoRA consumers. Straight-line kernels: every stored
 value is the same tree of PTX ops (:func:`_ptx_arith.stores`). Kernels whose ``PREWAIT`` build
 peels a loop's first iteration (``lora_expand``'s rank loop, add+RMSNorm's LoRA prologue): the
 loop body is unchanged and the extra ops are the body's own, one iteration's worth.
@@ -11,7 +12,9 @@ loop body is unchanged and the extra ops are the body's own, one iteration's wor
 The regression: the H200 (step ``n16a``, 2026-12-02) gave bf16 logprobs up to 1.9e-3 apart
 between ``"early"`` and ``"on"``: ``qk_rope_cache``'s RoPE sums ``rnd(a*b) + rnd(c*d)`` were
 shrunk by LLVM to bf16 and contracted into one ``fma.rn.bf16``, fusing ``x1 * sin2`` in one
-build and ``x2 * cos2`` in the other (``qk_rope_cache._rnd_prod``).
+build and ``x2 * cos2`` in the other (fixed: ``qk_rope_cache.FP_FUSION``). And at head_dim 128
+with LoRA (not the tiny model) the early build summed the q/k norm's squares in another
+layout, another fp32 reduction order (fixed: the B tiles load at the top in every build).
 """
 
 from __future__ import annotations
@@ -54,9 +57,15 @@ CASES = {  # name: (kernel, constexprs, num_warps, enable_fp_fusion): the launch
     "qk_rope_cache": (qrc._qk_rope_cache_kernel, dict(**QK, **NO), 1, QF),
     "qk_rope_cache_lora": (qrc._qk_rope_cache_kernel, dict(**QK, **LO), 1, QF),
     "qk_rope_cache_fused": (qrc._qk_rope_cache_kernel, dict(**QK, **NO), 1, True),  # the bug
+    "qk_rope_cache_lora_d128": (qrc._qk_rope_cache_kernel,  # Qwen3-4B: head_dim 128, r 32
+                                dict(QK, BLOCK_H=64, **{**LO, "LORA_K": 32}), 2, QF),
     "act_mul_lora": (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_R=16,
                                                     DOT_FP32=FP32_DOT, RNE=False), 4, True),
+    "act_mul_lora_r32": (lam._act_mul_lora_kernel, dict(ACT=0, BLOCK_M=16, BLOCK_N=64,
+                                                        BLOCK_R=32, DOT_FP32=FP32_DOT,
+                                                        RNE=False), 4, True),  # Qwen3-4B r 32
     "add_norm_lora": (fn._add_norm_kernel, dict(**NORM, **LO), 4, True),
+    "add_norm_lora_2560": (fn._add_norm_kernel, dict(NORM, BLOCK=4096, **LO), 8, True),
     "lora_expand_qkv": (le._lora_expand_gemm, dict(NUM_PARTS=3, BLOCK_M=16, BLOCK_OUT=32,
                                                    BLOCK_R=16, DOT_FP32=FP32_DOT,
                                                    BF16_RNE=False), 4, True),
@@ -80,8 +89,9 @@ json.dump(out, open(sys.argv[3], "w"))
 print("compiled")
 """
 
-STRAIGHT = ("add_norm", "add_norm_first", "qk_rope_cache", "qk_rope_cache_lora", "act_mul_lora")
-PEELED = ("add_norm_lora", "lora_expand_qkv", "lora_expand_o")
+STRAIGHT = ("add_norm", "add_norm_first", "qk_rope_cache", "qk_rope_cache_lora",
+            "qk_rope_cache_lora_d128", "act_mul_lora", "act_mul_lora_r32")
+PEELED = ("add_norm_lora", "add_norm_lora_2560", "lora_expand_qkv", "lora_expand_o")
 CONFIGS = {"bf16_fp32_adapters": ("bf16", "fp32"), "bf16": ("bf16", "bf16"),
            "fp32": ("fp32", "fp32")}
 

@@ -168,9 +168,10 @@ class RunnerOptions:
 ``scripts/bench_flex.py``, one process per variant, 256 new tokens): batch 4 PEFT fp32 adapters
 3.54 -> 3.41 ms (3.32 with ``lora_expand="consumer"``), batch 32 bf16 adapters 4.22 -> 4.14
 (4.11), batch 4 no LoRA 3.04 -> 3.04. Not the default yet: the whole GPU suite has not run with
-it, and on the H200 a bf16 model's logprobs differ from ``"on"`` by up to 1.9e-3 (same tokens;
-fp32 models and the interpreter: identical; ``test_pdl_builds.test_gpu_pdl_early_matches_on``);
-the cause is not found. Why ``"on"``:
+it, and on the H200 (``n16a``) a bf16 model's logprobs differed from ``"on"`` by up to 1.9e-3
+(same tokens): LLVM contracted the other RoPE product into the bf16 fma in the early build of
+``qk_rope_cache``, now launched without contraction (``qk_rope_cache.FP_FUSION``; sm_90 PTX of
+both builds compared in ``tests/engine/test_pdl_early_ptx.py``); not yet re-run there. Why ``"on"``:
     the engine A/B on the H200 (``scripts/bench_flex.py --points qwen3-4b:fp32:4,qwen3-4b:none:4
     --variants ... {"pdl": "on"}``, one process per variant, 256 new tokens, 2026-12-01, step
     ``n8p`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.77 -> 3.65 ms with PEFT

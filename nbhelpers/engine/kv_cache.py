@@ -146,9 +146,19 @@ class KVCache:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one physical page's K/V in every layer (copy-on-write of a partial page)."""
+        self.copy_pages([(src, dst)])
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """:meth:`copy_page` for every ``(src, dst)`` pair in one ``_foreach_copy_`` over all
+        layers (one dispatch instead of ``2 * layers`` per pair: 216 copies for a Qwen3-4B GRPO
+        group of 4, ``scripts/count_prefill_ops.py``). ``dst`` pages must not be ``src`` pages of
+        another pair (forks copy a leader's page into its followers' own pages)."""
+        import torch
         ps = self.page_size
-        for t in self.k + self.v:
-            t[:, :, dst * ps:(dst + 1) * ps].copy_(t[:, :, src * ps:(src + 1) * ps])
+        src = [t[:, :, s * ps:(s + 1) * ps] for s, _ in pairs for t in self.k + self.v]
+        dst = [t[:, :, d * ps:(d + 1) * ps] for _, d in pairs for t in self.k + self.v]
+        if dst:
+            torch._foreach_copy_(dst, src)
 
 
 def slot_mapping(block_table: Any, positions: Any, page_size: int) -> Any:

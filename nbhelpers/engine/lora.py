@@ -36,7 +36,12 @@ from nbhelpers.engine.lora_fused import (  # noqa: F401 (re-exported: public nam
     check_lora_fused,
 )
 from nbhelpers.engine.lora_pending import PendingLora, add_lora_b, defer
-from nbhelpers.engine.lora_shadow import fuse_shadow, lora_versions, refresh_shadow
+from nbhelpers.engine.lora_shadow import (
+    fuse_shadow,
+    lora_versions,
+    refresh_shadow,
+    stale_shadow,
+)
 
 LORA_DTYPES = ("adapter", "model")
 """What LoRA is computed in: the adapter's own dtype (PEFT's order) or the base model's dtype
@@ -256,6 +261,18 @@ class LiveGroup:
             self._state = self._current_state()
         if self._fused is not None and "shadow" in self._fused:
             self._refresh_shadow()
+
+    def stale_shadows(self) -> tuple[list[Any], list[Any]] | None:
+        """:meth:`refresh` except the shadow copy: fuse again if needed, then ``(the trainer's
+        A/B, their shadows)`` when any changed since the last copy (recorded as copied: the
+        caller must copy them, :func:`.lora_shadow.refresh_all`), else ``None``."""
+        if self.fuse_lora_a and self._current_state() != self._state:
+            self._fused = self._fuse_storage()
+            self._state = self._current_state()
+        if self._fused is None or "shadow" not in self._fused:
+            return None
+        self._versions, stale = stale_shadow(self._fused, self.parts, self._versions)
+        return stale
 
     def _buffers(self) -> dict[str, Any] | None:
         """Fused (or single-part live) tensors for the GEMM path, or ``None`` for per-part."""

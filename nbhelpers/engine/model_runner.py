@@ -30,6 +30,7 @@ from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.l2_prefetch import L2Prefetch
 from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
+from nbhelpers.engine.lora_shadow import refresh_all
 from nbhelpers.engine.models import build_engine_model
 from nbhelpers.engine.prefill_fa4 import check_fa4_prefill
 from nbhelpers.engine.runner_batches import (
@@ -162,9 +163,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:
-        """Re-fuse projection groups whose storage was replaced (see ``LiveGroup.refresh``)."""
-        for group in self.model.live_groups():
-            group.refresh()
+        """Re-fuse projection groups whose storage was replaced and re-copy changed shadows, all in
+        one ``_foreach_copy_`` (``lora_shadow.refresh_all``, ``LiveGroup.refresh``)."""
+        refresh_all(self.model.live_groups())
 
     def prefill(self, groups: list[list[Sequence]], sampling: Any) -> None:
         """Prefill each group's leader, fork followers, sample every member's next token."""
@@ -201,11 +202,8 @@ class ModelRunner:
     def _fork(self, groups: list[list[Sequence]]) -> None:
         """Copy-on-write: followers copy the leader's partly filled last page."""
         ps = self.opt.page_size
-        for g in groups:
-            if g[0].num_tokens % ps == 0:
-                continue
-            for seq in g[1:]:
-                self.kv.copy_page(g[0].block_table[-1], seq.block_table[-1])
+        self.kv.copy_pages([(g[0].block_table[-1], seq.block_table[-1]) for g in groups
+                            if g[0].num_tokens % ps for seq in g[1:]])
 
     def _sample(self, logits: Any, seqs: list[Sequence], sampling: Any) -> tuple[Any, Any]:
         import torch

@@ -1,0 +1,98 @@
+"""Prefill's host-side op counts: the shadow refresh (``lora_dtype="model"``) and the group fork
+each issue one ``_foreach_copy_`` however many groups / layers / followers there are
+(``lora_shadow.refresh_all``, ``KVCache.copy_pages``; ``scripts/count_prefill_ops.py`` counted
+144 and 216 copy dispatches per Qwen3-4B GRPO prefill before). Counts, not times; CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from _kernels import DEV, inplace_lora_step, peft_tiny
+from _tiny import random_prompts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nbhelpers.config import SamplingParams
+from nbhelpers.engine import LLM
+from nbhelpers.engine.kv_cache import KVCache
+
+KW = {"page_size": 16, "num_pages": 16, "max_model_len": 64}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count(fn) -> dict[str, int]:
+    with OpCounter() as c:
+        fn()
+    return c.counts
+
+
+def _shadow_pairs(llm):
+    return [g._fused["shadow"] for g in llm.runner.model.live_groups()
+            if g._fused is not None and "shadow" in g._fused]
+
+
+def test_refresh_weights_copies_every_stale_shadow_in_one_call_and_none_when_current():
+    model = peft_tiny(torch.bfloat16)  # fp32 adapters on a bf16 base: shadows
+    llm = LLM(model, lora_dtype="model", **KW)
+    pairs = _shadow_pairs(llm)
+    assert len(pairs) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+    inplace_lora_step(model)
+    counts = _count(llm.runner.refresh_weights)
+    assert counts.get("_foreach_copy_") == 1 and "copy_" not in counts
+    for src, dst in pairs:  # every shadow holds the updated trainer tensor, cast
+        for s, d in zip(src, dst):
+            assert torch.equal(d, s.detach().to(d.dtype))
+    assert "_foreach_copy_" not in _count(llm.runner.refresh_weights)  # nothing changed
+
+
+def test_copy_pages_is_copy_page_per_pair_in_one_call():
+    kv = KVCache.allocate(3, 2, 4, num_pages=6, page_size=2, dtype=torch.float32, device=DEV)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn_like(t))
+    ref = KVCache.allocate(3, 2, 4, num_pages=6, page_size=2, dtype=torch.float32, device=DEV)
+    for a, b in zip(ref.k + ref.v, kv.k + kv.v):
+        a.copy_(b)
+    pairs = [(1, 3), (1, 4), (2, 5)]
+    for src, dst in pairs:
+        ref.copy_page(src, dst)
+    counts = _count(lambda: kv.copy_pages(pairs))
+    assert counts.get("_foreach_copy_") == 1 and "copy_" not in counts
+    for a, b in zip(ref.k + ref.v, kv.k + kv.v):
+        assert torch.equal(a, b)
+    assert "_foreach_copy_" not in _count(lambda: kv.copy_pages([]))
+
+
+def test_shared_prefix_fork_and_batched_refresh_keep_tokens_and_follow_the_trainer():
+    """GRPO's shape: one prompt (not a page multiple) x 4 samples, fp32 adapters as shadows.
+    Prefilled once and forked, the samples match unshared prefills (same seeds), before and after
+    an in-place update, which the next generate sees; the fork is one ``_foreach_copy_``."""
+    model = peft_tiny(torch.bfloat16)
+    prompt = random_prompts(1, 21, 21, seed=5)
+    sp = SamplingParams(temperature=1.0, min_p=0.1, n=4, max_new_tokens=6, ignore_eos=True,
+                        seed=11)
+    shared = LLM(model, lora_dtype="model", share_prefix=True, **KW)
+    plain = LLM(model, lora_dtype="model", share_prefix=False, **KW)
+    calls = []
+    copy_pages = shared.runner.kv.copy_pages
+    shared.runner.kv.copy_pages = lambda pairs: (calls.append(len(pairs)), copy_pages(pairs))
+
+    def run():
+        got, want = shared.generate(prompt, sp), plain.generate(prompt, sp)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-5
+        return [g.token_ids for g in got]
+
+    before = run()
+    assert calls == [3]  # one call copies the leader's last page into 3 followers
+    inplace_lora_step(model)
+    assert run() != before

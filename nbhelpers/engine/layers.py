@@ -61,8 +61,9 @@ class EngineModel:
 
     Built by :func:`nbhelpers.engine.models.build_engine_model` with the architecture's
     ``ArchSpec``. What the runner uses, for every architecture: ``spec``, ``config``, ``layers``,
-    ``decode_kernels``, ``fx_eager``/``fx_decode`` (eager / compiled elementwise pieces and
-    sampler), ``live_groups()``, ``compile_elementwise()``, ``allocate_kv``, ``signature``,
+    ``decode_kernels``, ``fx_eager``/``fx_decode``/``fx_prefill`` (eager / decode's compiled
+    or Triton elementwise pieces and sampler / prefill's pieces, eager unless the runner option
+    ``prefill_elementwise="triton"``), ``live_groups()``, ``compile_elementwise()``, ``allocate_kv``, ``signature``,
     ``forward``, ``logits``, ``device``/``dtype``, ``l2`` (the runner's
     :class:`~nbhelpers.engine.l2_prefetch.L2Prefetch`: forked after each layer's qkv GEMM,
     joined before its o_proj; Gemma-4's own attention block does not prefetch). A subclass (Gemma-4) changes the block through
@@ -92,6 +93,7 @@ class EngineModel:
         self.down = [LiveGroup([ly.mlp.down_proj]) for ly in self.layers]
         self.flex = flex_fn or flex_attention_fn(compiled=False)
         self.fx_eager = self.fx_decode = Elementwise(compiled=False)
+        self.fx_prefill = self.fx_eager  # runner option prefill_elementwise="triton": kernels
         self.skinny: Any = None  # skinny_linear.SkinnyLinear: decode GEMMs (set_skinny_gemm)
         self.l2 = L2Prefetch("off", None)  # o_proj weight prefetch (runner option l2_prefetch)
         self._init_attention()
@@ -152,7 +154,7 @@ class EngineModel:
         if self.spec.embed_scale != 1.0:
             x = x * self.spec.embed_scale
         cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, T, D], once for all layers
-        fx = self.fx_decode if attn.is_decode else self.fx_eager
+        fx = self.fx_decode if attn.is_decode else self.fx_prefill
         h = self._norm(fx, self.layers[0].input_layernorm, x) if self.layers else x
         for i, layer in enumerate(self.layers):
             x, h = self._add_norm(fx, layer.post_attention_layernorm, x,
@@ -231,7 +233,7 @@ class EngineModel:
                    attn: AttnBatch, kv: Any) -> tuple[Any, Any]:
         """``(o_proj output [1, T, hidden], its pending LoRA B or None)`` (:meth:`_project`)."""
         t = h.shape[1]
-        fx = self.fx_decode if attn.is_decode else self.fx_eager
+        fx = self.fx_decode if attn.is_decode else self.fx_prefill
         (q, k, v), lora = self._project(fx, self.qkv[i], h)
         self.l2.fork(self.o[i])  # decode only: o_proj's weight into L2 beside attention
         q = q.view(1, t, self.num_heads, self.head_dim)

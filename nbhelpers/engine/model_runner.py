@@ -26,6 +26,7 @@ from nbhelpers.engine.attention import (
     sdpa_supports,
 )
 from nbhelpers.engine.decode_graphs import capture_graph, capture_or_eager
+from nbhelpers.engine.fused import Elementwise
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kv_cache import check_page_size, phys_to_logical, slot_mapping
 from nbhelpers.engine.l2_prefetch import L2Prefetch
@@ -106,6 +107,8 @@ class ModelRunner:
         if fused_mode != "off" or self.sample_kernel != "torch":
             self.model.compile_elementwise(fused_mode, compile_sample=compile_layers,
                                            sample_kernel=self.sample_kernel)
+        if opt.prefill_elementwise == "triton":  # prefill's pieces as one launch each
+            self.model.fx_prefill = Elementwise(kind="triton")
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"
         if self.decode_attention == "triton":
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode

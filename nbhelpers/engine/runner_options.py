@@ -31,6 +31,7 @@ from nbhelpers.engine.skinny_linear import (
 )
 
 FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
+PREFILL_ELEMENTWISE = ("off", "triton")
 DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
 PREFILL_ATTENTION = ("auto", "flex", "sdpa", "fa4")
 
@@ -100,6 +101,16 @@ class RunnerOptions:
     0.72 -> 0.41 ms, 1,020 -> 912 kernels), batch 32 bf16 adapters 4.89 -> 4.49 ms, batch 64 no
     LoRA 4.92 -> 4.39 ms; greedy tokens identical to eager for Qwen3, Llama and Gemma-4 on the
     GPU (``tests/engine/test_fused_kernels.py``)."""
+    prefill_elementwise: str = "off"
+    """Prefill's norm/RoPE/SwiGLU pieces: ``"off"`` (the default: eager torch ops, ``fused.py``,
+    bit-identical to the HF modules) or ``"triton"`` (opt-in: the decode set's Triton kernels,
+    ``fused_elementwise="triton"``'s add+RMSNorm, q/k norm + RoPE + KV write and SiLU x up, one
+    launch each at any token count; CUDA, or the CPU under ``TRITON_INTERPRET=1``; Gemma-4's
+    prefill keeps its modules). Why ask: a Qwen3-4B-shaped prefill with PEFT r32 adapters runs
+    2,205 aten ops, 1,664 of them these pieces (26 a layer for q/k norm + RoPE, 18 for the two
+    add+RMSNorms; ``scripts/count_prefill_ops.py``, CPU, 2026-12-02), about 180 with the kernels;
+    prefill is eager, so each op is a host launch (H200 phase 2: ~0.10 s a prefill). Not the
+    default: no H200 A/B yet, and the kernels equal the torch ops up to rounding only."""
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
@@ -278,6 +289,12 @@ both builds compared in ``tests/engine/test_pdl_early_ptx.py``); not yet re-run 
         if self.sample_kernel == "triton" and importlib.util.find_spec("triton") is None:  # asked
             raise ImportError("RunnerOptions.sample_kernel='triton' needs triton: pip install "
                               "triton, or use sample_kernel='torch'.")
+        if self.prefill_elementwise not in PREFILL_ELEMENTWISE:
+            raise ValueError(f"RunnerOptions.prefill_elementwise={self.prefill_elementwise!r}: "
+                             f"must be one of {PREFILL_ELEMENTWISE}.")
+        if self.prefill_elementwise == "triton" and importlib.util.find_spec("triton") is None:
+            raise ImportError("RunnerOptions.prefill_elementwise='triton' needs triton: pip "
+                              "install triton, or use prefill_elementwise='off'.")
         if self.fused_elementwise not in FUSED_ELEMENTWISE:
             raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
                              f"be one of {FUSED_ELEMENTWISE}.")

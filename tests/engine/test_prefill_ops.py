@@ -6,6 +6,7 @@ each issue one ``_foreach_copy_`` however many groups / layers / followers there
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _kernels import DEV, inplace_lora_step, peft_tiny
 from _tiny import random_prompts
@@ -19,6 +20,8 @@ KW = {"page_size": 16, "num_pages": 16, "max_model_len": 64}
 
 
 class OpCounter(TorchDispatchMode):
+    """Aten op names -> calls (:func:`_prefill_counts` runs flex_attention outside it)."""
+
     def __init__(self):
         super().__init__()
         self.counts: dict[str, int] = {}
@@ -96,3 +99,61 @@ def test_shared_prefix_fork_and_batched_refresh_keep_tokens_and_follow_the_train
     assert calls == [3]  # one call copies the leader's last page into 3 followers
     inplace_lora_step(model)
     assert run() != before
+
+
+def _prefill_counts(llm, prompts, sp) -> tuple[dict[str, int], list]:
+    """Aten op counts of the engine's prefill calls during one ``generate``, and its outputs;
+    flex_attention counts as one op (one kernel compiled; its eager CPU form is not what the GPU
+    runs, and torch.compile refuses to run under a user dispatch mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    runner, counts = llm.runner, {}
+    prefill, flex = runner.prefill, runner.model.flex
+
+    def one_op(*a, **k):
+        counts["flex_attention"] = counts.get("flex_attention", 0) + 1
+        with _disable_current_modes():
+            return flex(*a, **k)
+    runner.model.flex = one_op
+
+    def counted(*a, **k):
+        with OpCounter() as c:
+            prefill(*a, **k)
+        for name, n in c.counts.items():
+            counts[name] = counts.get(name, 0) + n
+    runner.prefill = counted
+    try:
+        return counts, llm.generate(prompts, sp)
+    finally:
+        runner.prefill, runner.model.flex = prefill, flex
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_prefill_elementwise_triton_matches_eager_with_fewer_ops(attention):
+    """``prefill_elementwise="triton"``: same greedy tokens and logprobs (fp32 tiny Qwen3 with
+    PEFT adapters, 2 prompts packed), and the eager norm/RoPE/SwiGLU ops and KV writes leave the
+    prefill (each piece is one kernel launch instead of 2-26 aten ops)."""
+    from nbhelpers.engine.kernels import fused_norm
+    if not (fused_norm.INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("triton imported without TRITON_INTERPRET=1 and no CUDA device")
+    model = peft_tiny(torch.float32)
+    prompts = random_prompts(2, 9, 23, seed=7)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    kw = {**KW, "fused_elementwise": "off", "lora_expand": "addmm",
+          "prefill_attention": attention}
+    eager_ops, want = _prefill_counts(LLM(model, **kw), prompts, sp)
+    fused_ops, got = _prefill_counts(LLM(model, prefill_elementwise="triton", **kw), prompts, sp)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-5
+    assert eager_ops["rsqrt"] == 2 * (2 + 2) + 1  # per layer: 2 block norms + q/k norms; final
+    # the norms' pow/mean/rsqrt, SiLU and the KV index_copy_ now run inside the kernels (the
+    # interpreter adds its own empty/set_/copy_ calls, so totals are not compared here)
+    for name in ("rsqrt", "pow", "mean", "silu", "index_copy_"):
+        assert name in eager_ops and name not in fused_ops, name
+
+
+def test_prefill_elementwise_values_are_checked():
+    from nbhelpers.engine.runner_options import RunnerOptions
+    with pytest.raises(ValueError, match=r"prefill_elementwise='compile'.*\('off', 'triton'\)"):
+        RunnerOptions(prefill_elementwise="compile")
+    assert RunnerOptions().prefill_elementwise == "off"

@@ -121,7 +121,21 @@ def _flex_rollout(settings: GRPOSettings, options: dict[str, Any]) -> tuple[Any,
     batch = fixed_batch_size(settings.per_device_train_batch_size, settings.num_generations,
                              settings.gradient_accumulation_steps)
     kv = options.pop("kv_tokens", None) or batch * settings.gradient_accumulation_steps * max_len
+    options.setdefault("prefill_pad", prefill_pad_for(settings.max_prompt_length))
     return FlexRollout(max_model_len=max_len, kv_tokens=kv, **options), FlexGRPOTrainer
+
+
+def prefill_pad_for(max_prompt_length: int, unit: int = 128) -> int:
+    """The flex engine's ``prefill_pad`` for a GRPO run: ``max_prompt_length`` rounded up to
+    ``unit`` tokens. The engine pads each packed prefill to a multiple of it (where a shape costs
+    a compile: CUDA or compiled attention), so a rollout's prompts of any length up to the limit
+    give one query length and compiled flex_attention compiles once, at the first rollout. Why:
+    the H200 phase 2 run (``executed/phase2_grpo/20_grpo_equivalence/20261202T042838Z_h200_
+    69de6e1__flex.json``, prefill_pad 128) recompiled at step 6 ("tensor 'query' size mismatch
+    at index 2. expected 128, actual 256": the first prompt past 128 tokens), a 2.0 s prefill
+    against ~0.1 s. Cost: up to ``unit - 1`` more padded tokens per prompt than before.
+    ``flex_options={"prefill_pad": n}`` overrides it."""
+    return max(unit, -(-max_prompt_length // unit) * unit)
 
 
 def load_policy(backend: str, model_name: str, settings: GRPOSettings,

@@ -296,3 +296,12 @@ def test_step_rows_split_the_step_and_the_engine(flex_run):
     assert [r["flex/decode_s"] for r in rows] == pytest.approx(
         [s["flex/decode_s"] for s in rollout.engine_stats])
     assert len(rollout.engine_stats) == len(rollout.generate_s) == 2
+
+
+def test_flex_plan_pads_prefill_to_the_prompt_limit_so_attention_compiles_once():
+    from nbhelpers.grpo.plans import prefill_pad_for
+    assert [prefill_pad_for(n) for n in (1, 128, 129, 256, 300)] == [128, 128, 256, 256, 384]
+    rollout = plan_backend("flex", GRPOSettings(max_prompt_length=200)).rollout
+    assert rollout.engine_options["prefill_pad"] == 256
+    mine = plan_backend("flex", GRPOSettings(), flex_options={"prefill_pad": 64}).rollout
+    assert mine.engine_options["prefill_pad"] == 64

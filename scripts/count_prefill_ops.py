@@ -147,6 +147,9 @@ def instrument(llm, counter: Counter) -> None:
     m._project = counted_project
     for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul"):
         counter.wrap(m.fx_eager, name, f"elementwise:{name}")
+    if m.fx_prefill is not m.fx_eager:  # prefill_elementwise="triton": one launch a piece
+        for name in ("rms_norm", "add_rms_norm", "silu_mul", "qk_rope_cache"):
+            counter.wrap(m.fx_prefill, name, f"triton:{name}", as_one=True)
     counter.wrap(m, "logits", "lm_head")
     counter.wrap(m.embed, "forward", "embed")
     counter.wrap(m.rotary, "forward", "rotary_cos_sin")
@@ -179,6 +182,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lora-dtype", default="model")
     ap.add_argument("--steps", type=int, default=2, help="new tokens (1 = prefill only)")
+    ap.add_argument("--prefill-elementwise", default="off", help="off | triton (needs "
+                    "TRITON_INTERPRET=1 on the CPU; each Triton piece counts as one op; slow: "
+                    "2 layers did not finish in 600 s on 2 shared cores)")
     args = ap.parse_args()
     from nbhelpers.engine import LLM
     torch.set_num_threads(1)
@@ -186,7 +192,8 @@ def main() -> None:
     model = model_4b_shape(args.layers, args.hidden, vocab)
     llm = LLM(model, page_size=128, num_pages=16, max_model_len=512, prefill_attention="flex",
               decode_attention="flex", lora_dtype=args.lora_dtype, lora_expand="addmm",
-              compile_attention=False, use_cuda_graphs=False)
+              compile_attention=False, use_cuda_graphs=False,
+              prefill_elementwise=args.prefill_elementwise)
     llm.runner.pad_prefill = True  # as on CUDA (padded to prefill_pad)
     counter = Counter()
     instrument(llm, counter)

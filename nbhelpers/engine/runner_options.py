@@ -286,21 +286,11 @@ both builds compared in ``tests/engine/test_pdl_early_ptx.py``); not yet re-run 
                              f"{('auto', *pdl_launch.PDL_MODES)}.")
         check_l2_prefetch(self.l2_prefetch, "RunnerOptions.l2_prefetch")
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
-        if self.sample_kernel == "triton" and importlib.util.find_spec("triton") is None:  # asked
-            raise ImportError("RunnerOptions.sample_kernel='triton' needs triton: pip install "
-                              "triton, or use sample_kernel='torch'.")
-        if self.prefill_elementwise not in PREFILL_ELEMENTWISE:
-            raise ValueError(f"RunnerOptions.prefill_elementwise={self.prefill_elementwise!r}: "
-                             f"must be one of {PREFILL_ELEMENTWISE}.")
-        if self.prefill_elementwise == "triton" and importlib.util.find_spec("triton") is None:
-            raise ImportError("RunnerOptions.prefill_elementwise='triton' needs triton: pip "
-                              "install triton, or use prefill_elementwise='off'.")
-        if self.fused_elementwise not in FUSED_ELEMENTWISE:
-            raise ValueError(f"RunnerOptions.fused_elementwise={self.fused_elementwise!r}: must "
-                             f"be one of {FUSED_ELEMENTWISE}.")
-        if self.fused_elementwise == "triton" and importlib.util.find_spec("triton") is None:
-            raise ImportError("RunnerOptions.fused_elementwise='triton' needs triton: pip "
-                              "install triton, or use fused_elementwise='compile'.")
+        _needs_triton("sample_kernel", self.sample_kernel, "torch")
+        _one_of("prefill_elementwise", self.prefill_elementwise, PREFILL_ELEMENTWISE)
+        _needs_triton("prefill_elementwise", self.prefill_elementwise, "off")
+        _one_of("fused_elementwise", self.fused_elementwise, FUSED_ELEMENTWISE)
+        _needs_triton("fused_elementwise", self.fused_elementwise, "compile")
 
 
 def option_names() -> frozenset[str]:
@@ -333,3 +323,17 @@ class DecodeState:
         self.graph: Any = None
         self.use_sort = True
         self.signature: tuple[int, ...] = ()
+
+
+def _one_of(name: str, value: Any, choices: tuple) -> None:
+    """``ValueError`` naming ``choices`` unless ``value`` is one of them."""
+    if value not in choices:
+        raise ValueError(f"RunnerOptions.{name}={value!r}: must be one of {choices}.")
+
+
+def _needs_triton(name: str, value: Any, fallback: str) -> None:
+    """``ImportError`` naming the fix when ``value`` asks for ``"triton"`` and it is not
+    installed (``"auto"`` values fall back silently where they resolve)."""
+    if value == "triton" and importlib.util.find_spec("triton") is None:
+        raise ImportError(f"RunnerOptions.{name}='triton' needs triton: pip install triton, or "
+                          f"use {name}='{fallback}'.")

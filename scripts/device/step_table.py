@@ -174,6 +174,24 @@ N16E_BENCH = ("--out $OUT/bench_ab_none --rounds 2 --max-new-tokens 256 --no-flo
               "qwen3-4b:none:4 --variants '{\"name\": \"default\", \"options\": {}};"
               + _N16_EARLY + "'")
 
+# session 11: candidate defaults (pdl="early" + lora_expand="consumer", the bf16 gap fixed in
+# qk_rope_cache) with and without cuBLAS for the qkv GEMM and with prefill_elementwise="triton"
+# (read prefill_s), against today's defaults; the no-LoRA point with early alone.
+_EC = "\"pdl\": \"early\", \"lora_expand\": \"consumer\""
+_N17_EC = ("{\"name\": \"early_consumer\", \"options\": {" + _EC + "}}")
+N17A_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:fp32:4 --variants '{\"name\": \"default\", \"options\": {}};" + _N17_EC
+              + ";{\"name\": \"ec_nocublas\", \"options\": {" + _EC
+              + ", \"skinny_gemm_cublas\": \"never\"}};{\"name\": \"ec_prefill_triton\", "
+              "\"options\": {" + _EC + ", \"prefill_elementwise\": \"triton\"}}'")
+N17B_BENCH = ("--out $OUT/bench_ab_b32 --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:bf16:32 --variants '{\"name\": \"default\", \"options\": {}};"
+              + _N17_EC + "'")
+N17C_BENCH = ("--out $OUT/bench_ab_none --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+              "qwen3-4b:none:4 --variants '{\"name\": \"default\", \"options\": {}};"
+              + _N16_EARLY + ";{\"name\": \"early_nocublas\", \"options\": {\"pdl\": "
+              "\"early\", \"skinny_gemm_cublas\": \"never\"}}'")
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -393,6 +411,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n16d": ([], [], [
         (BENCH, {"args": N16D_BENCH}, 220, 300, 0),
         (BENCH, {"args": N16E_BENCH}, 80, 120, 0)]),
+    "n17a": ([], [], [
+        (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
+        (BENCH, {"args": N17B_BENCH}, 100, 150, 0),
+        (BENCH, {"args": N17C_BENCH}, 120, 170, 0)]),
     "n16c": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0),
         (N34, {"batch_sizes": "[32]", "rounds": "2", "probe_kernels_s": "0"}, 110, 160, 0)]),

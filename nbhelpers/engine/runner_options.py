@@ -52,10 +52,9 @@ class RunnerOptions:
     group as ``"addmm"`` (one ``addmm_`` per part), ``"triton"`` (one kernel per group on CUDA,
     ``engine/kernels/lora_expand.py``; falls back to ``addmm`` for unsupported shapes; fp32 adapters on a
     16-bit base also get LoRA A as one kernel, ``engine/kernels/lora_shrink.py``) or ``"auto"``
-    (triton on CUDA with triton, else addmm; never ``"consumer"``), or ``"consumer"`` (opt-in;
-    it lost the H200 A/B, ``scripts/bench_flex.py`` step ``n1c``, 2026-12-01: Qwen3-4B batch 4
-    3.99 -> 4.41 ms a step with fp32 or bf16 adapters, batch 32 bf16 4.49 -> 5.23 ms; 144 fewer
-    launches and 0.4 ms less GEMM time, but the elementwise class 0.31 -> 1.22 ms at batch 4):
+    (``"consumer"`` on CUDA with triton, else addmm; H200 A/B with ``pdl="early"`` in
+    :attr:`pdl`: batch 4 fp32 adapters 3.52 -> 3.29 ms a step; the first consumer design, all
+    four groups deferred, had lost at batch 4, step ``n1c``, 2026-12-01), or ``"consumer"``:
     ``"triton"``, except that decode groups of at most
     ``lora_pending.CONSUMER_MAX_ROWS`` rows leave LoRA B to the kernel that reads the projection
     next (add+RMSNorm for o/down, SiLU x up for gate_up, q/k norm + RoPE + KV write for
@@ -173,16 +172,19 @@ class RunnerOptions:
     2; ``engine/kernels/pdl.py``): each may start while the kernel before it finishes, waits
     (``griddepcontrol.wait``) before touching what that kernel may write, and lets the next one
     start after its main loop. ``"on"``, ``"off"``, ``"early"`` or ``"auto"`` (the default) =
-``"on"``. ``"early"``: ``"on"`` plus the weights (LoRA B, RMSNorm and q/k-norm weights) of
+``"early"``: ``"on"`` plus the weights (LoRA B, RMSNorm and q/k-norm weights) of
 ``lora_expand``, add+RMSNorm, q/k norm + RoPE and the gate_up consumer loaded before the wait
-(``PREWAIT``, ``pdl.py``'s kernel rules), opt-in. H200 A/B (step ``n16d``, 2026-12-02,
+(``PREWAIT``, ``pdl.py``'s kernel rules). H200 A/B (step ``n16d``, 2026-12-02,
 ``scripts/bench_flex.py``, one process per variant, 256 new tokens): batch 4 PEFT fp32 adapters
 3.54 -> 3.41 ms (3.32 with ``lora_expand="consumer"``), batch 32 bf16 adapters 4.22 -> 4.14
-(4.11), batch 4 no LoRA 3.04 -> 3.04. Not the default yet: the whole GPU suite has not run with
-it, and on the H200 (``n16a``) a bf16 model's logprobs differed from ``"on"`` by up to 1.9e-3
-(same tokens): LLVM contracted the other RoPE product into the bf16 fma in the early build of
-``qk_rope_cache``, now launched without contraction (``qk_rope_cache.FP_FUSION``; sm_90 PTX of
-both builds compared in ``tests/engine/test_pdl_early_ptx.py``); not yet re-run there. Why ``"on"``:
+(4.11), batch 4 no LoRA 3.04 -> 3.04; again at f9ebd10 (step ``n17a``) with
+``lora_expand="consumer"`` against the old defaults (``"on"``, ``"triton"``): batch 4 fp32
+adapters 3.52 -> 3.29 ms, batch 32 bf16 adapters 4.21 -> 4.09, batch 4 no LoRA 3.03 -> 3.04
+(noise). The default since that run, whose GPU suite passed ``test_gpu_pdl_early_matches_on``
+(greedy tokens equal and logprobs within 1e-6 of ``"on"`` under CUDA graphs, bf16 + fp32
+adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``n16a`` (up to
+1.9e-3: LLVM had contracted the other RoPE product into the bf16 fma in the early build of
+``qk_rope_cache``, now launched without contraction, ``qk_rope_cache.FP_FUSION``). Why ``"on"``:
     the engine A/B on the H200 (``scripts/bench_flex.py --points qwen3-4b:fp32:4,qwen3-4b:none:4
     --variants ... {"pdl": "on"}``, one process per variant, 256 new tokens, 2026-12-01, step
     ``n8p`` of ``docs/h200_runbook.md``): Qwen3-4B batch 4 decode step 3.77 -> 3.65 ms with PEFT

@@ -21,13 +21,15 @@ def resolve_kernels(opt: RunnerOptions, on_cuda: bool,
     when the triton package imports (decode attention only where the model's
     ``decode_kernels`` lists ``"triton"``: Gemma-4 keeps flex); on the CPU decode ``"sdpa"``
     when ``sdpa_ok`` (the model's score_mod/masks have an SDPA form,
-    ``attention.sdpa_supports``), else ``"flex"``; LoRA B ``"addmm"`` off CUDA."""
+    ``attention.sdpa_supports``), else ``"flex"``; LoRA B ``"consumer"`` on CUDA (``"triton"``
+    plus B deferred to the q/k-rope and act x up kernels; H200 A/B in
+    :attr:`RunnerOptions.pdl`), ``"addmm"`` off CUDA."""
     triton_ok = on_cuda and importlib.util.find_spec("triton") is not None
     cpu = "sdpa" if sdpa_ok and not on_cuda else "flex"
     attn = opt.decode_attention if opt.decode_attention != "auto" else (
         "triton" if triton_ok and "triton" in decode_kernels else cpu)
     expand = opt.lora_expand if opt.lora_expand != "auto" else (
-        "triton" if triton_ok else "addmm")
+        "consumer" if triton_ok else "addmm")
     return attn, expand
 
 
@@ -66,11 +68,11 @@ def resolve_pdl(opt: RunnerOptions, device: Any) -> bool:
 
 def resolve_pdl_mode(opt: RunnerOptions, device: Any) -> str:
     """The resolved ``pdl`` mode (one of ``pdl.PDL_MODES``): ``"off"`` where
-    :func:`resolve_pdl` is False, else ``"early"`` when asked for, else ``"on"`` (``"auto"``
-    is ``"on"`` until an H200 A/B says otherwise)."""
+    :func:`resolve_pdl` is False, else ``opt.pdl``, with ``"auto"`` = ``"early"`` (the H200
+    A/B and GPU parity tests of 2026-12-02 in :attr:`RunnerOptions.pdl`)."""
     if not resolve_pdl(opt, device):
         return "off"
-    return "early" if opt.pdl == "early" else "on"
+    return "early" if opt.pdl == "auto" else opt.pdl
 
 
 def resolve_l2_prefetch(opt: RunnerOptions, device: Any) -> str:

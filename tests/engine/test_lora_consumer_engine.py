@@ -9,6 +9,8 @@ triton is not importable.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -33,13 +35,19 @@ CUDA the decode step is captured once and replayed, so the tests compare outputs
 capture: the live-LoRA contract with graphs) and count on the CPU."""
 
 
-def test_option_values_and_auto_unchanged():
+def test_option_values_and_auto_picks_consumer_on_cuda(monkeypatch):
     assert check_lora_expand("consumer") == "consumer"
     assert RunnerOptions(lora_expand="consumer").lora_expand == "consumer"
     with pytest.raises(ValueError, match="consumer"):  # the message lists the new value
         check_lora_expand("prologue")
-    for on_cuda in (False, True):  # "auto" never picks the consumer mode (no H200 A/B yet)
-        assert resolve_kernels(RunnerOptions(), on_cuda)[1] in ("addmm", "triton")
+    # "auto": the consumer mode on CUDA with triton (H200 A/B, step n17a, 2026-12-02), else addmm
+    assert resolve_kernels(RunnerOptions(), False)[1] == "addmm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert resolve_kernels(RunnerOptions(), True)[1] == "consumer"
+    assert resolve_kernels(RunnerOptions(lora_expand="triton"), True)[1] == "triton"
+    defaults = RunnerOptions()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_kernels(defaults, True)[1] == "addmm"  # CUDA without triton
 
 
 def test_group_defers_only_in_range():

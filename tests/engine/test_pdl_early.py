@@ -38,7 +38,7 @@ def gdc_calls(monkeypatch):
 
 def test_option_accepts_early_and_bad_values_list_it():
     assert RunnerOptions(pdl="early").pdl == "early"
-    assert RunnerOptions().pdl == "auto"  # the default is unchanged until the H200 A/B
+    assert RunnerOptions().pdl == "auto"  # "auto" resolves to "early" (test below)
     with pytest.raises(ValueError, match=r"pdl='yes'.*\('auto', 'off', 'on', 'early'\)"):
         RunnerOptions(pdl="yes")
     assert pdl.check_pdl("early") == "early"
@@ -48,14 +48,16 @@ def test_option_accepts_early_and_bad_values_list_it():
 
 def test_resolution_of_early(monkeypatch):
     """``"early"`` -> ``"early"`` where ``"on"`` is on (Hopper, no interpreter, no
-    ``compile_decode``), else ``"off"``; ``"auto"`` stays ``"on"``."""
+    ``compile_decode``), else ``"off"``; ``"auto"`` is ``"early"`` there (the default since the
+    H200 A/B and GPU suite of 2026-12-02, step ``n17a``)."""
     assert resolve_pdl_mode(RunnerOptions(pdl="early"), torch.device("cpu")) == "off"
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
-    want = {"early": "early", "on": "on", "auto": "on", "off": "off"}
+    want = {"early": "early", "on": "on", "auto": "early", "off": "off"}
     for mode, got in want.items():
         assert resolve_pdl_mode(RunnerOptions(pdl=mode), CUDA) == got, mode
     assert resolve_pdl_mode(RunnerOptions(pdl="early", compile_decode=True), CUDA) == "off"
+    assert resolve_pdl_mode(RunnerOptions(compile_decode=True), CUDA) == "off"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
     assert resolve_pdl_mode(RunnerOptions(pdl="early"), CUDA) == "off"
 

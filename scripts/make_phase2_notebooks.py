@@ -48,7 +48,9 @@ dataset: str = "gsm8k"  # gsm8k | gsm_symbolic | dapo_math
 n_questions: int = 16  # questions drawn for the prompts
 max_steps: int = 2  # GRPO optimiser steps
 num_generations: int = 4  # completions per prompt (TRL num_generations)
-per_device_train_batch_size: int = 4  # completions per step (raised to fit num_generations)
+per_device_train_batch_size: int = 4  # completions per micro-batch (raised to fit num_generations)
+gradient_accumulation_steps: int = 1  # micro-batches per optimiser step (TRL generates them at once)
+gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
 max_prompt_length: int = 256  # prompts longer than this many tokens are dropped
 max_completion_length: int = 32  # max_new_tokens per completion
 learning_rate: float = 5e-6  # reference lr
@@ -72,6 +74,8 @@ sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it)
 EQ_DERIVED = """settings = GRPOSettings(
     max_steps=max_steps, num_generations=num_generations,
     per_device_train_batch_size=per_device_train_batch_size,
+    gradient_accumulation_steps=gradient_accumulation_steps,
+    gradient_checkpointing=gradient_checkpointing,
     max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
     learning_rate=learning_rate, beta=beta, seed=seed,
     lora=LoraSpec(rank=lora_rank, alpha=lora_alpha))

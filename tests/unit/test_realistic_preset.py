@@ -13,6 +13,10 @@ def test_realistic_preset_loads_and_passes_the_runners_checks():
     [(nb, params)] = plan_parameters([NB], "h200_realistic", {}, repo=REPO)
     assert nb == NB and params["model"] == "qwen3-4b"
     assert set(params["backends"]) >= {"flex", "vllm", "hf_generate"}
-    prompts = params["per_device_train_batch_size"] // params["num_generations"]
+    # 64 completions a step: micro-batches x accumulation (TRL generates them as one batch)
+    completions = params["per_device_train_batch_size"] * params["gradient_accumulation_steps"]
+    prompts = completions // params["num_generations"]
+    assert params["per_device_train_batch_size"] % params["num_generations"] == 0 or \
+        completions % params["num_generations"] == 0
     assert (prompts, params["num_generations"], params["max_completion_length"]) == (8, 8, 512)
     assert params["n_questions"] >= prompts * params["max_steps"]

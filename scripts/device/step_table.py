@@ -177,20 +177,26 @@ N16E_BENCH = ("--out $OUT/bench_ab_none --rounds 2 --max-new-tokens 256 --no-flo
 # session 11: candidate defaults (pdl="early" + lora_expand="consumer", the bf16 gap fixed in
 # qk_rope_cache) with and without cuBLAS for the qkv GEMM and with prefill_elementwise="triton"
 # (read prefill_s), against today's defaults; the no-LoRA point with early alone.
-_EC = "\"pdl\": \"early\", \"lora_expand\": \"consumer\""
-_N17_EC = ("{\"name\": \"early_consumer\", \"options\": {" + _EC + "}}")
-N17A_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
-              "qwen3-4b:fp32:4 --variants '{\"name\": \"default\", \"options\": {}};" + _N17_EC
-              + ";{\"name\": \"ec_nocublas\", \"options\": {" + _EC
-              + ", \"skinny_gemm_cublas\": \"never\"}};{\"name\": \"ec_prefill_triton\", "
-              "\"options\": {" + _EC + ", \"prefill_elementwise\": \"triton\"}}'")
-N17B_BENCH = ("--out $OUT/bench_ab_b32 --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
-              "qwen3-4b:bf16:32 --variants '{\"name\": \"default\", \"options\": {}};"
-              + _N17_EC + "'")
-N17C_BENCH = ("--out $OUT/bench_ab_none --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
-              "qwen3-4b:none:4 --variants '{\"name\": \"default\", \"options\": {}};"
-              + _N16_EARLY + ";{\"name\": \"early_nocublas\", \"options\": {\"pdl\": "
-              "\"early\", \"skinny_gemm_cublas\": \"never\"}}'")
+
+
+def _ab_args(out: str, points: str, variants: dict[str, str]) -> str:
+    """bench_flex.py's A/B command line: 2 rounds, 256 new tokens, no floor GEMMs, one process
+    per ``name -> options`` variant (``options`` the inside of a JSON object)."""
+    spec = ";".join(f'{{"name": "{name}", "options": {{{opts}}}}}'
+                    for name, opts in variants.items())
+    return (f"--out $OUT/{out} --rounds 2 --max-new-tokens 256 --no-floor-gemms --points "
+            f"{points} --variants '{spec}'")
+
+
+_EC = '"pdl": "early", "lora_expand": "consumer"'
+N17A_BENCH = _ab_args("bench_ab", "qwen3-4b:fp32:4", {
+    "default": "", "early_consumer": _EC,
+    "ec_nocublas": _EC + ', "skinny_gemm_cublas": "never"',
+    "ec_prefill_triton": _EC + ', "prefill_elementwise": "triton"'})
+N17B_BENCH = _ab_args("bench_ab_b32", "qwen3-4b:bf16:32", {"default": "", "early_consumer": _EC})
+N17C_BENCH = _ab_args("bench_ab_none", "qwen3-4b:none:4", {
+    "default": "", "early": '"pdl": "early"',
+    "early_nocublas": '"pdl": "early", "skinny_gemm_cublas": "never"'})
 
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
@@ -411,6 +417,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n16d": ([], [], [
         (BENCH, {"args": N16D_BENCH}, 220, 300, 0),
         (BENCH, {"args": N16E_BENCH}, 80, 120, 0)]),
+    # session 11's last call: the whole suite at HEAD in one call (after m2a, m2b staged)
+    "n18": ([], ["gguf2", "gsm8k"], [
+        (SUITE, {"args": "--tb=short --durations=30"}, 400, 580, 0)]),
     "n17a": ([], [], [
         (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
         (BENCH, {"args": N17B_BENCH}, 100, 150, 0),

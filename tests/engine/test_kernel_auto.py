@@ -13,8 +13,8 @@ def test_auto_resolves_by_device_and_triton(monkeypatch):
     assert (opt.decode_attention, opt.lora_expand) == ("auto", "auto")
     assert resolve_kernels(opt, on_cuda=False) == ("flex", "addmm")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    assert resolve_kernels(opt, on_cuda=True) == ("triton", "triton")
-    assert resolve_kernels(opt, True, decode_kernels=("flex",)) == ("flex", "triton")  # Gemma-4
+    assert resolve_kernels(opt, on_cuda=True) == ("triton", "consumer")  # H200 A/B n17a
+    assert resolve_kernels(opt, True, decode_kernels=("flex",)) == ("flex", "consumer")  # Gemma-4
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert resolve_kernels(opt, on_cuda=True) == ("flex", "addmm")
 

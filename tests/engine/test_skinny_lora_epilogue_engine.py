@@ -64,7 +64,7 @@ def _generate(model, prompts, mode, sampling=GREEDY, **options):
 def test_option_values():
     assert RunnerOptions(lora_expand="epilogue").lora_expand == "epilogue"
     assert check_lora_expand("epilogue") == "epilogue"
-    assert resolve_kernels(RunnerOptions(), on_cuda=True)[1] == "triton"  # "auto" unchanged
+    assert resolve_kernels(RunnerOptions(), on_cuda=True)[1] == "consumer"  # "auto": not epilogue
     with pytest.raises(ValueError, match="'epilogue'"):
         RunnerOptions(lora_expand="epilog")
 

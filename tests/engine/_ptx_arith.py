@@ -10,6 +10,16 @@ name. Two builds with equal :func:`stores` compute every stored value by the sam
 arithmetic (same ops, same rounding modifiers, same FMA contractions, same reduction tree) from
 the same loads. ``griddepcontrol`` and branches are ignored; PTX is read in order, so a loop
 body counts once (kernels with a peeled loop: :func:`arith_ops`).
+
+Shared memory is a staging buffer whose layout (base, swizzle, vector width) the compiler picks
+per build: Triton 3.6 lays the early build's tiles out differently from the off build's. So a
+``st.shared`` is fingerprinted by its value only, and every shared load of one source line is
+one leaf, whatever its offset, width or lane. What that cannot see: a permutation of the
+elements one ``tl.load`` staged through shared memory (e.g. the order of the k terms of an fp32
+FMA chain over a staged tile); the chain's length, its ops and rounding are still compared, and
+the values by the GPU parity test (``test_pdl_builds.py``). Packed ``bf16x2`` / ``f16x2`` ops are
+fingerprinted lane by lane as their scalar ops, so LLVM's choice to vectorise a pair of values
+does not count either.
 """
 
 from __future__ import annotations
@@ -95,15 +105,23 @@ def stores(ptx: str) -> Counter:
         if not operands:
             continue
         if opc.startswith(("st.", "red.")):
-            if opc.startswith("st.shared"):  # a staging buffer's base may differ: no offset
-                operands = [re.sub(r"\s*\+\s*-?\d+\s*\]", "]", operands[0]), *operands[1:]]
+            if opc.startswith("st.shared"):  # a staging buffer's layout may differ (its
+                operands = ["[smem]", *operands[1:]]  # base, its swizzle): no address
             vals = [src(o) for o in operands]
             out[_h(opc, vals[0], *[_lanes(v) if ".b32" in opc and ".v" not in opc else v
                                    for v in vals[1:]])] += 1
             continue
         dests, srcs = _regs(operands[0]), operands[1:]
         if opc.startswith(("ld.", "ldmatrix")) and not opc.startswith("ld.param"):
-            off = ranks[(loc, opc)].index(_offset(srcs))
+            if opc.startswith("ldmatrix") or ".shared" in opc:
+                # a shared load: its offset, width (v4 or scalar) and lane follow the layout
+                # the compiler chose for the staging buffer (the early build may lay tiles out
+                # otherwise), not which value it reads; named by its source line only, as a
+                # st.shared is stored without address (module docstring: what this misses)
+                for d in dests:
+                    val[d] = _h("ld.shared", loc)
+                continue
+            off = ranks[(loc, opc)].index(_offset(srcs))  # tells elements apart (x1 vs x2)
             for i, d in enumerate(dests):
                 val[d] = _h("ld", opc, loc, off, i)
             continue
@@ -139,9 +157,9 @@ def _offset(srcs: list[str]) -> int:
 
 
 def _offset_ranks(ptx: str) -> dict:
-    """Per (source location, load opcode): its loads' immediate offsets, sorted. A load is
-    named by its offset's rank there, so a shared buffer placed at another base (the early
-    build keeps a tile live longer) names its loads alike."""
+    """Per (source location, load opcode): its loads' immediate offsets, sorted. A global
+    load is named by its offset's rank there, so the same elements loaded through another
+    base register name alike."""
     loc, seen = ("?", "?"), {}
     for line in ptx.splitlines():
         line = line.split("//")[0]
@@ -160,7 +178,11 @@ def _commute(opc: str, hs: list) -> list:
 
 
 def _op(opc: str, hs: list) -> str:
-    return _h(opc, *_commute(opc, hs))
+    """One lane of a packed op: named as the scalar op (``mul.rn.bf16x2`` lane =
+    ``mul.rn.bf16``, ``cvt.rn.bf16x2.f32`` lane = ``cvt.rn.bf16.f32``: the same rounding), so
+    whether LLVM vectorised a pair of values does not change their fingerprint."""
+    opc = re.sub(r"\.(bf16|f16)x2\b", r".\1", opc)
+    return _h(opc, 0, "", "", *_commute(opc, hs))  # the scalar form of stores()
 
 
 def arith_ops(ptx: str) -> list[str]:

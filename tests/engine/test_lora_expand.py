@@ -130,9 +130,9 @@ def test_live_group_same_outputs_with_kernel(monkeypatch, dtype, autocast):
             kernel = LiveGroup(mods, lora_expand="triton")(x)
         for r, p, k in zip(ref, plain, kernel):
             assert k.dtype == p.dtype == r.dtype
+            # fp32: within 1e-5, not bit-equal: the CPU BLAS picks its summation order by host
+            # (bit-equal on Intel hosts, ~1 ulp apart on the AMD EPYC CI host; cuBLAS likewise)
             torch.testing.assert_close(k, p, **tol)
-            if DEV == "cpu":  # r=4 sums: bit-equal here (cuBLAS may sum in another order)
-                assert torch.equal(k, p)
             torch.testing.assert_close(k, r, **tol_peft)
     assert len(calls) == 3
 

@@ -103,7 +103,9 @@ def builds(request, tmp_path_factory) -> dict[str, str]:
     act, ada = CONFIGS[request.param]
     path = tmp_path_factory.mktemp("ptx") / "ptx.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           # the repo first, then the caller's path (a shadowing triton, e.g. the H200 image's)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", _AOT, act, ada, str(path)], env=env,
                           capture_output=True, text=True, check=False, timeout=300)
     if proc.returncode and "ptxas" in proc.stderr:
@@ -163,3 +165,45 @@ def test_fingerprint_sees_a_swapped_contraction():
     b = tmpl.format(m="%rs1, %rs4", f="%rs2, %rs3")
     assert arith_ops(a) == arith_ops(b) and stores(a) != stores(b)
     assert stores(a) == stores(tmpl.format(m="%rs3, %rs2", f="%rs4, %rs1"))  # commuted: same
+
+
+def test_fingerprint_ignores_packing_and_shared_layout():
+    """What the Triton 3.6 builds differ in and does not change a stored value: a pair of bf16
+    products done as one ``mul.rn.bf16x2`` or as two ``mul.rn.bf16``, and a tile staged
+    through shared memory at another offset. A changed operand still counts."""
+    packed = """
+    .loc 1 10 5
+    ld.global.b16 {{ %rs1 }}, [ %rd1 + 0 ];
+    ld.global.b16 {{ %rs2 }}, [ %rd1 + 2 ];
+    ld.global.b16 {{ %rs3 }}, [ %rd2 + 0 ];
+    ld.global.b16 {{ %rs4 }}, [ %rd2 + 2 ];
+    mov.b32 %r1, {{ %rs1, %rs2 }};
+    mov.b32 %r2, {{ %rs3, %rs4 }};
+    mul.rn.bf16x2 %r3, %r1, %r2;
+    mov.b32 {{ %rs5, %rs6 }}, %r3;
+    add.rn.bf16 %rs7, %rs5, {last};
+    st.global.b16 [ %rd3 + 0 ], {{ %rs7 }};
+    """
+    scalar = """
+    .loc 1 10 5
+    ld.global.b16 {{ %rs1 }}, [ %rd1 + 0 ];
+    ld.global.b16 {{ %rs2 }}, [ %rd1 + 2 ];
+    ld.global.b16 {{ %rs3 }}, [ %rd2 + 0 ];
+    ld.global.b16 {{ %rs4 }}, [ %rd2 + 2 ];
+    mul.rn.bf16 %rs5, %rs1, %rs3;
+    mul.rn.bf16 %rs6, %rs2, %rs4;
+    add.rn.bf16 %rs7, %rs5, %rs6;
+    st.global.b16 [ %rd3 + 0 ], {{ %rs7 }};
+    """
+    assert stores(packed.format(last="%rs6")) == stores(scalar)
+    assert stores(packed.format(last="%rs5")) != stores(scalar)  # x1*y1 + x1*y1: another value
+    staged = """
+    .loc 1 20 5
+    ld.global.b32 {{ %r1 }}, [ %rd1 + 0 ];
+    st.shared.b32 [ %r9 + {base} ], %r1;
+    .loc 1 21 5
+    ld.shared.b32 %r2, [ %r8 + {base} ];
+    mul.rn.f32 %r3, %r2, %r2;
+    st.global.b32 [ %rd3 + 0 ], {{ %r3 }};
+    """
+    assert stores(staged.format(base=0)) == stores(staged.format(base=4096))

@@ -80,7 +80,8 @@ CASES = {  # (model dtype, fp32 adapters, options, epilogue serves the groups)
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_triton_before_and_after_update(monkeypatch, case):
     """Tiny Qwen3, LoRA r=4 on every projection: the tokens of ``lora_expand="triton"`` and its
-    logprobs (fp32: the same bits, xA and y are fp32 either way; bf16: |dlogprob| < 2e-2, y
+    logprobs (fp32: within 1e-5, xA and y are fp32 either way but the BLAS's order is the
+    host's; bf16: |dlogprob| < 2e-2, y
     rounded once instead of twice), before and after an in-place optimizer step (live LoRA,
     the shadows re-copied). Every decode group runs the epilogue kernel (4 a layer a step),
     prefill none; fp32 adapters without shadows keep the old path."""
@@ -96,7 +97,9 @@ def test_engine_matches_triton_before_and_after_update(monkeypatch, case):
         for (gt, glp), (wt, wlp) in zip(got, want):
             assert gt == wt
             diff = max(abs(a - b) for a, b in zip(glp, wlp))
-            assert diff == 0.0 if dtype == torch.float32 else diff < 2e-2
+            # fp32: <= 1e-5, not 0.0: the plain path's xA comes from the CPU BLAS, whose
+            # summation order depends on the host (bit-equal on Intel, not on the AMD CI host)
+            assert diff <= 1e-5 if dtype == torch.float32 else diff < 2e-2
         if COUNTS_PER_STEP:
             steps = GREEDY.max_new_tokens - 1  # the first token comes from prefill
             assert len(calls) == (4 * LAYERS * steps if served else 0)

@@ -18,7 +18,7 @@ from nbhelpers.engine.kv_cache import KVCache
 
 # the compiled CUDA flex prefill takes pages of a multiple of its 64-token tile (the H200 suite
 # of 2026-12-02 refused 16); the CPU keeps its small pages
-KW = ({"page_size": 64, "num_pages": 8, "max_model_len": 64} if DEV == "cuda"
+KW = ({"page_size": 64, "num_pages": 12, "max_model_len": 64} if DEV == "cuda"
       else {"page_size": 16, "num_pages": 16, "max_model_len": 64})
 
 

@@ -107,7 +107,7 @@ def builds(request, tmp_path_factory) -> dict[str, str]:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", _AOT, act, ada, str(path)], env=env,
-                          capture_output=True, text=True, check=False, timeout=300)
+                          capture_output=True, text=True, check=False, timeout=1200)
     if proc.returncode and "ptxas" in proc.stderr:
         pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -148,7 +148,7 @@ def test_point_shapes_are_the_ones_random_model_builds():
 def test_the_command_line_prints_no_traceback(argv, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, check=False,
+                          capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr

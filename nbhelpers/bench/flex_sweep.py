@@ -169,7 +169,8 @@ def time_rounds(llm: Any, prompts: list[list[int]], sampling: SamplingParams, ro
         breakdown = {"prefill_s": st["prefill_s"], "decode_s": st["decode_s"],
                      "host_s": st["host_s"], "decode_steps": st["decode_steps"],
                      "decode_step_ms": 1e3 * st["decode_s"] / steps,
-                     "num_preemptions": st["num_preemptions"]}
+                     "num_preemptions": st["num_preemptions"],
+                     "prefill_graph_replays": st.get("prefill_graph_replays", 0)}
     return rows, breakdown
 
 

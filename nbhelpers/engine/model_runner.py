@@ -7,11 +7,14 @@ partly filled last page) and samples their first tokens. ``decode(seqs, steps)``
 decode steps for the running batch: every step (all layers, live LoRA, sampler, slot_mapping, block
 mask, position/token updates) is one CUDA graph per batch-size bucket; token ids stay on the device
 and the host reads the tokens once per window (``steps``), not per step. When capture fails, the
-same step runs eagerly with a warning (same tokens). On the CPU everything runs eagerly.
+same step runs eagerly with a warning (same tokens). On the CPU everything runs eagerly. With
+``prefill_graphs="on"`` the prefill forward replays a CUDA graph per bucket (``prefill_graphs.py``).
 
 Timing: ``self.timings`` accumulates ``prefill_s``, ``decode_s`` (graph replays + the end-of-window
-readback) and ``host_s`` (Python bookkeeping), in seconds, CUDA-synchronised only when
-``profile=True`` (a sync per window costs nothing extra: the readback already syncs).
+readback) and ``host_s`` (Python bookkeeping), in seconds, and counts ``decode_steps``,
+``prefill_tokens``, ``graph_captures`` (decode), ``prefill_graph_captures`` and
+``prefill_graph_replays``; CUDA-synchronised only when ``profile=True`` (a sync per window costs
+nothing extra: the readback already syncs).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from nbhelpers.engine.layers import AttnBatch, flex_attention_fn
 from nbhelpers.engine.lora_shadow import refresh_all
 from nbhelpers.engine.models import build_engine_model
 from nbhelpers.engine.prefill_fa4 import check_fa4_prefill
+from nbhelpers.engine.prefill_graphs import PrefillGraphs
 from nbhelpers.engine.runner_batches import (
     layer_masks,
     pack_prefill,
@@ -52,6 +56,7 @@ from nbhelpers.engine.runner_resolve import (
     resolve_lora_fused,
     resolve_pdl_mode,
     resolve_prefill,
+    resolve_prefill_graphs,
     resolve_sample_kernel,
     resolve_skinny_gemm,
 )
@@ -114,13 +119,17 @@ class ModelRunner:
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode
             self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill_graphs="on" (prefill_graphs.py)
+        if resolve_prefill_graphs(opt, self.use_graphs, self.prefill_attention):
+            self.prefill_graphs, self.pad_prefill = PrefillGraphs(self), True  # few buckets
         self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1
         self.window_pages = self.max_pages  # pages an SDPA decode window reads (decode())
         self.states: dict[tuple[int, bool], DecodeState] = {}
         self.graph_pool: Any = None
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0, "decode_steps": 0,
-                        "prefill_tokens": 0, "graph_captures": 0}
+                        "prefill_tokens": 0, "graph_captures": 0, "prefill_graph_captures": 0,
+                        "prefill_graph_replays": 0}
         self.profile = False
         # whole decode step through inductor (fuses the norm/RoPE/sampler elementwise chains);
         # the CUDA graph is still captured by us (no cudagraph trees inside a manual capture)
@@ -163,6 +172,8 @@ class ModelRunner:
     def free_kv(self) -> None:
         """Drop the KV pool and captured graphs (they point into it)."""
         self.kv, self.states, self.graph_pool = None, {}, None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.clear()
 
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:
@@ -177,9 +188,12 @@ class ModelRunner:
         self.refresh_weights()
         leaders = [g[0] for g in groups]
         ids, pos, rows, slots = pack_prefill(leaders, self.opt, self.pad_prefill)
-        attn = prefill_attention_batch(self.model, self.opt, leaders, rows, pos,
-                                       self.prefill_attention, self.max_pages, self.kv)
-        logits = self._prefill_run(ids, pos, slots, leaders, attn)
+        logits = (None if self.prefill_graphs is None else  # None: this bucket runs eagerly
+                  self.prefill_graphs.run(leaders, ids, pos, rows, slots))
+        if logits is None:
+            attn = prefill_attention_batch(self.model, self.opt, leaders, rows, pos,
+                                           self.prefill_attention, self.max_pages, self.kv)
+            logits = self._prefill_run(ids, pos, slots, leaders, attn)
         members = [s for g in groups for s in g]
         rep = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         self._fork(groups)

@@ -34,6 +34,7 @@ FUSED_ELEMENTWISE = ("auto", "compile", "triton", "off")
 PREFILL_ELEMENTWISE = ("off", "triton")
 DECODE_ATTENTION = ("auto", "flex", "triton", "sdpa")
 PREFILL_ATTENTION = ("auto", "flex", "sdpa", "fa4")
+PREFILL_GRAPHS = ("off", "on", "auto")
 
 
 @dataclass
@@ -110,6 +111,13 @@ class RunnerOptions:
     add+RMSNorms; ``scripts/count_prefill_ops.py``, CPU, 2026-12-02), about 180 with the kernels;
     prefill is eager, so each op is a host launch (H200 phase 2: ~0.10 s a prefill). Not the
     default: no H200 A/B yet, and the kernels equal the torch ops up to rounding only."""
+    prefill_graphs: str = "off"
+    """Prefill as one CUDA graph per bucket (padded token count, prompt count, flex kernel;
+    ``engine/prefill_graphs.py``): ``"off"`` (the default: eager prefill), ``"on"`` (needs CUDA
+    graphs, i.e. a CUDA model with ``use_cuda_graphs`` None or True, and flex prefill: else
+    ``ValueError`` at construction, :func:`resolve_prefill_graphs`) or ``"auto"`` (= ``"off"``
+    until an H200 A/B). Why ask: an eager prefill is ~2,200 host-bound launches (0.057-0.103 s a
+    GRPO rollout on the H200)."""
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
@@ -290,6 +298,7 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
         _needs_triton("sample_kernel", self.sample_kernel, "torch")
         _one_of("prefill_elementwise", self.prefill_elementwise, PREFILL_ELEMENTWISE)
+        _one_of("prefill_graphs", self.prefill_graphs, PREFILL_GRAPHS)
         _needs_triton("prefill_elementwise", self.prefill_elementwise, "off")
         _one_of("fused_elementwise", self.fused_elementwise, FUSED_ELEMENTWISE)
         _needs_triton("fused_elementwise", self.fused_elementwise, "compile")

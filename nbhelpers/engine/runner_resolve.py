@@ -41,6 +41,28 @@ def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
     return "sdpa" if sdpa_ok and not on_cuda else "flex"
 
 
+def resolve_prefill_graphs(opt: RunnerOptions, use_graphs: bool, prefill_attention: str) -> bool:
+    """Whether prefill runs as CUDA graphs (``prefill_graphs.py``): ``opt.prefill_graphs ==
+    "on"``; ``"auto"`` resolves to off (no H200 A/B yet).
+
+    Raises:
+        ValueError: ``"on"`` without CUDA graphs (``use_graphs``: the resolved
+            ``use_cuda_graphs``, off on the CPU) or with ``prefill_attention`` (resolved) not
+            ``"flex"`` (SDPA/FA4 plans size their gathers on the host per batch).
+    """
+    if opt.prefill_graphs != "on":
+        return False
+    if not use_graphs:
+        raise ValueError("RunnerOptions.prefill_graphs='on' needs CUDA graphs: a CUDA model with "
+                         "use_cuda_graphs None or True; on the CPU use prefill_graphs='off'.")
+    if prefill_attention != "flex":
+        raise ValueError(f"RunnerOptions.prefill_graphs='on' captures the flex prefill only, "
+                         f"prefill_attention resolved to {prefill_attention!r} (its plan is "
+                         f"sized on the host per batch): set prefill_attention='flex', or "
+                         f"prefill_graphs='off'.")
+    return True
+
+
 def resolve_lora_fused(opt: RunnerOptions, on_cuda: bool) -> str:
     """``opt.lora_fused`` with ``"auto"`` resolved to ``"off"`` (the fused kernel lost the H200
     A/B of ``scripts/device/ab_lora_gemm.py``, see :class:`RunnerOptions`; ``on_cuda`` is where

@@ -58,11 +58,12 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
     ``prefill_attention``, ``lora_expand`` (the groups' mode; unsupported shapes still fall back
     to ``addmm`` per call), ``skinny_gemm`` (``"triton"`` / ``"off"``), ``skinny_gemm_cublas``
     (``None`` with the skinny path off), ``pdl`` (bool), ``pdl_mode`` (``"off"`` / ``"on"`` /
-    ``"early"``) and ``sample_kernel``."""
+    ``"early"``), ``sample_kernel`` and ``prefill_graphs`` (``"on"`` / ``"off"``: what ran)."""
     skinny = runner.skinny
     return {"decode_attention": runner.decode_attention,
             "prefill_attention": runner.prefill_attention, "lora_expand": runner.lora_expand,
             "skinny_gemm": skinny.mode if skinny.enabled else "off",
             "skinny_gemm_cublas": skinny.cublas if skinny.enabled else None,
             "pdl": bool(runner.pdl), "pdl_mode": getattr(runner, "pdl_mode", "off"),
-            "sample_kernel": runner.sample_kernel}
+            "sample_kernel": runner.sample_kernel,
+            "prefill_graphs": "off" if getattr(runner, "prefill_graphs", None) is None else "on"}

@@ -26,6 +26,7 @@ from nbhelpers.engine.runner_batches import (
 from nbhelpers.engine.runner_options import RunnerOptions
 from nbhelpers.engine.runner_resolve import resolve_prefill_graphs
 from nbhelpers.engine.scheduler import Sequence
+from nbhelpers.engine.tuner_tables import resolved_kernels
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                          reason="needs CUDA: run on the H200 host (python3 scripts/device/suite.py)")
@@ -177,6 +178,8 @@ def test_stand_in_graphs_give_the_eager_tokens(monkeypatch):
     assert t["prefill_graph_captures"] == 2 and t["prefill_graph_replays"] == 4
     assert graphs.last_stats["prefill_graph_replays"] == 1  # per call, via runner.timings
     assert not eager_runs and eager.runner.timings["prefill_graph_replays"] == 0
+    assert resolved_kernels(graphs.runner)["prefill_graphs"] == "on"  # what the bench records
+    assert resolved_kernels(eager.runner)["prefill_graphs"] == "off"
     graphs.runner.model.signature = lambda: (-1,)  # weights moved: recapture, once
     for _ in range(2):
         _same(graphs.generate(batches[0], SAMPLED), eager.generate(batches[0], SAMPLED))

@@ -115,16 +115,17 @@ class PrefillGraphs:
         buffer: read it before the next prefill."""
         r = self.runner
         key = bucket_key(len(ids), len(seqs), r.prefill_attention)
+        b, sig = self.buckets.get(key), r.model.signature()
+        if b is None and len(self.buckets) >= MAX_BUCKETS:
+            return None
+        if b is not None and b.graph is None and b.signature == sig:
+            return None  # its capture failed at these weights: eager, no second warning
         host = host_inputs(seqs, ids, pos, rows, slots, r.opt, r.max_pages)
-        b = self.buckets.get(key)
         if b is None:
-            if len(self.buckets) >= MAX_BUCKETS:
-                return None
             b = self.buckets[key] = PrefillBucket(key, host, r.device)
             b.attn = flex_prefill_masks(r.model, r.opt, b.mask_tensors(), r.kv)
         else:
             b.fill(host)
-        sig = r.model.signature()
         if b.signature != sig:
             b.signature = sig
             b.graph = self._capture(b)

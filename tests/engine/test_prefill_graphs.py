@@ -203,12 +203,32 @@ def test_failed_capture_prefills_eagerly_with_the_same_tokens(monkeypatch):
     t = graphs.runner.timings
     assert len(calls) == 1 and t["prefill_graph_captures"] == 0  # not retried: same weights
     assert t["prefill_graph_replays"] == 0
+    graphs.runner.model.signature = lambda: (-1,)  # weights moved: one more try
+    with pytest.warns(UserWarning, match="prefilling this bucket eagerly"):
+        _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+    assert len(calls) == 2
     graphs.sleep()  # free_kv drops the buckets with the pool
     assert not graphs.runner.prefill_graphs.buckets
 
 
+def test_buckets_past_the_cap_prefill_eagerly(monkeypatch):
+    model = tiny_model()
+    eager = LLM(model, use_cuda_graphs=False, **CPU_KW)
+    monkeypatch.setattr(prefill_graphs, "MAX_BUCKETS", 1)
+    graphs = _cpu_graphs(monkeypatch, model)
+    runs = []
+    plain = graphs.runner._prefill_run
+    monkeypatch.setattr(graphs.runner, "_prefill_run", lambda *a: runs.append(1) or plain(*a))
+    for prompts, n_eager in ((random_prompts(2, 4, 9, seed=1), 0),  # 32 tokens: captured
+                             (random_prompts(2, 20, 28, seed=3), 1)):  # 64: past the cap
+        _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+        assert len(runs) == n_eager
+    assert list(graphs.runner.prefill_graphs.buckets) == [(32, 2, "flex")]
+    assert graphs.runner.timings["prefill_graph_replays"] == 1
+
+
 # ---------------------------------------------------------------- GPU
-GPU_KW = {"page_size": 64, "num_pages": 24, "max_model_len": 192}
+GPU_KW = {"page_size": 64, "num_pages": 32, "max_model_len": 192}
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, n=2)
 
 

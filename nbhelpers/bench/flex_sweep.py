@@ -170,6 +170,7 @@ def time_rounds(llm: Any, prompts: list[list[int]], sampling: SamplingParams, ro
                      "host_s": st["host_s"], "decode_steps": st["decode_steps"],
                      "decode_step_ms": 1e3 * st["decode_s"] / steps,
                      "num_preemptions": st["num_preemptions"],
+                     "prefill_graph_captures": st.get("prefill_graph_captures", 0),
                      "prefill_graph_replays": st.get("prefill_graph_replays", 0)}
     return rows, breakdown
 

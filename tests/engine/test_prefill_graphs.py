@@ -28,8 +28,9 @@ from nbhelpers.engine.runner_resolve import resolve_prefill_graphs
 from nbhelpers.engine.scheduler import Sequence
 from nbhelpers.engine.tuner_tables import resolved_kernels
 
-GPU = pytest.mark.skipif(not torch.cuda.is_available(),
-                         reason="needs CUDA: run on the H200 host (python3 scripts/device/suite.py)")
+GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: run on the H200 host (python3 scripts/device/suite.py)")
 CPU_KW = {"page_size": 16, "num_pages": 24, "max_model_len": 96, "prefill_pad": 32,
           "compile_layers": False, "decode_attention": "flex", "prefill_attention": "flex"}
 SAMPLED = SamplingParams(temperature=1.0, min_p=0.05, max_new_tokens=5, ignore_eos=True,

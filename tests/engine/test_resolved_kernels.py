@@ -56,7 +56,8 @@ def test_every_flex_point_records_them():
     got = res["breakdown"]["resolved"]
     assert got["decode_attention"] == "flex" and got["sample_kernel"] == "torch"
     assert got["prefill_graphs"] == "off"  # and its counters ride in the breakdown
-    assert res["breakdown"]["prefill_graph_captures"] == res["breakdown"]["prefill_graph_replays"] == 0
+    brk = res["breakdown"]
+    assert brk["prefill_graph_captures"] == brk["prefill_graph_replays"] == 0
     side = eb.flex_sidecar("t_b2", {"name": "tiny"}, None, 2, 5, 3, res, run_id="r")
     assert json.loads(json.dumps(side))["breakdown"]["resolved"] == got
 

@@ -197,6 +197,10 @@ N17B_BENCH = _ab_args("bench_ab_b32", "qwen3-4b:bf16:32", {"default": "", "early
 N17C_BENCH = _ab_args("bench_ab_none", "qwen3-4b:none:4", {
     "default": "", "early": '"pdl": "early"',
     "early_nocublas": '"pdl": "early", "skinny_gemm_cublas": "never"'})
+# session 12's opt-in CUDA-graph prefill (prefill_graphs="on", default off): its GPU parity tests,
+# then the A/B at the GRPO rollout shape (read prefill_s and the prefill_graph_* counters)
+N19_BENCH = _ab_args("bench_ab_pg", "qwen3-4b:fp32:4", {
+    "default": "", "prefill_graphs": '"prefill_graphs": "on"'})
 
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
@@ -420,6 +424,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # session 11's last call: the whole suite at HEAD in one call (after m2a, m2b staged)
     "n18": ([], ["gguf2", "gsm8k"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 400, 580, 0)]),
+    "n19": ([], [], [
+        (SUITE, {"args": "--paths tests/engine/test_prefill_graphs.py,tests/engine/test_prefill_ops.py "
+                         "--tb=short"}, 90, 180, 0),
+        (BENCH, {"args": N19_BENCH}, 130, 200, 0)]),
     "n17a": ([], [], [
         (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
         (BENCH, {"args": N17B_BENCH}, 100, 150, 0),

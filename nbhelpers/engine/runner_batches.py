@@ -88,6 +88,7 @@ def flex_prefill_masks(model: Any, opt: Any, t: dict[str, Any], kv: Any) -> Attn
         extra), is_decode=False, kernel_options=opt.prefill_kernel_options
         if dev.type == "cuda" else None)
 
+
 def layer_masks(model: Any, build: Callable[[Any], Any], is_decode: bool,
                 kernel_options: Any = None) -> AttnBatch:
     """:class:`AttnBatch` with ``build(extra)`` per layer, built once per distinct layer mask

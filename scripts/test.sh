@@ -5,6 +5,12 @@
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not notebooks"`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+workers=${NBH_TEST_WORKERS:-2}
+if ! [[ $workers =~ ^([1-9][0-9]*|0|auto|logical)$ ]]; then  # before minutes of setup
+  echo "scripts/test.sh: NBH_TEST_WORKERS=$workers: give a worker count (e.g. 2), auto, or 0" \
+       "for one process" >&2
+  exit 2
+fi
 bash scripts/setup.sh
 # triton for the interpreted CPU tests of the engine's Triton kernels (pyproject extra "interp"),
 # Playwright for tests/browser/ (extra "browser"; it drives Debian's /usr/bin/chromium)
@@ -17,7 +23,6 @@ bash scripts/setup.sh
 # thread each (two workers of two threads on two cores oversubscribe): on a 2-core host the
 # suite took 14 min 20 s this way against 29 min 50 s in one process (2026-12-02, 1708 passed).
 # --durations=25 prints the slowest tests, so a slow CI run names them.
-workers=${NBH_TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" != "0" ]; then
   xdist=(-n "$workers" --dist loadfile)

@@ -12,6 +12,7 @@ torch's global RNG, so ``torch.manual_seed`` makes runs reproducible).
 
 Run::
 
+    from nbhelpers.config import SamplingParams
     from nbhelpers.engine import LLM
     llm = LLM(hf_model, page_size=16, num_pages=64)
     outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=8))

@@ -248,6 +248,15 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
             raise ValueError(hinted) from None
 
     def _check(self) -> None:
+        import dataclasses
+        for f in dataclasses.fields(self):  # a string such as 'no' is truthy: it would mean True
+            value, optional = getattr(self, f.name), f.type == "bool | None"
+            if f.type in ("bool", "bool | None") and not (
+                    isinstance(value, bool) or optional and value is None):
+                raise TypeError(f"RunnerOptions.{f.name}={value!r}: pass True or False"
+                                f"{' (or None: the default, decided by the device)' if optional else ''}"
+                                f"; got {type(value).__name__}"
+                                f"{', and any non-empty string counts as True' if isinstance(value, str) else ''}.")
         # page 0 is the null page, so a usable pool needs at least 2
         for name, low in (("page_size", 1), ("num_pages", 2), ("max_model_len", 1),
                           ("sync_every", 1), ("prefill_pad", 1)):

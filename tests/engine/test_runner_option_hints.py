@@ -44,3 +44,15 @@ def test_an_engine_option_inside_kernel_options_is_refused(field):
                                           r"sample_kernel='torch'\)")):
         RunnerOptions(**{field: {"pdl": "early", "sample_kernel": "torch", "num_warps": 4}})
     assert RunnerOptions(**{field: {"num_warps": 4}})  # kernel options alone pass
+
+
+@pytest.mark.parametrize("name, value", [("use_cuda_graphs", "no"), ("compile_decode", "no"),
+                                         ("fuse_lora_a", None), ("compile_attention", 1),
+                                         ("compile_layers", "false")])
+def test_bool_options_refuse_what_is_not_a_bool(name, value):
+    """A string such as ``'no'`` is truthy: taken as is, ``use_cuda_graphs='no'`` meant True (a
+    new user's probe, 2026-12-02). Each bool option takes a bool (or None where that is its
+    default) and names the fix."""
+    with pytest.raises(TypeError, match=rf"RunnerOptions\.{name}=.*pass True or False"):
+        RunnerOptions(**{name: value})
+    assert getattr(RunnerOptions(**{name: True}), name) is True

@@ -171,12 +171,14 @@ def test_fingerprint_ignores_packing_and_shared_layout():
     """What the Triton 3.6 builds differ in and does not change a stored value: a pair of bf16
     products done as one ``mul.rn.bf16x2`` or as two ``mul.rn.bf16``, and a tile staged
     through shared memory at another offset. A changed operand still counts."""
-    packed = """
+    loads = """
     .loc 1 10 5
-    ld.global.b16 {{ %rs1 }}, [ %rd1 + 0 ];
-    ld.global.b16 {{ %rs2 }}, [ %rd1 + 2 ];
-    ld.global.b16 {{ %rs3 }}, [ %rd2 + 0 ];
-    ld.global.b16 {{ %rs4 }}, [ %rd2 + 2 ];
+    ld.global.b16 { %rs1 }, [ %rd1 + 0 ];
+    ld.global.b16 { %rs2 }, [ %rd1 + 2 ];
+    ld.global.b16 { %rs3 }, [ %rd2 + 0 ];
+    ld.global.b16 { %rs4 }, [ %rd2 + 2 ];
+    """
+    packed = """
     mov.b32 %r1, {{ %rs1, %rs2 }};
     mov.b32 %r2, {{ %rs3, %rs4 }};
     mul.rn.bf16x2 %r3, %r1, %r2;
@@ -184,19 +186,14 @@ def test_fingerprint_ignores_packing_and_shared_layout():
     add.rn.bf16 %rs7, %rs5, {last};
     st.global.b16 [ %rd3 + 0 ], {{ %rs7 }};
     """
-    scalar = """
-    .loc 1 10 5
-    ld.global.b16 {{ %rs1 }}, [ %rd1 + 0 ];
-    ld.global.b16 {{ %rs2 }}, [ %rd1 + 2 ];
-    ld.global.b16 {{ %rs3 }}, [ %rd2 + 0 ];
-    ld.global.b16 {{ %rs4 }}, [ %rd2 + 2 ];
+    scalar = loads + """
     mul.rn.bf16 %rs5, %rs1, %rs3;
     mul.rn.bf16 %rs6, %rs2, %rs4;
     add.rn.bf16 %rs7, %rs5, %rs6;
-    st.global.b16 [ %rd3 + 0 ], {{ %rs7 }};
+    st.global.b16 [ %rd3 + 0 ], { %rs7 };
     """
-    assert stores(packed.format(last="%rs6")) == stores(scalar)
-    assert stores(packed.format(last="%rs5")) != stores(scalar)  # x1*y1 + x1*y1: another value
+    assert stores(loads + packed.format(last="%rs6")) == stores(scalar)
+    assert stores(loads + packed.format(last="%rs5")) != stores(scalar)  # x1*y1 + x1*y1: another value
     staged = """
     .loc 1 20 5
     ld.global.b32 {{ %r1 }}, [ %rd1 + 0 ];

@@ -112,10 +112,23 @@ def dry_run(step: str) -> int:
             bad += not ok
             print(f"  lane {lane} script {nb} est {est} s cap {cap} s: {'ok' if ok else 'BAD'}")
             continue
+        profile, over = job_profile(over)
         params = {k: AB_EXAMPLE if v == "@ab" else yaml.safe_load(v) for k, v in over.items()}
-        plan_parameters([REPO / nb], "h200", params, REPO)
+        plan_parameters([REPO / nb], profile, params, REPO)
         print(f"  lane {lane} job {nb} {over} est {est} s cap {cap} s: parameters ok")
     return 1 if bad else 0
+
+
+PROFILE_KEY = "@profile"
+"""A notebook job's key naming its config profile (``configs/<stem>.<profile>.yaml``); default
+``h200``. Not a ``-p`` override: :func:`job_profile` takes it out first."""
+
+
+def job_profile(over: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """``(profile, the -p overrides without PROFILE_KEY)`` of a notebook job; the table's dict is
+    not changed."""
+    rest = {k: v for k, v in over.items() if k != PROFILE_KEY}
+    return over.get(PROFILE_KEY, "h200"), rest
 
 
 AB_EXAMPLE = {"decode_attention": "triton", "lora_expand": "triton"}  # what "@ab" may become
@@ -229,7 +242,8 @@ def _job_command(nb: str, over: dict[str, str], gpu: int, ab_dir: dict[int, Path
         elif nb == DIAG:
             args += f" --out {REPO / 'executed/phase3_flex/bench'}/diag_gemma4"
         return [sys.executable, str(REPO / nb), *shlex.split(args)]
-    cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", "h200"]
+    profile, over = job_profile(over)
+    cmd = [sys.executable, "-m", "nbhelpers", "run", nb, "--profile", profile]
     for k, v in over.items():
         if v == "@ab":
             try:

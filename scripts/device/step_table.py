@@ -428,6 +428,16 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (SUITE, {"args": "--paths tests/engine/test_prefill_graphs.py,tests/engine/test_prefill_ops.py "
                          "--tb=short"}, 90, 180, 0),
         (BENCH, {"args": N19_BENCH}, 130, 200, 0)]),
+    # issue 13 part 5 on a machine already staged by m2a / m2b (trl, notebooks): the vLLM site in
+    # four back-to-back calls (rv1-rv3 stage, rv4 restores and runs), then flex, at the
+    # realistic preset (8 prompts x 8 generations, 512 new tokens; configs/*.h200_realistic.yaml)
+    "rv1": ([], ["vllm0"], []),
+    "rv2": ([], ["vllm1"], []),
+    "rv3": ([], ["vllm2"], []),
+    "rv4": ([], ["vllm3"], [
+        (P2, {"@profile": "h200_realistic", "backends": "[vllm]"}, 300, 420, 0)]),
+    "rf1": ([], [], [
+        (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 400, 0)]),
     "n17a": ([], [], [
         (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
         (BENCH, {"args": N17B_BENCH}, 100, 150, 0),

@@ -438,6 +438,15 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"@profile": "h200_realistic", "backends": "[vllm]"}, 300, 420, 0)]),
     "rf1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 400, 0)]),
+    # issue 13 part 1: SmolLM2 real weights (GGUF joined by n18), vLLM and flex live, gated
+    # against session 6's hf_generate row (same request: checked on the CPU, 2026-12-02)
+    "rv5": ([], [], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[vllm, flex]", "max_steps": "30",
+              "format_warmup_steps": "60", "n_questions": "60",
+              "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
+                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0)]),
+    "rh1": ([], [], [
+        (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
     "n17a": ([], [], [
         (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
         (BENCH, {"args": N17B_BENCH}, 100, 150, 0),

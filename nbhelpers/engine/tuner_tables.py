@@ -58,7 +58,9 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
     ``prefill_attention``, ``lora_expand`` (the groups' mode; unsupported shapes still fall back
     to ``addmm`` per call), ``skinny_gemm`` (``"triton"`` / ``"off"``), ``skinny_gemm_cublas``
     (``None`` with the skinny path off), ``pdl`` (bool), ``pdl_mode`` (``"off"`` / ``"on"`` /
-    ``"early"``), ``sample_kernel`` and ``prefill_graphs`` (``"on"`` / ``"off"``: what ran)."""
+    ``"early"``), ``sample_kernel`` and ``prefill_graphs`` (what ran: ``"off"``; ``"on"``;
+    ``"on_eager"`` when the option was on but every bucket tried so far prefilled eagerly, its
+    capture having failed or the ``MAX_BUCKETS`` cap reached: ``prefill_graph_replays`` 0)."""
     skinny = runner.skinny
     return {"decode_attention": runner.decode_attention,
             "prefill_attention": runner.prefill_attention, "lora_expand": runner.lora_expand,
@@ -66,4 +68,13 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
             "skinny_gemm_cublas": skinny.cublas if skinny.enabled else None,
             "pdl": bool(runner.pdl), "pdl_mode": getattr(runner, "pdl_mode", "off"),
             "sample_kernel": runner.sample_kernel,
-            "prefill_graphs": "off" if getattr(runner, "prefill_graphs", None) is None else "on"}
+            "prefill_graphs": _prefill_graphs_ran(runner)}
+
+
+def _prefill_graphs_ran(runner: Any) -> str:
+    """``"off"`` / ``"on"`` / ``"on_eager"`` (:func:`resolved_kernels`)."""
+    pg = getattr(runner, "prefill_graphs", None)
+    if pg is None:
+        return "off"
+    tried = bool(pg.buckets) or runner.timings.get("prefill_graph_replays", 0) > 0
+    return "on_eager" if tried and runner.timings.get("prefill_graph_replays", 0) == 0 else "on"

@@ -447,6 +447,16 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                             "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0)]),
     "rh1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
+    # session 13, after the rv chain (vLLM realistic): the prefill-graph GPU tests and A/B (n19)
+    # and flex at the realistic preset in one call, so vLLM's and flex's realistic rows share a
+    # machine and a commit; then flex at the reference shape if time is left.
+    "s13f": ([], [], [
+        (SUITE, {"args": "--paths tests/engine/test_prefill_graphs.py,tests/engine/test_prefill_ops.py "
+                         "--tb=short"}, 90, 150, 0),
+        (BENCH, {"args": N19_BENCH}, 130, 180, 0),
+        (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 330, 0)]),
+    "s13r": ([], [], [
+        (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [
         (BENCH, {"args": N17A_BENCH}, 200, 290, 0),
         (BENCH, {"args": N17B_BENCH}, 100, 150, 0),

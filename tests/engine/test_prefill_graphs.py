@@ -204,6 +204,7 @@ def test_failed_capture_prefills_eagerly_with_the_same_tokens(monkeypatch):
     t = graphs.runner.timings
     assert len(calls) == 1 and t["prefill_graph_captures"] == 0  # not retried: same weights
     assert t["prefill_graph_replays"] == 0
+    assert resolved_kernels(graphs.runner)["prefill_graphs"] == "on_eager"  # asked on, ran eager
     graphs.runner.model.signature = lambda: (-1,)  # weights moved: one more try
     with pytest.warns(UserWarning, match="prefilling this bucket eagerly"):
         _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
@@ -226,6 +227,7 @@ def test_buckets_past_the_cap_prefill_eagerly(monkeypatch):
         assert len(runs) == n_eager
     assert list(graphs.runner.prefill_graphs.buckets) == [(32, 2, "flex")]
     assert graphs.runner.timings["prefill_graph_replays"] == 1
+    assert resolved_kernels(graphs.runner)["prefill_graphs"] == "on"  # one bucket replayed
 
 
 # ---------------------------------------------------------------- GPU

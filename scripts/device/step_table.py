@@ -455,6 +455,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                          "--tb=short"}, 90, 150, 0),
         (BENCH, {"args": N19_BENCH}, 130, 180, 0),
         (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 330, 0)]),
+    # session 13's last device minutes: vLLM at the reference shape on a fresh machine, in five
+    # calls (each under 64 MiB with the 19.6 MB tree): s13a (part 0 + trl), rv2, rv3, s13s
+    # (tokenizers, GSM8K, notebooks wheels), s13v (part 3, restore, phase 2 [vllm]).
+    "s13a": (["trl"], ["vllm0"], []),
+    "s13s": (["notebooks"], ["tok", "gsm8k"], []),
+    "s13v": ([], ["vllm3"], [
+        (P2, {"backends": "[vllm]"}, 150, 240, 0)]),
     "s13r": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [

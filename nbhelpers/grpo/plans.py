@@ -9,7 +9,8 @@ every backend's rollout into TRL's ``generate_s`` metric.
 * ``hf_cb``: TRL's transformers continuous batching (``use_transformers_continuous_batching``).
 * ``vllm``: TRL's vLLM colocate (``use_vllm=True, vllm_mode="colocate"``; ``vllm_sleep_mode``,
   ``vllm_gpu_memory_utilization``). TRL builds ``LLM(model=model.name_or_path)``, so the policy is
-  loaded from :func:`nbhelpers.models.model_folder` (weights written once for random kinds).
+  loaded from :func:`nbhelpers.models.model_folder` (weights written once for random kinds); after
+  a format warm-up :func:`point_policy_at` points it at the warmed, merged folder instead.
 * ``unsloth``: Unsloth ``FastLanguageModel(fast_inference=False)`` + its patched TRL trainer.
 * ``flex``: our engine on the policy's own tensors through TRL's ``rollout_func``
   (:mod:`nbhelpers.grpo.flex_rollout`).
@@ -31,9 +32,14 @@ from nbhelpers.grpo.setup import check_backend, fixed_batch_size, peft_config
 log = logging.getLogger(__name__)
 
 VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
-WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex")
-"""Backends whose policy is an in-process HF model that :func:`train`'s format warm-up can merge
-into (vLLM loads weights from a folder, Unsloth loads its own model)."""
+WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex", "vllm")
+"""Backends whose policy is an in-process HF model that :func:`train`'s format warm-up trains and
+merges (Unsloth loads its own model class, ``FastLanguageModel``: refused)."""
+WARMUP_FOLDER_BACKENDS = ("vllm",)
+"""Backends whose engine loads its weights from ``model.name_or_path`` when it starts (TRL's
+colocate ``LLM(model=model.name_or_path)``): after the format warm-up :func:`train` saves the
+warmed weights, adapter merged in, as an HF folder and points the policy at it
+(:func:`nbhelpers.grpo.sft_warmup.save_merged_folder`, :func:`point_policy_at`)."""
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200
 (DESIGN.md "The H200 machine"; FlashInfer's sampler is not in the bundle)."""
@@ -151,11 +157,18 @@ def load_policy(backend: str, model_name: str, settings: GRPOSettings,
     model, tok = models.load_model(model_name, dtype="bfloat16" if on_gpu else "float32",
                                    device="cuda" if on_gpu else "cpu", seed=settings.seed)
     if backend == "vllm":
-        folder = str(models.model_folder(model_name, with_weights=True,
-                                         device="cuda" if on_gpu else "cpu"))
-        model.name_or_path = folder
-        model.config._name_or_path = folder
+        point_policy_at(model, models.model_folder(model_name, with_weights=True,
+                                                   device="cuda" if on_gpu else "cpu"))
     return model, tok, peft_config(settings.lora)
+
+
+def point_policy_at(model: Any, folder: str | os.PathLike) -> None:
+    """Set ``name_or_path`` and ``config._name_or_path`` of ``model`` to ``folder`` (a string),
+    where TRL's colocate ``LLM(model=model.name_or_path)`` loads its weights from. A
+    ``peft.PeftModel`` is pointed through its base model (``PeftModel`` reads both from it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.name_or_path = str(folder)
+    base.config._name_or_path = str(folder)
 
 
 def _load_unsloth(model_name: str, settings: GRPOSettings, on_gpu: bool) -> tuple[Any, Any, None]:

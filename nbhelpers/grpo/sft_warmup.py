@@ -11,13 +11,18 @@ Here the rows are real GSM8K worked solutions (:func:`nbhelpers.data.load_gsm8k`
 key) and the run is capped at ``steps`` optimiser steps. The SFT questions are the *last*
 :data:`N_SFT_ROWS` of the 100 (file order 60..99); GRPO draws the first ``n_questions``, so the
 two sets are disjoint while ``n_questions <= 60`` (:func:`sft_rows` raises otherwise).
+:func:`save_merged_folder` writes the warmed weights (adapter merged into the base) as an HF folder
+for engines that load weights from a path at start (vLLM colocate).
 
 Run: ``python -c "from nbhelpers.grpo.sft_warmup import sft_rows; print(sft_rows(8)[0])"``.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from nbhelpers import data
@@ -120,6 +125,34 @@ def format_warmup(model, tokenizer, rows: list[dict[str, Any]], steps: int, *,
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"steps": steps, "wall_s": wall_s, "losses": losses, "before": before,
             "after": probe()}
+
+
+def save_merged_folder(model, tokenizer, folder: str | os.PathLike) -> Path:
+    """Write ``model``'s weights, any LoRA adapter merged in, and ``tokenizer`` as an HF folder.
+
+    ``model``: a ``peft.PeftModel`` (its active adapter is merged into a *copy*,
+    ``copy.deepcopy`` + ``merge_and_unload``, so the caller's model keeps its unmerged, trainable
+    adapter and its tensors; peak memory: one more copy of the model on its device while
+    saving) or a plain ``transformers.PreTrainedModel`` (saved as it is). The folder gets
+    ``save_pretrained`` of that model (``config.json``, safetensors in the model's dtype,
+    generation config) and of the tokenizer, chat template included; files already there are
+    overwritten. An engine started from the folder (``vllm.LLM(model=folder)``) holds the
+    weights the trainer holds.
+
+    Returns:
+        The folder, absolute.
+    Raises:
+        TypeError: ``model`` has no ``save_pretrained`` (not a transformers / PEFT model).
+    """
+    from peft import PeftModel
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"save_merged_folder: {type(model).__name__} has no save_pretrained; pass "
+                        "a transformers PreTrainedModel or a peft.PeftModel.")
+    folder = Path(folder).resolve()
+    merged = copy.deepcopy(model).merge_and_unload() if isinstance(model, PeftModel) else model
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _sft_config(model, output_dir: str, steps: int, seed: int, learning_rate: float,

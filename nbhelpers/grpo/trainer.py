@@ -16,9 +16,11 @@ into generate-and-score, loss forward+backward, optimizer and the rest
 installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
 
 Format warm-up. ``format_warmup_steps`` > 0 (backends of
-:data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`) first runs that many SFT steps of a LoRA adapter on
-GSM8K worked solutions in the reference format (:mod:`nbhelpers.grpo.sft_warmup`, the reference
-notebook's "pre fine-tune for formatting"). ``warmup_adapter`` then decides what GRPO starts from:
+:data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`: all but ``unsloth``, which loads its own model
+class) first runs that many SFT steps of a LoRA adapter on GSM8K worked solutions in the reference
+format (:mod:`nbhelpers.grpo.sft_warmup`, the reference notebook's "pre fine-tune for
+formatting"), in this process on the HF policy, the same seed, rows and probe for every backend.
+``warmup_adapter`` then decides what GRPO starts from:
 
 * ``"continue"`` (the default, the reference notebook's recipe and phase 0's): GRPO keeps
   training the warmed adapter, and TRL's reference policy is that adapter's copy. This is the
@@ -28,6 +30,14 @@ notebook's "pre fine-tune for formatting"). ``warmup_adapter`` then decides what
   (vLLM and Unsloth load plain weights, not an adapter in training) starts from the same base
   policy and a model that scores: rewards vary within a group and the KL checks compare
   trained policies.
+
+vLLM (:data:`~nbhelpers.grpo.plans.WARMUP_FOLDER_BACKENDS`) starts its engine from the folder at
+``model.name_or_path``, not from the trainer's tensors, so after the warm-up the warmed weights are
+saved, adapter merged into the base (``"continue"``: into a copy; the trainer keeps its unmerged
+adapter, which TRL merges into vLLM at every weight sync), to
+``<output_dir>/format_warmup/merged`` (``merged_rank<R>`` when ranks share ``output_dir``) and
+the policy's ``name_or_path`` / ``config._name_or_path`` point there; the warm-up report's
+``vllm_model_folder`` names it (``None`` for the other backends).
 
 More than one process. ``num_processes`` > 1, or ``vllm_mode="server"``, hands the run to
 :func:`nbhelpers.grpo.distributed.launch`: ``accelerate launch`` starts one rank per GPU (CPU
@@ -53,10 +63,12 @@ from typing import Any, Literal
 from nbhelpers.config import GRPOSettings
 from nbhelpers.grpo.plans import (
     WARMUP_BACKENDS,
+    WARMUP_FOLDER_BACKENDS,
     BackendPlan,
     instrument_generation,
     load_policy,
     plan_backend,
+    point_policy_at,
 )
 from nbhelpers.grpo.result import _CONFIG_KEYS, GRPOResult
 from nbhelpers.grpo.setup import build_config, build_dataset, peft_config
@@ -98,7 +110,8 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         ValueError: unknown backend (or a rollout-only one) / dataset / compile mode or
             ``compile_dynamic`` word /
             ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
-            ``WARMUP_BACKENDS`` or with ``n_questions`` > 60 (its questions would overlap),
+            ``WARMUP_BACKENDS`` (``unsloth``) or with ``n_questions`` > 60 (its questions would
+            overlap),
             ``skip_first`` < 0 (all checked before any step runs).
         TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`, or a keyword
             that is neither one of train's nor a ``GRPOConfig`` field
@@ -195,12 +208,34 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
 
 def _maybe_warmup(model: Any, tok: Any, peft: Any, settings: GRPOSettings, opts: dict[str, Any],
                   train_ds: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """``(model, peft_config, warm-up report or {})``: :func:`_format_warmup` when asked."""
+    """``(model, peft_config, warm-up report or {})``: :func:`_format_warmup` when asked, then
+    for a backend of ``WARMUP_FOLDER_BACKENDS`` the warmed folder (module docstring)."""
     if not opts["format_warmup_steps"]:
         return model, peft, {}
-    return _format_warmup(model, tok, settings, opts["format_warmup_steps"], opts["n_questions"],
-                          train_ds[0]["prompt"][-1]["content"],
-                          Path(opts["output_dir"]) / "format_warmup", opts["warmup_adapter"])
+    out = Path(opts["output_dir"]) / "format_warmup"
+    model, peft, warm = _format_warmup(model, tok, settings, opts["format_warmup_steps"],
+                                       opts["n_questions"], train_ds[0]["prompt"][-1]["content"],
+                                       out, opts["warmup_adapter"])
+    warm["vllm_model_folder"] = None
+    if opts["backend"] in WARMUP_FOLDER_BACKENDS:
+        warm["vllm_model_folder"] = str(_warm_folder(model, tok, out))
+    return model, peft, warm
+
+
+def _warm_folder(model: Any, tok: Any, out: Path) -> Path:
+    """Save the warmed policy, adapter merged in, under ``out`` and point ``model`` at it.
+
+    ``out / "merged"`` (``merged_rank<RANK>`` when ``WORLD_SIZE`` > 1: ranks share ``out``).
+    """
+    from nbhelpers.grpo import sft_warmup
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    name = "merged" if world <= 1 else f"merged_rank{os.environ.get('RANK', '0')}"
+    t0 = time.perf_counter()
+    folder = sft_warmup.save_merged_folder(model, tok, out / name)
+    point_policy_at(model, folder)
+    log.info("format warm-up: merged weights saved to %s in %.1f s; the vLLM engine starts "
+             "from there", folder, time.perf_counter() - t0)
+    return folder
 
 
 def _fit(trainer: Any, watch: Any, compile_mode: str,
@@ -224,7 +259,8 @@ def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -
         raise ValueError(f"warmup_adapter={adapter!r}: use one of {WARMUP_ADAPTERS}.")
     if steps and backend not in WARMUP_BACKENDS:
         raise ValueError(f"format_warmup_steps={steps} with backend={backend!r}: the warm-up runs "
-                         f"in-process on backends {WARMUP_BACKENDS}; for {backend!r} pass "
+                         f"in-process on the HF policy of backends {WARMUP_BACKENDS}, and "
+                         f"{backend!r} loads its own model class; for {backend!r} pass "
                          "format_warmup_steps=0 (or a warmed model folder as model).")
 
 

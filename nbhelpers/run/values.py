@@ -13,7 +13,9 @@ holds have their lower bound in :data:`NOTEBOOK_MINIMA`; every float parameter i
 few have a range (:data:`NOTEBOOK_RANGES`). ``model`` must be a registry name / hub
 id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` known to the
 phase (each once), phase 1's ``engine_options`` keyed by backends of the run
-(:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up, ``compile_mode`` /
+(:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up,
+a format warm-up only with backends that run it (``nbhelpers.grpo.plans.WARMUP_BACKENDS``: every
+GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), ``compile_mode`` /
 ``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
 ``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
 (:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
@@ -209,6 +211,24 @@ def _check_backends(params: dict[str, Any], notebook: Path, where: Where) -> Non
                              f"of {GRPO}.")
 
 
+def _check_warmup_backends(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    """Phase 2 with ``format_warmup_steps`` > 0: every backend must run the in-process warm-up
+    (:data:`nbhelpers.grpo.plans.WARMUP_BACKENDS`; ``vllm`` starts from the saved merged folder).
+    ``unsloth`` loads its own model class, so its row would fail after the other backends ran."""
+    steps, backends = params.get("format_warmup_steps"), params.get("backends")
+    if phase_of(notebook) != "phase2" or not steps or not isinstance(backends, list):
+        return
+    from nbhelpers.grpo.plans import WARMUP_BACKENDS
+    if bad := [b for b in backends if b not in WARMUP_BACKENDS]:
+        keep = [b for b in backends if b in WARMUP_BACKENDS]
+        fix = f"-p backends '[{', '.join(keep)}]'" if keep else f"backends of {WARMUP_BACKENDS}"
+        raise UserInputError(
+            f"{where('backends')}, {where('format_warmup_steps')}: backends {bad} with "
+            f"format_warmup_steps={steps}: the format warm-up runs on the HF policy of "
+            f"{WARMUP_BACKENDS} only ({bad} load their own model class); drop {bad} ({fix}) "
+            "or pass -p format_warmup_steps 0.")
+
+
 def _check_engine_options(params: dict[str, Any], sources: dict[str, str], notebook: Path,
                           where: Where) -> None:
     """Phase 1's ``engine_options`` maps a backend to its options (``{backend: {option:
@@ -287,6 +307,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_model_and_dataset(params, where)
     _check_questions(params, where)
     _check_backends(params, notebook, where)
+    _check_warmup_backends(params, notebook, where)
     _check_engine_options(params, sources, notebook, where)
     _check_compile(params, where)
     _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])

@@ -4,6 +4,7 @@ Contract: every builder takes a DataFrame, returns a ``matplotlib.figure.Figure`
 pyplot (no global state, never ``plt.show()``); the notebook displays it. Frames are long ("tidy"):
 one row per (backend, step) or (backend, step, reward function). :func:`steps_frame` and
 :func:`rewards_frame` turn :class:`~nbhelpers.grpo.callbacks.StatisticsCallback` records into them.
+:func:`caption` writes where a figure's numbers come from under it.
 
 Run: ``python -c "from nbhelpers.plots import BACKEND_COLORS; print(BACKEND_COLORS)"``.
 """
@@ -132,4 +133,54 @@ def grpo_panel(steps: pd.DataFrame, reward_frame: pd.DataFrame) -> Figure:
         axes[1].plot(sub["step"], sub["reward_mean"], marker="o", ms=3, label=func)
     axes[1].set(xlabel="optimiser step", ylabel="mean reward", title="rewards per function")
     axes[1].legend(fontsize="x-small")
+    return fig
+
+
+def metrics_by_step(frame: pd.DataFrame, metrics: Sequence[tuple[str, str]], title: str
+                    ) -> Figure:
+    """One panel per ``(column, ylabel)`` of ``metrics`` present in ``frame`` (a column with no
+    value gets a "not logged" note), lines per backend, ``title`` over the row.
+
+    Raises:
+        ValueError: ``frame`` lacks ``step`` or ``backend``.
+    """
+    _require_columns(frame, ("step", "backend"), "metrics_by_step")
+    fig, axes = _new_figure(ncols=len(metrics), width=3.6)
+    for ax, (y, label) in zip(axes, metrics):
+        if y in frame.columns and frame[y].notna().any():
+            _line_per_backend(ax, frame, y)
+        else:
+            ax.text(0.5, 0.5, f"{y} not logged", ha="center", transform=ax.transAxes)
+        ax.set(xlabel="optimiser step", ylabel=label)
+    axes[0].legend(fontsize="x-small")
+    fig.suptitle(title, fontsize="medium")
+    return fig
+
+
+def grouped_bars(frame: pd.DataFrame, columns: Sequence[str], ylabel: str, title: str
+                 ) -> Figure:
+    """Bars of ``columns`` (x groups) for each backend (``frame``'s index; backend colours);
+    NaN draws no bar.
+
+    Raises:
+        ValueError: ``frame`` lacks one of ``columns``.
+    """
+    _require_columns(frame, columns, "grouped_bars")
+    fig, (ax,) = _new_figure(width=7.0, height=3.4)
+    width = 0.8 / max(1, len(frame))
+    for i, (backend, row) in enumerate(frame.iterrows()):
+        xs = [j + (i - (len(frame) - 1) / 2) * width for j in range(len(columns))]
+        ax.bar(xs, [row[c] for c in columns], width, color=color(str(backend)),
+               label=str(backend))
+    ax.set_xticks(range(len(columns)), [c.split("/")[-1] for c in columns], fontsize="small")
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize="x-small")
+    return fig
+
+
+def caption(fig: Figure, text: str, width: int = 120) -> Figure:
+    """``fig`` with ``text`` (wrapped at ``width`` characters) in small type under the axes
+    (the figure's ``supxlabel``, inside its layout): where the figure's numbers come from."""
+    import textwrap
+    fig.supxlabel(textwrap.fill(text, width), x=0.01, ha="left", fontsize=6)
     return fig

@@ -219,27 +219,34 @@ def equivalence() -> nbformat.NotebookNode:
 CMP_TITLE = """# Phase 2: compare GRPO runs across backends (from sidecars)
 
 **Question:** over every executed `20_grpo_equivalence` run, how do the backends compare in median
-step time, peak memory and the coherence gate, and does flex meet its goal (median step <= vLLM
-colocate's at <= 1/5 of its peak memory)?
+step time, its split, peak memory, importance sampling and the coherence gate, within each GRPO
+shape, and how does flex's median step compare with vLLM colocate's at each shape?
 
-**Result:** computed in the last cell from the sidecars (this notebook runs nothing)."""
+**Result:** computed in the last cell from the sidecars (this notebook runs nothing).
+
+Runs are compared only within one (device, model, shape) group: the shape is the GRPO workload a
+run's sidecar records (`g4 b4x1 256tok`: num_generations 4, per_device_train_batch_size 4 x
+gradient_accumulation_steps 1, 256 new tokens; fields that differ from the reference setup, such
+as a format warm-up, are appended; `nbhelpers.grpo.compare_shapes`). The newest run of each backend
+in a group is gated and timed against the others of that group only."""
 
 CMP_IMPORTS = """%load_ext autoreload
 %autoreload 2
 %matplotlib inline
 from pathlib import Path
 
+import pandas as pd
 from IPython.display import Markdown, display
 
 from nbhelpers import plots
 from nbhelpers.grpo import compare as grpo_compare
-from nbhelpers.stats import read_sidecars"""
+from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar"""
 
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
 reference_backend: str = "hf_generate"  # the cross-run gate compares KL and reward against it
 device: str = ""  # keep runs whose device name contains this (e.g. "h200", "cpu"); empty: all
-sidecar_path: str = ""  # unused: this notebook only reads sidecars (the runner passes it)"""
+sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
 CMP_LOAD = """root = Path(sidecar_dir)
 if not root.is_absolute() and not root.exists():
@@ -247,52 +254,98 @@ if not root.is_absolute() and not root.exists():
 sidecars = read_sidecars(root, phase=grpo_compare.PHASE)
 runs, gates = grpo_compare.runs_from_sidecars(sidecars)
 runs, gates = grpo_compare.filter_device(runs, gates, device)  # "h200" matches "NVIDIA H200"
+groups = grpo_compare.latest_per_group(runs)  # {(device, model, shape): {backend: newest run}}
 print(f"{len(sidecars)} phase-2 sidecars under {root}, {len(runs)} backend runs"
-      f"{f' on {device}' if device else ''}")
-summary = grpo_compare.summary_frame(runs, gates)
-summary"""
+      f"{f' on {device}' if device else ''}, {len(groups)} (device, model, shape) groups")
+grpo_compare.runs_frame(runs).join(grpo_compare.summary_frame(runs, gates))"""
 
-CMP_PLOTS = """latest = grpo_compare.latest_per_backend(runs)
-steps = grpo_compare.steps_long(latest)
-for column, label, title in [("wall_s", "s", "Step time"), ("generate_s", "s", "Generation"),
-                             ("reward", "mean reward", "Reward"), ("kl", "KL", "KL")]:
-    if column in steps and steps[column].notna().any():
-        display(plots.metric_by_step(steps, column, label, title))"""
+CMP_SPEED = """speed = grpo_compare.speed_frame(runs)
+for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], sort=False):
+    display(Markdown(f"### {gpu}, {model}, `{shape}`\\n\\nFrom: "
+                     f"{grpo_compare.sources(groups[(gpu, model, shape)])}"))
+    display(table.set_index("backend").drop(columns=["device", "model", "shape", "sidecar",
+                                                     "utc"]).round(3))
+for (gpu, model, shape), ratio in grpo_compare.flex_vs_vllm(groups).items():
+    print(f"{gpu}, {model}, {shape}: flex median step / vLLM's = "
+          + ("n/a (no flex or no vLLM step time in this group)" if ratio is None
+             else f"{ratio:.3f}"))"""
 
-CMP_IS = """display(grpo_compare.is_frame(runs))
+CMP_SPLIT = """split_columns = ["step_time_s_median", "generate_s", "time/generate_and_score_s",
+                 "time/loss_fwd_bwd_s", "time/optimizer_s"]
+for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], sort=False):
+    fig = plots.grouped_bars(table.set_index("backend"), split_columns, "s (median over steps)",
+                             f"{gpu}, {model}, {shape}: step and its split")
+    display(plots.caption(fig, "From: " + grpo_compare.sources(groups[(gpu, model, shape)])))"""
+
+CMP_PLOTS = """metrics = [("wall_s", "step wall s"), ("generate_s", "generation s"),
+           ("reward", "mean reward"), ("kl", "KL")]
+for (gpu, model, shape), latest in groups.items():
+    fig = plots.metrics_by_step(grpo_compare.steps_long(latest), metrics,
+                                f"{gpu}, {model}, {shape}: newest run per backend")
+    display(plots.caption(fig, "From: " + grpo_compare.sources(latest)))"""
+
+CMP_IS = """display(grpo_compare.runs_frame(runs)[["shape"]].join(grpo_compare.is_frame(runs)))
 compiled = grpo_compare.compile_frame(runs, compiled_only=True)
 display(compiled if len(compiled) else Markdown("No run compiled the trainer (compile_mode none)."))"""
 
 CMP_CROSS = """cross = grpo_compare.gate_latest(runs, reference_backend)
 display(grpo_compare.gate_frame(cross))
-failed = [f"{r.backend}.{c.name}" for r in cross.values() for c in r.checks if c.status == "fail"]
+failed = [f"{name}.{c.name}" for name, r in cross.items() for c in r.checks if c.status == "fail"]
 print("cross-run gate:", "pass" if not failed else f"FAILED {failed}")"""
 
-CMP_GOAL = """latest_summary = grpo_compare.summary_frame(latest, {
-    b: gates[k] for k in gates for b in latest if k.startswith(f"{b}@")})
-goal = grpo_compare.perf_goal(latest_summary)
-display(latest_summary, goal)
-display(Markdown(f"**Result:** {len(runs)} runs; flex vs vLLM goal: {goal}"))
+CMP_GOAL = """goals = pd.DataFrame({
+    ", ".join(g): grpo_compare.perf_goal(grpo_compare.summary_frame(latest))
+    for g, latest in groups.items()}).T
+display(goals)
+result = grpo_compare.result_by_shape(groups)
+display(Markdown(f"**Result:** {len(runs)} runs in {len(groups)} (device, model, shape) groups; "
+                 f"{result}."))
+side = make_sidecar(phase=grpo_compare.PHASE, backend="summary:29_compare", extra={
+    "kind": "summary", "notebook": "29_compare", "device": device, "n_sidecars": len(sidecars),
+    "speed": speed.to_dict(orient="records"), "result": result,
+    "cross_gate": {name: g.as_dict() for name, g in cross.items()},
+    "headline": grpo_compare.headline_by_shape(groups)})
+if sidecar_path:
+    print("sidecar:", write_sidecar(side, sidecar_path))
 assert runs, f"no phase-2 sidecars under {root}: run 20_grpo_equivalence first"
+assert all(len({grpo_compare.group_key(r) for r in latest.values()}) == 1
+           for latest in groups.values()), "a group holds runs of different shapes"
+assert (speed.loc[speed["backend"] == "vllm", "step_vs_vllm"].dropna() == 1.0).all()
 """
 
 
 def compare() -> nbformat.NotebookNode:
     """29_compare: reads the phase-2 sidecars only."""
     return nbgen.build(CMP_TITLE, CMP_IMPORTS, CMP_PARAMETERS, [
-        ("## Runs found\nOne row per backend run (`backend@run_id`).", CMP_LOAD),
-        ("## Per-step curves\nLatest run of each backend.", CMP_PLOTS),
-        (("## Importance sampling and recompiles across runs\nPer run (`backend@run_id`): IS "
+        (("## Runs found\nOne row per backend run (`backend@run_id`), with its (device, model, "
+          "shape) group and the sidecar it was read from."), CMP_LOAD),
+        (("## Speed per shape\nOne table per (device, model, shape) group, the newest run of "
+          "each backend: median step (s), generation (`generate_s`), the step split "
+          "(`time/*`: generate-and-score, loss forward+backward, optimizer; flex also its "
+          "prefill and ms per decode step), peak device GiB, the IS columns, and "
+          "`step_vs_vllm`: the backend's median step over vLLM's in the same group (NaN when "
+          "the group has no vLLM step time). The issue's goal is flex <= 0.8x vLLM at the "
+          "reference shape and <= 0.7x at the realistic preset; the ratio is printed as "
+          "measured."), CMP_SPEED),
+        (("## Step split per shape\nMedian seconds per step and per part, one bar per "
+          "backend (colours as everywhere); the caption names the sidecars."), CMP_SPLIT),
+        (("## Per-step curves\nNewest run of each backend, one figure per (device, model, "
+          "shape) group."), CMP_PLOTS),
+        (("## Importance sampling and recompiles across runs\nPer run (`backend@run_id`, with "
+          "its shape): IS "
           "ratio mean, fraction of tokens outside [0.9, 1.1], mean |engine - trainer| logprob "
           "on one support (nats/token), TRL's applied ratio; then the runs that compiled the "
           "trainer, with `compile_dynamic` (None: torch's default) and their recompiles."),
          CMP_IS),
-        (("## Gate across runs\nThe latest run of each backend against the latest "
-          "`reference_backend` run, wherever they ran (one device call may hold only some "
-          "backends, so a run's own gate can lack the reference)."), CMP_CROSS)],
-        sidecar=(("## The flex goal\nLatest run per backend; ratios flex / vLLM (`met`: both "
-                  "ratios within the goal; `None` when either backend has no numbers)."),
-                 CMP_GOAL))
+        (("## Gate across runs\nThe newest run of each backend against the newest "
+          "`reference_backend` run of the same (device, model, shape) group, wherever they ran "
+          "(one device call may hold only some backends, so a run's own gate can lack the "
+          "reference; a group without a reference run skips the reference checks)."),
+         CMP_CROSS)],
+        sidecar=(("## The flex goal per shape, sidecar and checks\nPer group, newest run per "
+                  "backend: issue 6's ratios flex / vLLM (`met`: median step <= vLLM's at <= 1/5 "
+                  "of its peak memory; `None` when either backend has no numbers), the Result "
+                  "line, and this notebook's summary sidecar."), CMP_GOAL))
 
 
 NOTEBOOKS = {"notebooks/phase2_grpo/20_grpo_equivalence.ipynb": equivalence,

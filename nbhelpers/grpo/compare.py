@@ -11,7 +11,9 @@ runs can be reused instead of trained (:mod:`~nbhelpers.grpo.compare_records`: `
 (phase ``phase2``) with the gate result and the IS report (:func:`is_summary`) beside it; :func:`summary_frame` and :func:`steps_long`
 are the notebook's tables. ``29_compare`` reads the sidecars back with :func:`runs_from_sidecars`.
 The tables live in :mod:`~nbhelpers.grpo.compare_tables`, the sidecars and the cross-run gate in
-:mod:`~nbhelpers.grpo.compare_sidecars`; this module is the notebooks' face for all of them.
+:mod:`~nbhelpers.grpo.compare_sidecars`, the (device, model, shape) groups runs are compared
+within and the per-shape speed table in :mod:`~nbhelpers.grpo.compare_shapes`; this module is
+the notebooks' face for all of them.
 
 Run: ``python -c "from nbhelpers.grpo.compare import run_backends; from nbhelpers.config import
 GRPOSettings; print(run_backends(['flex'], 'tiny-llama', GRPOSettings(max_steps=1,
@@ -28,12 +30,26 @@ from typing import Any
 
 from nbhelpers.config import GRPOSettings
 from nbhelpers.grpo import compare_records as records
+from nbhelpers.grpo.compare_shapes import (
+    flex_vs_vllm,
+    group_key,
+    group_runs,
+    headline_by_shape,
+    latest_per_backend,
+    latest_per_group,
+    result_by_shape,
+    run_shape,
+    runs_frame,
+    shape_label,
+    sources,
+    speed_frame,
+    vllm_ratio,
+)
 from nbhelpers.grpo.compare_sidecars import (
     PHASE,
     backend_sidecar,
     filter_device,
     gate_latest,
-    latest_per_backend,
     runs_from_sidecars,
     write_sidecars,
 )
@@ -54,10 +70,12 @@ from nbhelpers.grpo.compile_report import compile_dynamic_flag
 from nbhelpers.stats import gpu_name
 
 __all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dynamic_flag",
-           "compile_frame", "filter_device", "flex_options", "gate_frame", "gate_latest",
-           "headline", "is_frame", "is_summary", "latest_per_backend",
-           "perf_goal", "result_line", "run_backends", "run_isolated", "runs_from_sidecars",
-           "source_word", "step_split_frame", "steps_long", "summary_frame", "write_sidecars"]
+           "compile_frame", "filter_device", "flex_options", "flex_vs_vllm", "gate_frame",
+           "gate_latest", "group_key", "group_runs", "headline", "headline_by_shape", "is_frame", "is_summary", "latest_per_backend",
+           "latest_per_group", "perf_goal", "result_by_shape", "result_line", "run_backends", "run_isolated",
+           "run_shape", "runs_frame", "runs_from_sidecars", "shape_label", "source_word",
+           "sources", "speed_frame", "step_split_frame", "steps_long", "summary_frame",
+           "vllm_ratio", "write_sidecars"]
 
 WARMUP_ADAPTER = "merge"
 """Phase 2 merges a format warm-up into the base (``train(warmup_adapter=...)``): every backend of

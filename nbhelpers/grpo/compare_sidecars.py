@@ -6,8 +6,9 @@ Contract: :func:`backend_sidecar` / :func:`write_sidecars` write schema-v1 sidec
 the partial records of :mod:`~nbhelpers.grpo.compare_records`, which they replace);
 :func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"``;
 :func:`filter_device` keeps one device's runs; :func:`gate_latest` gates the newest run of each
-backend (:func:`latest_per_backend`) against the reference on the same device and model.
-Reached through :mod:`nbhelpers.grpo.compare`, the notebooks' face.
+backend against the reference within one (device, model, shape) group
+(:func:`nbhelpers.grpo.compare_shapes.latest_per_group`). Reached through
+:mod:`nbhelpers.grpo.compare`, the notebooks' face.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo.compare_shapes import latest_per_group
 from nbhelpers.grpo.compare_tables import gate_word, headline, is_frame, is_summary, summary_frame
 
 PHASE = "phase2"
@@ -94,7 +96,11 @@ def _jsonable(obj: Any) -> Any:
 
 
 def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
-    """``(runs, gates)`` keyed ``"<backend>@<run_id>"`` from phase-2 per-backend sidecars."""
+    """``(runs, gates)`` keyed ``"<backend>@<run_id>"`` from phase-2 per-backend sidecars.
+
+    A run holds what :mod:`~nbhelpers.grpo.compare_shapes` reads its shape from (``config``,
+    ``request``, ``workload``, ``lora``) and where it came from: ``sidecar`` (the file name,
+    when :func:`nbhelpers.stats.read_sidecars` gave ``_path``) and ``utc`` (``env.utc``)."""
     runs, gates = {}, {}
     for side in sidecars:
         if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
@@ -104,7 +110,10 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
                      "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
                      "config": side.get("grpo_config"), "model": side.get("model"),
-                     "gpu": (side.get("env") or {}).get("gpu") or "cpu"}
+                     "request": side.get("grpo_request"), "workload": side.get("workload"),
+                     "lora": side.get("lora"), "gpu": (side.get("env") or {}).get("gpu") or "cpu",
+                     "sidecar": Path(side["_path"]).name if side.get("_path") else None,
+                     "utc": (side.get("env") or {}).get("utc")}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
@@ -144,25 +153,22 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
 
 
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
-    """Gate the newest run of each backend against the newest ``reference`` run on the same
-    device and model, across device calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from
-    :func:`runs_from_sidecars`.
+    """Gate the newest run of each backend against the newest ``reference`` run of the same
+    device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`), across device
+    calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from :func:`runs_from_sidecars`.
+    Runs of different shapes are never gated against each other.
 
     Thresholds (:func:`nbhelpers.grpo.gate.thresholds_for`): model kind ``random`` when the runs'
     model block says ``weights: random`` (else ``real``); filtered sampling read from the
     recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``, keyed
-    ``"backend (device, model)"`` when the runs span several devices or models.
+    ``"backend (device, model, shape)"`` when the runs span several groups.
     """
     from types import SimpleNamespace
 
     from nbhelpers.grpo.gate import check_runs, thresholds_for
-    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
-    for key, run in runs.items():
-        group = (run.get("gpu") or "cpu", (run.get("model") or {}).get("name") or "?")
-        groups.setdefault(group, {})[key] = run
+    groups = latest_per_group(runs)
     out = {}
-    for (gpu, model), members in sorted(groups.items()):
-        latest = latest_per_backend(members)
+    for (gpu, model, shape), latest in groups.items():
         ref = latest.get(reference) or next(iter(latest.values()), {})
         kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
         cfg = ref.get("config") or {}
@@ -171,15 +177,5 @@ def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: An
                                    top_p=cfg.get("top_p", 1.0) or 1.0, top_k=max(0, top_k))
         gates = check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
         for name, gate in gates.items():
-            out[name if len(groups) == 1 else f"{name} ({gpu}, {model})"] = gate
+            out[name if len(groups) == 1 else f"{name} ({gpu}, {model}, {shape})"] = gate
     return out
-
-
-def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{backend: run}`` keeping the newest ``backend@<UTC run id>`` of each backend."""
-    out: dict[str, tuple[str, dict[str, Any]]] = {}
-    for key, run in runs.items():
-        backend, _, run_id = key.partition("@")
-        if backend not in out or run_id > out[backend][0]:
-            out[backend] = (run_id, run)
-    return {b: run for b, (_, run) in out.items()}

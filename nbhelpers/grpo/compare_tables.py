@@ -127,15 +127,17 @@ def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str
 
 def perf_goal(summary) -> dict[str, Any]:
     """Issue 6's goal from a :func:`summary_frame`: flex median step <= vLLM's, at <= 1/5 of
-    vLLM's peak memory. Values ``None`` when either backend has no numbers."""
+    vLLM's peak memory. Values ``None`` when either backend has no numbers (missing, NaN, or a
+    failed run's row)."""
+    from nbhelpers.stats import finite_or_none
+    none = {"step_ratio": None, "memory_ratio": None, "met": None}
     if not {"flex", "vllm"} <= set(summary.index):
-        return {"step_ratio": None, "memory_ratio": None, "met": None}
-    f, v = summary.loc["flex"], summary.loc["vllm"]
-    try:
-        step = f["step_time_s_median"] / v["step_time_s_median"]
-        mem = f["peak_mem_device_gib"] / v["peak_mem_device_gib"]
-    except TypeError:
-        return {"step_ratio": None, "memory_ratio": None, "met": None}
+        return none
+    cols = ("step_time_s_median", "peak_mem_device_gib")
+    f, v = ([finite_or_none(summary.loc[b, c]) for c in cols] for b in ("flex", "vllm"))
+    if None in f or None in v or 0.0 in v:
+        return none
+    step, mem = f[0] / v[0], f[1] / v[1]
     return {"step_ratio": step, "memory_ratio": mem, "met": bool(step <= 1.0 and mem <= 0.2)}
 
 

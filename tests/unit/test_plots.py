@@ -43,3 +43,21 @@ def test_missing_column_names_the_fix():
     steps = plots.steps_frame(RECORDS, "flex").drop(columns=["wall_s"])
     with pytest.raises(ValueError, match=r"lacks columns \['wall_s'\].*steps_frame"):
         plots.step_time(steps)
+
+
+def test_shape_figures_draw_each_backend_in_its_colour_and_carry_their_caption():
+    import pandas as pd
+    split = pd.DataFrame({"step_time_s_median": [1.4, 1.7], "time/optimizer_s": [0.01, None]},
+                         index=["flex", "vllm"])
+    fig = plots.caption(plots.grouped_bars(split, list(split.columns), "s", "split"),
+                        "From: flex: a__flex.json (2026-12-03 14:38 UTC)")
+    bars = fig.axes[0].patches
+    assert [b.get_height() for b in bars[:2]] == [1.4, 0.01]  # flex's two bars first
+    assert bars[0].get_facecolor()[:3] == pytest.approx(
+        tuple(int(plots.BACKEND_COLORS["flex"][i:i + 2], 16) / 255 for i in (1, 3, 5)))
+    assert "a__flex.json" in fig._supxlabel.get_text()
+    panel = plots.metrics_by_step(plots.steps_frame(RECORDS, "vllm"),
+                                  [("wall_s", "s"), ("generate_s", "s")], "title")
+    assert len(panel.axes) == 2 and panel.axes[1].texts[0].get_text() == "generate_s not logged"
+    with pytest.raises(ValueError, match="grouped_bars: frame lacks"):
+        plots.grouped_bars(split, ["generate_s"], "s", "t")

@@ -1,0 +1,161 @@
+"""29_compare groups phase-2 runs by (device, model, shape): two GRPO shapes of one model are
+separate groups, the cross-run gate and "latest per backend" never pair runs of different
+shapes, older sidecars without the recorded request still load, and the speed table's ratio
+comes from the vLLM row of the same group."""
+
+import itertools
+import math
+
+import pandas as pd
+import pytest
+
+from nbhelpers.config import GRPOSettings
+from nbhelpers.grpo import compare as grpo_compare
+from nbhelpers.stats import read_sidecars
+
+REF = (4, 4, 1, 256)  # num_generations, per_device_train_batch_size, accumulation, new tokens
+REALISTIC = (8, 16, 4, 512)
+MODEL = {"name": "qwen3-4b", "weights": "random"}
+
+
+def _rows(step_s, kl):
+    return [{"step": i, "loss": 0.01, "grad_norm": 0.3, "reward": -7.5, "kl": kl * i,
+             "wall_s": step_s, "generate_s": step_s / 2, "peak_mem_device_gib": 10.0,
+             "time/generate_and_score_s": step_s * 0.6, "time/loss_fwd_bwd_s": step_s * 0.3,
+             "time/optimizer_s": 0.01} for i in range(1, 5)]
+
+
+def _run(step_s=2.0, shape=REF, kl=0.001, gpu="NVIDIA H200", model=MODEL, error=None):
+    g, b, accum, tokens = shape
+    config = {"num_generations": g, "per_device_train_batch_size": b,
+              "gradient_accumulation_steps": accum, "max_completion_length": tokens,
+              "generation_batch_size": b * accum, "beta": 0.04, "learning_rate": 5e-6,
+              "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.1}
+    return {"rows": [] if error else _rows(step_s, kl), "wall_s": 4 * step_s, "error": error,
+            "summary": None if error else {"skip_first": 0, "step_time_s_median": step_s,
+                                           "peak_mem_device_gib": 10.0 * step_s},
+            "config": None if error else config, "gpu": gpu, "model": model,
+            # a run that failed before TRL built its config still records what was asked
+            "request": {"settings": {k: config[k] for k in list(config)[:4]}},
+            "completions": []}
+
+
+def _settings(shape):
+    g, b, accum, tokens = shape
+    return GRPOSettings(num_generations=g, per_device_train_batch_size=b,
+                        gradient_accumulation_steps=accum, max_completion_length=tokens)
+
+
+@pytest.fixture
+def distinct_stamps(monkeypatch):
+    """write_sidecars names runs by the UTC second; give every call its own."""
+    stamps = (f"20261203T14{m:02d}00Z" for m in itertools.count())
+    monkeypatch.setattr("nbhelpers.stats.utc_stamp", lambda: next(stamps))
+
+
+def test_two_shapes_of_one_model_are_separate_groups(tmp_path, distinct_stamps):
+    for folder, shape, backends in [("a", REF, ["hf_generate", "flex"]),
+                                    ("b", REALISTIC, ["vllm", "flex"])]:
+        runs = {b: _run(shape=shape) for b in backends}
+        grpo_compare.write_sidecars(runs, {}, _settings(shape), MODEL,
+                                    tmp_path / folder / "r.json")
+    runs, _ = grpo_compare.runs_from_sidecars(read_sidecars(tmp_path, phase="phase2"))
+    groups = grpo_compare.latest_per_group(runs)  # this host wrote them: device "cpu"
+    assert list(groups) == [("cpu", "qwen3-4b", "g4 b4x1 256tok"),
+                            ("cpu", "qwen3-4b", "g8 b16x4 512tok")]
+    assert list(groups[("cpu", "qwen3-4b", "g4 b4x1 256tok")]) == ["flex", "hf_generate"]
+    assert list(groups[("cpu", "qwen3-4b", "g8 b16x4 512tok")]) == ["flex", "vllm"]
+    with pytest.raises(ValueError, match="span 2 .device, model, shape. groups"):
+        grpo_compare.latest_per_backend(runs)  # newest flex would be the other shape's
+    frame = grpo_compare.runs_frame(runs)
+    assert frame["sidecar"].str.endswith(".json").all() and frame["utc"].notna().all()
+
+
+def test_a_gate_never_pairs_runs_of_different_shapes():
+    runs = {"hf_generate@20261203T1400Z": _run(shape=REF),
+            "vllm@20261203T1401Z": _run(shape=REF),
+            "flex@20261203T1402Z": _run(shape=REF),
+            # newer, other shape, far from the reference's KL: must not stand in for vllm@1401
+            "vllm@20261203T1403Z": _run(shape=REALISTIC, kl=0.01)}
+    cross = grpo_compare.gate_latest(runs, "hf_generate")
+    ref = "(NVIDIA H200, qwen3-4b, g4 b4x1 256tok)"
+    real = "(NVIDIA H200, qwen3-4b, g8 b16x4 512tok)"
+    assert set(cross) == {f"hf_generate {ref}", f"vllm {ref}", f"flex {ref}", f"vllm {real}"}
+    assert cross[f"vllm {ref}"].status("kl_vs_reference") == "pass"  # the reference-shape vLLM
+    # the realistic run has no hf_generate of its shape: no reference checks, not a false fail
+    assert cross[f"vllm {real}"].status("kl_vs_reference") == "skip"
+    assert "is not in this run" in next(c.detail for c in cross[f"vllm {real}"].checks
+                                        if c.name == "kl_vs_reference")
+
+
+def _old_sidecar(**over):
+    """A phase-2 backend sidecar as written on 2026-11-30: no grpo_request, no format warm-up."""
+    side = {"schema": 1, "run_id": "20261130T105017Z_vllm", "phase": "phase2", "backend": "vllm",
+            "model": MODEL, "lora": {"rank": 32, "alpha": 64},
+            "workload": {"n_prompts": 1, "max_new_tokens": 256, "ignore_eos": False,
+                         "sampling": {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                      "min_p": 0.1}},
+            "env": {"gpu": "NVIDIA H200", "utc": "2026-11-30T10:50:17+00:00"}, "error": None,
+            "grpo_steps": _rows(1.7, 0.001), "grpo_summary": {"step_time_s_median": 1.7},
+            "grpo_config": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+                            "num_generations": 4, "max_completion_length": 256, "beta": 0.04,
+                            "learning_rate": 5e-6, "top_k": 0, "min_p": 0.1}}
+    return side | over
+
+
+def test_an_old_sidecar_without_the_new_fields_loads():
+    failed = _old_sidecar(run_id="20261130T110640Z_flex", backend="flex", grpo_config=None,
+                          grpo_steps=[], error="RuntimeError: x")
+    bare = _old_sidecar(run_id="20261130T000000Z_flex", backend="flex", grpo_config=None,
+                        workload=None, grpo_steps=[])
+    runs, _ = grpo_compare.runs_from_sidecars([_old_sidecar(), failed, bare])
+    assert runs["vllm@20261130T105017Z"]["sidecar"] is None  # no _path: not read from a file
+    shape = grpo_compare.run_shape(runs["vllm@20261130T105017Z"])
+    # never recorded then: the value every config had (documented in compare_shapes.FALLBACK)
+    assert (shape["max_prompt_length"], shape["dataset"], shape["gradient_checkpointing"],
+            shape["format_warmup_steps"]) == (256, "gsm8k", False, 0)
+    labels = {k: grpo_compare.group_key(r)[2] for k, r in runs.items()}
+    # a run that failed before TRL's config existed: the workload block still names its shape
+    assert labels == {"vllm@20261130T105017Z": "g4 b4x1 256tok",
+                      "flex@20261130T110640Z": "g4 b4x1 256tok",
+                      "flex@20261130T000000Z": "g? b?x1 ?tok"}  # nothing recorded: unknown
+
+
+def test_recorded_differences_from_the_reference_are_named():
+    run = _run() | {"request": {"settings": {"max_prompt_length": 512,
+                                             "gradient_checkpointing": True},
+                                "dataset": "dapo_math", "format_warmup_steps": 60}}
+    assert grpo_compare.group_key(run)[2] == "g4 b4x1 256tok prompt512 dapo_math warmup60 gc"
+
+
+def test_the_ratio_column_comes_from_the_same_groups_vllm_row():
+    small = {"name": "smollm2-135m-instruct", "weights": "real"}
+    runs = {"flex@1": _run(1.0, REF), "vllm@2": _run(2.0, REF),
+            "flex@3": _run(6.0, REALISTIC), "vllm@4": _run(8.0, REALISTIC),
+            "flex@5": _run(0.5, REF, model=small),
+            "flex@6": _run(0.4, REF, gpu="cpu"),
+            "vllm@7": _run(error="RuntimeError: x", gpu="cpu")}
+    speed = grpo_compare.speed_frame(runs).set_index(["device", "model", "shape", "backend"])
+    ratio = speed["step_vs_vllm"]
+    assert ratio[("NVIDIA H200", "qwen3-4b", "g4 b4x1 256tok", "flex")] == pytest.approx(0.5)
+    assert ratio[("NVIDIA H200", "qwen3-4b", "g8 b16x4 512tok", "flex")] == pytest.approx(0.75)
+    assert ratio[("NVIDIA H200", "qwen3-4b", "g8 b16x4 512tok", "vllm")] == 1.0
+    assert math.isnan(ratio[("NVIDIA H200", "smollm2-135m-instruct", "g4 b4x1 256tok", "flex")])
+    row = speed.loc[("NVIDIA H200", "qwen3-4b", "g8 b16x4 512tok", "flex")]
+    assert row["step_time_s_median"] == 6.0 and row["generate_s"] == 3.0
+    assert row["time/loss_fwd_bwd_s"] == pytest.approx(1.8) and row["peak_mem_device_gib"] == 60.0
+    groups = grpo_compare.latest_per_group(runs)
+    assert grpo_compare.vllm_ratio(groups[("NVIDIA H200", "smollm2-135m-instruct",
+                                           "g4 b4x1 256tok")]) == {"flex": None}  # no vLLM row
+    # a failed vLLM run of the same shape gives no step time: no ratio, not a ratio of NaN
+    assert grpo_compare.vllm_ratio(groups[("cpu", "qwen3-4b", "g4 b4x1 256tok")]) == {
+        "flex": None, "vllm": None}
+    assert "flex/vLLM median step 0.750 (flex 6.000 s, vllm 8.000 s)" in \
+        grpo_compare.result_by_shape(groups)
+
+
+def test_perf_goal_is_none_when_vllms_row_has_no_numbers():
+    summary = pd.DataFrame({"step_time_s_median": [1.0, math.nan],
+                            "peak_mem_device_gib": [2.0, math.nan]}, index=["flex", "vllm"])
+    assert grpo_compare.perf_goal(summary) == {"step_ratio": None, "memory_ratio": None,
+                                               "met": None}

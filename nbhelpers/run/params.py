@@ -123,6 +123,9 @@ def check_value(name: str, annotation: str | None, value: Any, source: str) -> N
     hint = (f" Write a list in brackets: -p {name} '[{value}]'."
             if "list" in names and isinstance(value, (str, int, float)) and
             not isinstance(value, bool) else "")
+    if "str" in names and isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+        hint = (f" YAML reads on/off/yes/no/true/false as booleans: quote the word, e.g. -p {name} "
+                f"\"'{'on' if value else 'off'}'\".")
     raise UserInputError(f"{source}: parameter {name!r} expects {annotation}, got {value!r} "
                          f"({type(value).__name__}).{hint}")
 

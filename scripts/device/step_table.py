@@ -465,6 +465,18 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s13s": (["notebooks"], ["tok", "gsm8k"], []),
     "s13v": ([], ["vllm3"], [
         (P2, {"backends": "[vllm]"}, 150, 240, 0)]),
+    # issue 13 part 4 (never run to its first step on the H200: session 3's cap was too short),
+    # one call each after m2a / m2n: the trainer's forward compiled, flex at the reference shape
+    # with torch's dynamic default and with the reference's compile_dynamic on (what it changes in
+    # recompiles); max-autotune-no-cudagraphs alone; hf_generate compiled.
+    "c13a": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "default"}, 240, 330, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "default", "compile_dynamic": "'on'"}, 200,
+         260, 0)]),
+    "c13m": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs"}, 420, 570, 0)]),
+    "c13h": ([], ["gsm8k"], [
+        (P2, {"backends": "[hf_generate]", "compile_mode": "default"}, 420, 570, 0)]),
     "s13r": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [

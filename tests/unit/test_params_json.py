@@ -38,3 +38,18 @@ def test_unreadable_notebook_names_the_fix(tmp_path, content):
     with pytest.raises(UserInputError, match=r"bad\.ipynb: not a readable Jupyter notebook .*"
                        r"give one of the notebooks/<phase>/\*\.ipynb files"):
         notebook_parameters(bad)
+
+
+def test_a_yaml_boolean_for_a_word_parameter_says_to_quote_it():
+    """`-p compile_dynamic on` reaches the check as True (YAML 1.1); the error names the quoting
+    (found planning step c13a, 2026-12-03), and a list hint is not given for it."""
+    from nbhelpers.run.params import check_value
+    with pytest.raises(UserInputError, match=r"expects str, got True \(bool\)\. YAML reads "
+                       r"on/off.*quote the word, e\.g\. -p compile_dynamic \"'on'\""):
+        check_value("compile_dynamic", "str", True, "-p compile_dynamic")
+    with pytest.raises(UserInputError, match=r"-p flag \"'off'\""):
+        check_value("flag", "str", False, "-p flag")
+    check_value("compile_dynamic", "str", "on", "-p compile_dynamic")  # quoted: accepted
+    with pytest.raises(UserInputError) as err:
+        check_value("backends", "list[str]", True, "-p backends")
+    assert "quote the word" not in str(err.value)  # no str in the annotation: no quoting hint

@@ -448,6 +448,15 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
               "format_warmup_steps": "60", "n_questions": "60",
               "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
                             "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0)]),
+    # next window (runbook section 17, item 3): after rv1-rv3, restore the site and run the
+    # real-weights vLLM row (with the format warm-up, now allowed for vllm) and vLLM at the
+    # reference shape, same call
+    "n20v": ([], ["vllm3"], [
+        (P2, {"model": "smollm2-135m-instruct", "backends": "[vllm, flex]", "max_steps": "30",
+              "format_warmup_steps": "60", "n_questions": "60",
+              "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
+                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0),
+        (P2, {"backends": "[vllm]"}, 150, 240, 0)]),
     "rh1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
     # session 13, after the rv chain (vLLM realistic): the prefill-graph GPU tests and A/B (n19)

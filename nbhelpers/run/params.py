@@ -123,6 +123,9 @@ def check_value(name: str, annotation: str | None, value: Any, source: str) -> N
     hint = (f" Write a list in brackets: -p {name} '[{value}]'."
             if "list" in names and isinstance(value, (str, int, float)) and
             not isinstance(value, bool) else "")
+    if "str" in names and value is None:  # `-p device ''`: an empty YAML value is null
+        hint = (f" An empty value reads as null in YAML: for an empty string pass -p {name} "
+                "'\"\"'.")
     if "str" in names and isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
         hint = (f" YAML reads on/off/yes/no/true/false as booleans: quote the word, e.g. -p {name} "
                 f"\"'{'on' if value else 'off'}'\".")

@@ -114,8 +114,14 @@ def dry_run(step: str) -> int:
             continue
         profile, over = job_profile(over)
         params = {k: AB_EXAMPLE if v == "@ab" else yaml.safe_load(v) for k, v in over.items()}
-        plan_parameters([REPO / nb], profile, params, REPO)
-        print(f"  lane {lane} job {nb} {over} est {est} s cap {cap} s: parameters ok")
+        try:
+            plan_parameters([REPO / nb], profile, params, REPO)
+        except ValueError as err:  # UserInputError: one line naming the step and the job
+            bad += 1
+            print(f"  lane {lane} job {nb} --profile {profile} {over}: BAD: {err}")
+            continue
+        print(f"  lane {lane} job {nb} --profile {profile} {over} est {est} s cap {cap} s: "
+              "parameters ok")
     return 1 if bad else 0
 
 
@@ -398,19 +404,45 @@ def pack(step: str, t0: float, out: Path) -> Path:
     return tgz
 
 
+BUDGET_RANGE = (1.0, 600.0)
+"""``--budget`` bounds in seconds: the device tool runs one command for at most 600 s."""
+
+
+def _budget(text: str) -> float:
+    """``--budget``'s value: a finite number of seconds within :data:`BUDGET_RANGE`.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite (``nan`` would turn off every cap),
+            or outside the range (a negative budget skipped every job and still exited 0).
+    """
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    lo, hi = BUDGET_RANGE
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(
+            f"{text}: give seconds from {lo:g} to {hi:g} (the device runs a command for at most "
+            f"{hi:g} s; the runbook uses min(575, budget_left_s - 45))")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("step", help=f"{sorted(STEPS)}, or 'all' with --dry-run")
     ap.add_argument("--dry-run", action="store_true", help="CPU check only (see module doc)")
     ap.add_argument("--sha", default=os.environ.get("NBHELPERS_GIT_SHA", ""),
                     help="git sha of the local checkout (the device copy has no .git)")
-    ap.add_argument("--budget", type=float, default=580.0, help="seconds for this whole call")
+    ap.add_argument("--budget", type=_budget, default=580.0,
+                    help=f"seconds for this whole call, {BUDGET_RANGE[0]:g} to {BUDGET_RANGE[1]:g}")
     a = ap.parse_args()
+    if a.step not in STEPS and not (a.dry_run and a.step == "all"):
+        raise SystemExit(f"unknown step {a.step!r}: choose one of {sorted(STEPS)}"
+                         + (" (or 'all' with --dry-run)" if a.step == "all" or a.dry_run else ""))
     if a.dry_run:
         steps = sorted(STEPS) if a.step == "all" else [a.step]
         return max(dry_run(s) for s in steps)
-    if a.step not in STEPS:
-        raise SystemExit(f"unknown step {a.step!r}: choose one of {sorted(STEPS)}")
     if STEPS[a.step][2] and not a.sha:
         raise SystemExit("pass --sha $(git rev-parse --short HEAD) (taken on the local checkout)")
     os.environ["NBHELPERS_GIT_SHA"] = a.sha

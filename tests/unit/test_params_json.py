@@ -53,3 +53,14 @@ def test_a_yaml_boolean_for_a_word_parameter_says_to_quote_it():
     with pytest.raises(UserInputError) as err:
         check_value("backends", "list[str]", True, "-p backends")
     assert "quote the word" not in str(err.value)  # no str in the annotation: no quoting hint
+
+
+def test_an_empty_value_for_a_word_parameter_names_the_empty_string():
+    """`-p device ''` reaches the check as None (an empty YAML document); the error says how to
+    pass an empty string (a fresh user's probe of 29_compare, 2026-12-03)."""
+    from nbhelpers.run.params import check_value
+    with pytest.raises(UserInputError, match=r"got None \(NoneType\)\. An empty value reads as "
+                       r"null in YAML: for an empty string pass -p device '\"\"'"):
+        check_value("device", "str", None, "-p device")
+    check_value("device", "str", "", "-p device")  # the quoted form is accepted
+    check_value("device", "str | None", None, "-p device")  # nullable: no error

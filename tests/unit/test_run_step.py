@@ -184,3 +184,43 @@ def test_pack_takes_the_files_under_out_beside_executed(run_step, tmp_path, monk
         assert tar.extractfile("OUT/bench_ab/side_7.json").read() == b"7"
     assert names == ({"executed/phase3_flex/run.json", "OUT/n12.log"}
                      | {f"OUT/bench_ab/side_{i}.json" for i in range(12)})
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(REAL_REPO / "scripts/device/run_step.py"), *args],
+                          capture_output=True, text=True, cwd=REAL_REPO, timeout=EVENT_CAP_S,
+                          check=False)
+
+
+@pytest.mark.parametrize("budget", ["-5", "0", "nan", "inf", "5000", "abc"])
+def test_a_budget_outside_one_to_600_seconds_is_refused_before_anything_runs(budget, tmp_path):
+    """A negative budget skipped every job and exited 0; nan turned off every cap (a fresh
+    user's probe, 2026-12-03). Refused by argparse, exit 2, nothing staged or written."""
+    res = subprocess.run([sys.executable, str(REAL_REPO / "scripts/device/run_step.py"), "s13f",
+                          "--sha", "abc1234", f"--budget={budget}"], capture_output=True,
+                         text=True, cwd=REAL_REPO, timeout=EVENT_CAP_S, check=False,
+                         env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert res.returncode == 2 and "argument --budget" in res.stderr, res.stderr
+    assert "seconds" in res.stderr.splitlines()[-1] and not (tmp_path / "out").exists()
+
+
+def test_an_unknown_step_is_one_line_also_in_a_dry_run():
+    """`--dry-run` with a misspelt step gave a KeyError traceback; now the same line as a real
+    call, naming the steps (and 'all' for a dry run)."""
+    for args in (["nosuchstep", "--dry-run"], ["nosuchstep"], ["all"]):
+        res = _cli(*args)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.startswith(f"unknown step {args[0]!r}: choose one of ['a1', ")
+    assert "(or 'all' with --dry-run)" in _cli("all").stderr
+
+
+def test_a_bad_override_in_a_dry_run_names_the_step_and_job(run_step, monkeypatch, capsys):
+    """A step whose -p value the runner refuses: the dry run prints BAD with the job and the
+    reason and returns 1 (it raised a UserInputError traceback naming neither)."""
+    bad = ([], [], [(run_step.STEPS["s13r"][2][0][0], {"backends": "[flex]",
+                                                        "max_steps": "'ten'"}, 10, 20, 0)])
+    monkeypatch.setitem(run_step.STEPS, "badstep", bad)
+    assert run_step.dry_run("badstep") == 1
+    out = capsys.readouterr().out
+    assert "job notebooks/phase2_grpo/20_grpo_equivalence.ipynb --profile h200" in out
+    assert "BAD: " in out and "max_steps" in out

@@ -233,14 +233,12 @@ in a group is gated and timed against the others of that group only."""
 CMP_IMPORTS = """%load_ext autoreload
 %autoreload 2
 %matplotlib inline
-from pathlib import Path
-
 import pandas as pd
 from IPython.display import Markdown, display
 
 from nbhelpers import plots
 from nbhelpers.grpo import compare as grpo_compare
-from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar"""
+from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
@@ -248,12 +246,8 @@ reference_backend: str = "hf_generate"  # the cross-run gate compares KL and rew
 device: str = ""  # keep runs whose device name contains this (e.g. "h200", "cpu"); empty: all
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
-CMP_LOAD = """root = Path(sidecar_dir)
-if not root.is_absolute() and not root.exists():
-    root = Path.cwd().parents[1] / sidecar_dir  # papermill runs in the notebook's folder
-sidecars = read_sidecars(root, phase=grpo_compare.PHASE)
-runs, gates = grpo_compare.runs_from_sidecars(sidecars)
-runs, gates = grpo_compare.filter_device(runs, gates, device)  # "h200" matches "NVIDIA H200"
+CMP_LOAD = """# ValueError naming the fix: no phase-2 run under sidecar_dir, or device matches none
+root, sidecars, runs, gates = grpo_compare.load_runs(sidecar_dir, device)  # "h200": "NVIDIA H200"
 groups = grpo_compare.latest_per_group(runs)  # {(device, model, shape): {backend: newest run}}
 print(f"{len(sidecars)} phase-2 sidecars under {root}, {len(runs)} backend runs"
       f"{f' on {device}' if device else ''}, {len(groups)} (device, model, shape) groups")

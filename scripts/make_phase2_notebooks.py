@@ -128,7 +128,7 @@ for column, label, title in panels:
     if column in steps and steps[column].notna().any():
         display(plots.metric_by_step(steps, column, label, title))
     else:
-        print(f"{title}: not logged by any backend (kl needs beta > 0)")"""
+        print(f"{title}: not plotted: {grpo_compare.not_logged_reason(runs, column, beta)}")"""
 
 EQ_DETAILS = """details = pd.DataFrame({name: {
     "notes": "; ".join((run["config"] or {}).get("notes") or []),
@@ -228,7 +228,8 @@ Runs are compared only within one (device, model, shape) group: the shape is the
 run's sidecar records (`g4 b4x1 256tok`: num_generations 4, per_device_train_batch_size 4 x
 gradient_accumulation_steps 1, 256 new tokens; fields that differ from the reference setup, such
 as a format warm-up, are appended; `nbhelpers.grpo.compare_shapes`). The newest run of each backend
-in a group is gated and timed against the others of that group only."""
+in a group that did not fail (else its newest failed run, shown as failed) is gated and timed
+against the others of that group only."""
 
 CMP_IMPORTS = """%load_ext autoreload
 %autoreload 2
@@ -259,10 +260,9 @@ for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], so
                      f"{grpo_compare.sources(groups[(gpu, model, shape)])}"))
     display(table.set_index("backend").drop(columns=["device", "model", "shape", "sidecar",
                                                      "utc"]).round(3))
-for (gpu, model, shape), ratio in grpo_compare.flex_vs_vllm(groups).items():
+for (gpu, model, shape), latest in groups.items():
     print(f"{gpu}, {model}, {shape}: flex median step / vLLM's = "
-          + ("n/a (no flex or no vLLM step time in this group)" if ratio is None
-             else f"{ratio:.3f}"))"""
+          f"{grpo_compare.ratio_text(latest)}")"""
 
 CMP_SPLIT = """split_columns = ["step_time_s_median", "generate_s", "time/generate_and_score_s",
                  "time/loss_fwd_bwd_s", "time/optimizer_s"]
@@ -314,11 +314,14 @@ def compare() -> nbformat.NotebookNode:
         (("## Runs found\nOne row per backend run (`backend@run_id`), with its (device, model, "
           "shape) group and the sidecar it was read from."), CMP_LOAD),
         (("## Speed per shape\nOne table per (device, model, shape) group, the newest run of "
-          "each backend: median step (s), generation (`generate_s`), the step split "
+          "each backend that did not fail: median step (s), generation (`generate_s`), the "
+          "step split "
           "(`time/*`: generate-and-score, loss forward+backward, optimizer; flex also its "
           "prefill and ms per decode step), peak device GiB, the IS columns, and "
           "`step_vs_vllm`: the backend's median step over vLLM's in the same group (NaN when "
-          "the group has no vLLM step time). The issue's goal is flex <= 0.8x vLLM at the "
+          "the group has no vLLM step time); `status` / `error`: a backend whose runs all "
+          "failed keeps its newest failed run, marked `failed` with its error's first line, "
+          "and the ratio line says which run failed. The issue's goal is flex <= 0.8x vLLM at the "
           "reference shape and <= 0.7x at the realistic preset; the ratio is printed as "
           "measured."), CMP_SPEED),
         (("## Step split per shape\nMedian seconds per step and per part, one bar per "

@@ -144,7 +144,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
 
     A run holds what :mod:`~nbhelpers.grpo.compare_shapes` reads its shape from (``config``,
     ``request``, ``workload``, ``lora``) and where it came from: ``sidecar`` (the file name,
-    when :func:`nbhelpers.stats.read_sidecars` gave ``_path``) and ``utc`` (``env.utc``)."""
+    when :func:`nbhelpers.stats.read_sidecars` gave ``_path``), ``utc`` (``env.utc``) and
+    ``run_id`` (the notebook run's UTC stamp, as in the key)."""
     runs, gates = {}, {}
     for side in sidecars:
         if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
@@ -157,7 +158,7 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
                      "request": side.get("grpo_request"), "workload": side.get("workload"),
                      "lora": side.get("lora"), "gpu": (side.get("env") or {}).get("gpu") or "cpu",
                      "sidecar": Path(side["_path"]).name if side.get("_path") else None,
-                     "utc": (side.get("env") or {}).get("utc")}
+                     "utc": (side.get("env") or {}).get("utc"), "run_id": run_id}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
@@ -198,7 +199,8 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
 
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
     """Gate the newest run of each backend against the newest ``reference`` run of the same
-    device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`), across device
+    device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`; the newest run
+    that did not fail, else the newest failed one: :func:`latest_per_group`), across device
     calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from :func:`runs_from_sidecars`.
     Runs of different shapes are never gated against each other.
 

@@ -128,7 +128,7 @@ for column, label, title in panels:
     if column in steps and steps[column].notna().any():
         display(plots.metric_by_step(steps, column, label, title))
     else:
-        print(f"{title}: not logged by any backend (kl needs beta > 0)")"""
+        print(f"{title}: not plotted: {grpo_compare.not_logged_reason(runs, column, beta)}")"""
 
 EQ_DETAILS = """details = pd.DataFrame({name: {
     "notes": "; ".join((run["config"] or {}).get("notes") or []),
@@ -228,19 +228,18 @@ Runs are compared only within one (device, model, shape) group: the shape is the
 run's sidecar records (`g4 b4x1 256tok`: num_generations 4, per_device_train_batch_size 4 x
 gradient_accumulation_steps 1, 256 new tokens; fields that differ from the reference setup, such
 as a format warm-up, are appended; `nbhelpers.grpo.compare_shapes`). The newest run of each backend
-in a group is gated and timed against the others of that group only."""
+in a group that did not fail (else its newest failed run, shown as failed) is gated and timed
+against the others of that group only."""
 
 CMP_IMPORTS = """%load_ext autoreload
 %autoreload 2
 %matplotlib inline
-from pathlib import Path
-
 import pandas as pd
 from IPython.display import Markdown, display
 
 from nbhelpers import plots
 from nbhelpers.grpo import compare as grpo_compare
-from nbhelpers.stats import make_sidecar, read_sidecars, write_sidecar"""
+from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
@@ -248,12 +247,8 @@ reference_backend: str = "hf_generate"  # the cross-run gate compares KL and rew
 device: str = ""  # keep runs whose device name contains this (e.g. "h200", "cpu"); empty: all
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
-CMP_LOAD = """root = Path(sidecar_dir)
-if not root.is_absolute() and not root.exists():
-    root = Path.cwd().parents[1] / sidecar_dir  # papermill runs in the notebook's folder
-sidecars = read_sidecars(root, phase=grpo_compare.PHASE)
-runs, gates = grpo_compare.runs_from_sidecars(sidecars)
-runs, gates = grpo_compare.filter_device(runs, gates, device)  # "h200" matches "NVIDIA H200"
+CMP_LOAD = """# ValueError naming the fix: no phase-2 run under sidecar_dir, or device matches none
+root, sidecars, runs, gates = grpo_compare.load_runs(sidecar_dir, device)  # "h200": "NVIDIA H200"
 groups = grpo_compare.latest_per_group(runs)  # {(device, model, shape): {backend: newest run}}
 print(f"{len(sidecars)} phase-2 sidecars under {root}, {len(runs)} backend runs"
       f"{f' on {device}' if device else ''}, {len(groups)} (device, model, shape) groups")
@@ -265,10 +260,9 @@ for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], so
                      f"{grpo_compare.sources(groups[(gpu, model, shape)])}"))
     display(table.set_index("backend").drop(columns=["device", "model", "shape", "sidecar",
                                                      "utc"]).round(3))
-for (gpu, model, shape), ratio in grpo_compare.flex_vs_vllm(groups).items():
+for (gpu, model, shape), latest in groups.items():
     print(f"{gpu}, {model}, {shape}: flex median step / vLLM's = "
-          + ("n/a (no flex or no vLLM step time in this group)" if ratio is None
-             else f"{ratio:.3f}"))"""
+          f"{grpo_compare.ratio_text(latest)}")"""
 
 CMP_SPLIT = """split_columns = ["step_time_s_median", "generate_s", "time/generate_and_score_s",
                  "time/loss_fwd_bwd_s", "time/optimizer_s"]
@@ -320,11 +314,14 @@ def compare() -> nbformat.NotebookNode:
         (("## Runs found\nOne row per backend run (`backend@run_id`), with its (device, model, "
           "shape) group and the sidecar it was read from."), CMP_LOAD),
         (("## Speed per shape\nOne table per (device, model, shape) group, the newest run of "
-          "each backend: median step (s), generation (`generate_s`), the step split "
+          "each backend that did not fail: median step (s), generation (`generate_s`), the "
+          "step split "
           "(`time/*`: generate-and-score, loss forward+backward, optimizer; flex also its "
           "prefill and ms per decode step), peak device GiB, the IS columns, and "
           "`step_vs_vllm`: the backend's median step over vLLM's in the same group (NaN when "
-          "the group has no vLLM step time). The issue's goal is flex <= 0.8x vLLM at the "
+          "the group has no vLLM step time); `status` / `error`: a backend whose runs all "
+          "failed keeps its newest failed run, marked `failed` with its error's first line, "
+          "and the ratio line says which run failed. The issue's goal is flex <= 0.8x vLLM at the "
           "reference shape and <= 0.7x at the realistic preset; the ratio is printed as "
           "measured."), CMP_SPEED),
         (("## Step split per shape\nMedian seconds per step and per part, one bar per "

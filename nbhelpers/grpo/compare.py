@@ -37,6 +37,7 @@ from nbhelpers.grpo.compare_shapes import (
     headline_by_shape,
     latest_per_backend,
     latest_per_group,
+    ratio_text,
     result_by_shape,
     run_shape,
     runs_frame,
@@ -50,6 +51,7 @@ from nbhelpers.grpo.compare_sidecars import (
     backend_sidecar,
     filter_device,
     gate_latest,
+    load_runs,
     runs_from_sidecars,
     write_sidecars,
 )
@@ -59,6 +61,7 @@ from nbhelpers.grpo.compare_tables import (
     headline,
     is_frame,
     is_summary,
+    not_logged_reason,
     perf_goal,
     result_line,
     source_word,
@@ -72,7 +75,8 @@ from nbhelpers.stats import gpu_name
 __all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dynamic_flag",
            "compile_frame", "filter_device", "flex_options", "flex_vs_vllm", "gate_frame",
            "gate_latest", "group_key", "group_runs", "headline", "headline_by_shape", "is_frame", "is_summary", "latest_per_backend",
-           "latest_per_group", "perf_goal", "result_by_shape", "result_line", "run_backends", "run_isolated",
+           "latest_per_group", "load_runs", "not_logged_reason", "perf_goal", "ratio_text",
+           "result_by_shape", "result_line", "run_backends", "run_isolated",
            "run_shape", "runs_frame", "runs_from_sidecars", "shape_label", "source_word",
            "sources", "speed_frame", "step_split_frame", "steps_long", "summary_frame",
            "vllm_ratio", "write_sidecars"]

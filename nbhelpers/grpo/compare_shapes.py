@@ -11,7 +11,8 @@ from :func:`nbhelpers.grpo.compare_sidecars.runs_from_sidecars` or
 num_generations, per_device_train_batch_size x gradient_accumulation_steps,
 max_completion_length; then only the fields that differ from :data:`REFERENCE`, e.g.
 ``warmup60``); :func:`latest_per_backend` (one group) / :func:`latest_per_group`;
-:func:`vllm_ratio` and :func:`speed_frame` (the per-shape speed table); :func:`sources` (a
+:func:`vllm_ratio`, :func:`ratio_text` (the ratio, or why there is none) and
+:func:`speed_frame` (the per-shape speed table, failed runs marked); :func:`sources` (a
 group's sidecar files and dates, for captions); :func:`runs_frame` (one row per run with its
 group); :func:`flex_vs_vllm`, :func:`result_by_shape`, :func:`headline_by_shape` (the ratio per
 group, stated, not judged). pandas is imported inside.
@@ -137,17 +138,21 @@ def group_runs(runs: dict[str, dict[str, Any]]) -> dict[tuple[str, str, str], di
 
 
 def _newest(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    """Per backend the newest run that did not fail (no ``error``), else the newest failed one
+    (it then shows as failed): a newer failed run never hides an older good one."""
+    out: dict[str, tuple[bool, str, dict[str, Any]]] = {}
     for key, run in runs.items():
         backend, _, run_id = key.partition("@")
-        if backend not in out or run_id > out[backend][0]:
-            out[backend] = (run_id, run)
-    return {b: run for b, (_, run) in sorted(out.items())}
+        rank = (not run.get("error"), run_id)
+        if backend not in out or rank > out[backend][:2]:
+            out[backend] = (*rank, run)
+    return {b: run for b, (_, _, run) in sorted(out.items())}
 
 
 def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{backend: run}`` keeping the newest ``backend@<UTC run id>`` of each backend, for runs
-    of one (device, model, shape) group.
+    """``{backend: run}`` keeping, for runs of one (device, model, shape) group, the newest
+    ``backend@<UTC run id>`` of each backend that did not fail (no ``error``); a backend whose
+    runs all failed keeps its newest failed one, so it shows as failed.
 
     Raises:
         ValueError: the runs span several groups (the newest of each backend could then be runs
@@ -163,7 +168,8 @@ def latest_per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
 
 def latest_per_group(runs: dict[str, dict[str, Any]]
                      ) -> dict[tuple[str, str, str], dict[str, dict[str, Any]]]:
-    """``{(device, model, shape): {backend: newest run}}`` (:func:`group_runs`)."""
+    """``{(device, model, shape): {backend: newest run}}`` (:func:`group_runs`; newest ok run,
+    else newest failed one, as :func:`latest_per_backend`)."""
     return {group: _newest(members) for group, members in group_runs(runs).items()}
 
 
@@ -179,6 +185,35 @@ def vllm_ratio(latest: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     ref = _step_s(latest.get("vllm"))
     return {b: (s / ref if ref and s is not None else None)
             for b, s in ((b, _step_s(r)) for b, r in latest.items())}
+
+
+def error_line(run: dict[str, Any] | None) -> str | None:
+    """The first line of a run's ``error`` (``None`` for a run that did not fail)."""
+    error = str((run or {}).get("error") or "").strip()
+    return error.splitlines()[0] if error else None
+
+
+def ratio_text(latest: dict[str, dict[str, Any]]) -> str:
+    """flex's median step over vLLM's in one group's ``{backend: run}`` (:func:`vllm_ratio`) as
+    ``0.750``, or ``n/a (<why>)``: a backend with no run in the group, a run that failed (``vLLM
+    run <id> failed: <error first line>``) or one without a step time."""
+    ratio = vllm_ratio(latest).get("flex")
+    return f"{ratio:.3f}" if ratio is not None else f"n/a ({_no_ratio_reason(latest)})"
+
+
+def _no_ratio_reason(latest: dict[str, dict[str, Any]]) -> str:
+    why = []
+    for backend, label in (("flex", "flex"), ("vllm", "vLLM")):
+        run = latest.get(backend)
+        if run is None:
+            why.append(f"no {label} run in this group")
+            continue
+        name = " ".join([f"{label} run", *[str(run[k]) for k in ("run_id",) if run.get(k)]])
+        if error_line(run):
+            why.append(f"{name} failed: {error_line(run)}")
+        elif _step_s(run) is None:
+            why.append(f"{name} has no step time")
+    return "; ".join(why)
 
 
 def source_of(run: dict[str, Any]) -> str:
@@ -204,8 +239,9 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
     ``sidecar`` / ``utc`` (where the row's numbers come from), ``step_time_s_median`` (the
     run's summary), :data:`SPEED_SPLIT` (medians over the summary's steps, ``None`` where the
     run never logged the key), ``peak_mem_device_gib``, the IS columns of
-    :func:`~nbhelpers.grpo.compare_tables.is_frame`, and ``step_vs_vllm``
-    (:func:`vllm_ratio`, from the vLLM row of the same group; NaN when it has none)."""
+    :func:`~nbhelpers.grpo.compare_tables.is_frame`, ``step_vs_vllm`` (:func:`vllm_ratio`,
+    from the vLLM row of the same group; NaN when it has none), ``status`` (``ok`` | ``failed``:
+    a failed run's numbers are missing, not zero) and ``error`` (its first line, else None)."""
     import pandas as pd
 
     from nbhelpers.grpo.compare_tables import is_frame, step_split_frame
@@ -219,7 +255,9 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
                          **{c: split.loc[backend, c] for c in SPEED_SPLIT},
                          "peak_mem_device_gib": (run.get("summary") or {}).get(
                              "peak_mem_device_gib"),
-                         **is_table.loc[backend].to_dict(), "step_vs_vllm": ratio[backend]})
+                         **is_table.loc[backend].to_dict(), "step_vs_vllm": ratio[backend],
+                         "status": "failed" if error_line(run) else "ok",
+                         "error": error_line(run)})
     return pd.DataFrame(rows)
 
 
@@ -242,13 +280,17 @@ def flex_vs_vllm(groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]]
 
 def result_by_shape(groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]]) -> str:
     """``<device>, <model>, <shape>: flex/vLLM median step <ratio> (<flex s> / <vLLM s>)``
-    per group, ``; ``-joined (the ratio stated, not judged)."""
+    per group, ``; ``-joined (the ratio stated, not judged); without a ratio ``no flex/vLLM
+    pair``, or :func:`ratio_text`'s reason when the group's flex or vLLM run failed."""
     parts = []
     for (gpu, model, shape), ratio in flex_vs_vllm(groups).items():
         latest = groups[(gpu, model, shape)]
+        failed = any(error_line(latest.get(b)) for b in ("flex", "vllm"))
+        what = (f"flex/vLLM median step {ratio:.3f}" if ratio is not None
+                else f"no flex/vLLM ratio: {_no_ratio_reason(latest)}" if failed
+                else "no flex/vLLM pair")
         steps = ", ".join(f"{b} {_step_s(r):.3f} s" for b, r in latest.items()
                           if _step_s(r) is not None)
-        what = "no flex/vLLM pair" if ratio is None else f"flex/vLLM median step {ratio:.3f}"
         parts.append(f"{gpu}, {model}, {shape}: {what} ({steps or 'no step times'})")
     return "; ".join(parts)
 

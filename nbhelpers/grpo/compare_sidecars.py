@@ -5,7 +5,8 @@ Contract: :func:`backend_sidecar` / :func:`write_sidecars` write schema-v1 sidec
 ``phase2`` (``<stem>__<backend>.json`` beside the summary at ``sidecar_path``; the same paths as
 the partial records of :mod:`~nbhelpers.grpo.compare_records`, which they replace);
 :func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"``;
-:func:`filter_device` keeps one device's runs; :func:`gate_latest` gates the newest run of each
+:func:`filter_device` keeps one device's runs; :func:`load_runs` reads a folder's runs for
+``29_compare`` (and the runner's pre-launch check), refusing a folder without any; :func:`gate_latest` gates the newest run of each
 backend against the reference within one (device, model, shape) group
 (:func:`nbhelpers.grpo.compare_shapes.latest_per_group`). Reached through
 :mod:`nbhelpers.grpo.compare`, the notebooks' face.
@@ -40,6 +41,49 @@ def filter_device(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device
         raise ValueError(f"device={device!r} matches no phase-2 run; the sidecars hold runs on "
                          f"{seen}: pass one of those (a part of the name is enough) or ''.")
     return keep, {k: g for k, g in gates.items() if k in keep}
+
+
+NO_SIDECARS = "run 20_grpo_equivalence first, or point sidecar_dir at the folder it wrote"
+
+
+def sidecar_root(sidecar_dir: str | Path, cwd: Path | None = None) -> Path:
+    """``sidecar_dir`` as ``29_compare`` reads it: an absolute path as given; a relative one from
+    ``cwd`` (default: this process's; the runner starts the kernel in the checkout), or, when
+    it is not there, from two folders above ``cwd`` (Jupyter starts a kernel in the notebook's
+    folder, ``notebooks/phase2_grpo/``)."""
+    path, cwd = Path(sidecar_dir), Path.cwd() if cwd is None else Path(cwd)
+    if path.is_absolute():
+        return path
+    tries = [cwd / path] + ([cwd.parents[1] / path] if len(cwd.parents) > 1 else [])
+    return next((p for p in tries if p.exists()), tries[0])
+
+
+def load_runs(sidecar_dir: str | Path, device: str = "", cwd: Path | None = None
+              ) -> tuple[Path, list[dict[str, Any]], dict[str, dict], dict[str, dict]]:
+    """``(root, sidecars, runs, gates)`` of the phase-2 sidecars under ``sidecar_dir``
+    (:func:`sidecar_root`; :func:`nbhelpers.stats.read_sidecars`, :func:`runs_from_sidecars`),
+    keeping the runs on ``device`` (:func:`filter_device`): what ``29_compare`` reads, checked
+    before anything is built from it (the runner makes the same checks before launch).
+
+    Raises:
+        ValueError: no phase-2 backend run under the folder (missing, not a folder, empty, or
+            only other phases' or summary sidecars): the message says which and names
+            20_grpo_equivalence; or ``device`` matches none of them (:func:`filter_device`).
+    """
+    from nbhelpers.stats import read_sidecars
+    root = sidecar_root(sidecar_dir, cwd)
+    every = read_sidecars(root) if root.is_dir() else []
+    sidecars = [s for s in every if s.get("phase") == PHASE]
+    runs, gates = runs_from_sidecars(sidecars)
+    if not runs:
+        other = sorted({str(s.get("phase")) for s in every} - {PHASE})
+        why = ("no such folder" if not root.exists() else "not a folder" if not root.is_dir()
+               else "no sidecar files in it" if not every
+               else f"only sidecars of {other}" if not sidecars
+               else "only notebook summaries, no <run>__<backend>.json")
+        raise ValueError(f"no phase-2 sidecars under {root} ({why}): {NO_SIDECARS}.")
+    runs, gates = filter_device(runs, gates, device)
+    return root, sidecars, runs, gates
 
 
 PARTIAL_NOTE = ("written when this backend finished, before the notebook did (no gate yet); the "
@@ -100,7 +144,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
 
     A run holds what :mod:`~nbhelpers.grpo.compare_shapes` reads its shape from (``config``,
     ``request``, ``workload``, ``lora``) and where it came from: ``sidecar`` (the file name,
-    when :func:`nbhelpers.stats.read_sidecars` gave ``_path``) and ``utc`` (``env.utc``)."""
+    when :func:`nbhelpers.stats.read_sidecars` gave ``_path``), ``utc`` (``env.utc``) and
+    ``run_id`` (the notebook run's UTC stamp, as in the key)."""
     runs, gates = {}, {}
     for side in sidecars:
         if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
@@ -113,7 +158,7 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
                      "request": side.get("grpo_request"), "workload": side.get("workload"),
                      "lora": side.get("lora"), "gpu": (side.get("env") or {}).get("gpu") or "cpu",
                      "sidecar": Path(side["_path"]).name if side.get("_path") else None,
-                     "utc": (side.get("env") or {}).get("utc")}
+                     "utc": (side.get("env") or {}).get("utc"), "run_id": run_id}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates
@@ -154,7 +199,8 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
 
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
     """Gate the newest run of each backend against the newest ``reference`` run of the same
-    device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`), across device
+    device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`; the newest run
+    that did not fail, else the newest failed one: :func:`latest_per_group`), across device
     calls (:func:`nbhelpers.grpo.gate.check_runs`); ``runs`` as from :func:`runs_from_sidecars`.
     Runs of different shapes are never gated against each other.
 

@@ -3,7 +3,8 @@
 :func:`nbhelpers.grpo.compare_sidecars.runs_from_sidecars`).
 
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
-reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame), :func:`gate_frame` (one
+reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame; :func:`not_logged_reason`: why a metric has no
+curve), :func:`gate_frame` (one
 row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
 memory ratios), :func:`step_split_frame` (where each step's seconds go), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
 :func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
@@ -101,6 +102,19 @@ def steps_long(runs: dict[str, dict[str, Any]]):
               if run.get("rows")]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=["backend", "step"])
+
+
+def not_logged_reason(runs: dict[str, dict[str, Any]], column: str, beta: float) -> str:
+    """Why :func:`steps_long` holds no value of ``column`` (so there is no curve to plot): ``no
+    backend ran`` (no run produced a step row), ``beta is 0`` for ``kl`` (TRL logs KL only when
+    ``beta`` > 0), else ``no step of <the backends that ran> logged it``."""
+    ran = [name for name, run in runs.items() if run.get("rows")]
+    if not ran:
+        return (f"no backend ran ({', '.join(runs)}: see each error above)" if runs
+                else "no backend ran")
+    if column == "kl" and not beta:
+        return "beta is 0 (TRL logs KL only when beta > 0)"
+    return f"no step of {', '.join(ran)} logged it"
 
 
 def gate_frame(gates: dict[str, Any]):

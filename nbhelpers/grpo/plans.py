@@ -35,6 +35,10 @@ VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
 WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex", "vllm")
 """Backends whose policy is an in-process HF model that :func:`train`'s format warm-up trains and
 merges (Unsloth loads its own model class, ``FastLanguageModel``: refused)."""
+CUDA_BACKENDS = ("vllm", "unsloth")
+"""Backends that train only on a CUDA GPU (vLLM's engine and Unsloth's kernels): the runner
+refuses them on a host without CUDA before the notebook starts
+(:func:`nbhelpers.run.host_checks.check_host`)."""
 WARMUP_FOLDER_BACKENDS = ("vllm",)
 """Backends whose engine loads its weights from ``model.name_or_path`` when it starts (TRL's
 colocate ``LLM(model=model.name_or_path)``): after the format warm-up :func:`train` saves the

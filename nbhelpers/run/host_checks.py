@@ -6,8 +6,12 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
 ``-p device cuda`` and ``-p engine_options '{pdl: yes}'`` failed in cell 5).
 
 - ``device`` (phase 3 notebooks: where the model runs) ``cuda``/``cuda:N`` needs CUDA here.
-- A random-weight registry model or 33's ``shape`` above :data:`CPU_PARAMS_LIMIT` parameters
-  (the H200 workloads: qwen3-4b, llama-3.2-3b, gemma-4-e2b) needs CUDA here.
+- A random-weight registry model (phases 2 and 3) or 33's ``shape`` above
+  :data:`CPU_PARAMS_LIMIT` parameters (the H200 workloads: qwen3-4b, llama-3.2-3b,
+  gemma-4-e2b) needs CUDA here.
+- Phase 2's ``backends`` ``vllm`` / ``unsloth`` need CUDA here (:func:`check_cuda_backends`).
+- ``29_compare``'s ``sidecar_dir`` holds phase-2 runs and its ``device`` matches one of them
+  (:func:`check_compare_sidecars`).
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
   overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` and 34's
   ``parity_engine_options`` :func:`check_parity_options` (any host); 33's
@@ -19,9 +23,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from nbhelpers.run.errors import UserInputError
+from nbhelpers.run.phases import is_compare, phase_of
 
 CPU_PARAMS_LIMIT = 1_000_000_000
 """Largest random-weight model a CPU run accepts: the tiny test models and SmolLM2-135M pass,
@@ -132,15 +138,70 @@ def check_flex_backend_options(params: dict[str, Any], where: Callable[[str], st
         raise UserInputError(f"{where('engine_options')}: engine_options['flex']: {exc}") from exc
 
 
-def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str]) -> None:
+def check_cuda_backends(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    """Phase 2's ``backends`` of :data:`nbhelpers.grpo.plans.CUDA_BACKENDS` (``vllm``,
+    ``unsloth``) need CUDA here: on a CPU host they failed after launch (fresh-user trial,
+    2026-12-03: ``-p backends '[vllm]'`` wrote a failed notebook, two sidecars and INDEX rows
+    13 s later; ``'[vllm, flex]'`` ran flex's whole format warm-up first).
+    Raises :class:`UserInputError` naming the backends and the fix."""
+    backends = params.get("backends")
+    from nbhelpers.grpo.plans import CUDA_BACKENDS
+    need = [b for b in backends if b in CUDA_BACKENDS] if isinstance(backends, list) else []
+    if not need or cuda_available():
+        return
+    keep = [b for b in backends if b not in CUDA_BACKENDS]
+    ref = params.get("reference_backend")
+    fix = (f"drop {need} (-p backends '[{', '.join(keep)}]'"
+           + (f" -p reference_backend {keep[0]}" if ref in need else "") + ")" if keep
+           else "use backends that run on the CPU (-p backends '[hf_generate, flex]'"
+           + (" -p reference_backend hf_generate" if ref in need else "") + ")")
+    raise UserInputError(f"{where('backends')}: backends {need} need a CUDA GPU and torch sees "
+                         f"none on this host: {fix}, or run on a CUDA host with --profile h200.")
+
+
+def check_compare_sidecars(params: dict[str, Any], notebook: Path, repo: Path,
+                           where: Callable[[str], str]) -> None:
+    """``29_compare``'s ``sidecar_dir`` must hold phase-2 backend runs and its ``device`` must
+    match one of their devices (or be empty), as the notebook reads them
+    (:func:`nbhelpers.grpo.compare_sidecars.load_runs`, from ``repo``: the kernel's working
+    directory): a missing, empty or wrong folder gave a pandas ``KeyError`` after launch, and
+    an unknown device failed in cell 5, each leaving a failed notebook, sidecar and INDEX row
+    (fresh-user trial, 2026-12-03). Checked when ``sidecar_dir`` is given (its config gives it).
+    Raises :class:`UserInputError` naming the folder or the devices the sidecars hold."""
+    if phase_of(notebook) != "phase2" or not is_compare(notebook) \
+            or not isinstance(params.get("sidecar_dir"), str):
+        return
+    from nbhelpers.grpo.compare_sidecars import filter_device, load_runs
+    try:
+        _, _, runs, gates = load_runs(params["sidecar_dir"], cwd=repo)
+    except ValueError as exc:
+        raise UserInputError(f"{where('sidecar_dir')}: {exc}") from exc
+    try:
+        filter_device(runs, gates, params.get("device") or "")
+    except ValueError as exc:
+        raise UserInputError(f"{where('device')}: {exc}") from exc
+
+
+def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str],
+               notebook: Path | None = None, repo: Path | None = None,
+               sidecars_pending: bool = False) -> None:
     """``device`` and the model size against this host: called where this host will run the
     notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
     only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU);
-    33's variants and LoRA modes too (:func:`check_flex_plan_params`), and phase 1's flex
-    options (:func:`check_flex_backend_options`).
+    33's variants and LoRA modes too (:func:`check_flex_plan_params`), phase 1's flex
+    options (:func:`check_flex_backend_options`), phase 2's CUDA-only backends
+    (:func:`check_cuda_backends`) and model size, and, given its ``notebook`` and the ``repo``
+    it runs in, 29_compare's sidecars (:func:`check_compare_sidecars`; not when
+    ``sidecars_pending``: the same run executes the notebooks that write them first).
     Raises :class:`UserInputError` naming the parameter and the fix."""
     if phase == "phase1":
         check_flex_backend_options(params, where)
+    if phase == "phase2":
+        check_cuda_backends(params, where)
+        _check_size(params, where, phase)
+        if notebook is not None and not sidecars_pending:
+            check_compare_sidecars(params, notebook, repo or notebook.resolve().parents[2],
+                                   where)
     if phase != "phase3":
         return
     check_flex_plan_params(params, phase, where)
@@ -149,10 +210,17 @@ def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str]) 
         raise UserInputError(f"{where('device')}: device={device!r} but torch sees no CUDA GPU "
                              "on this host: use -p device cpu here, or run on the GPU host "
                              "with --profile h200.")
-    _check_size(params, where)
+    _check_size(params, where, phase)
 
 
-def _check_size(params: dict[str, Any], where: Callable[[str], str]) -> None:
+SMALL_MODELS = {"phase2": "a small model such as -p model smollm2-135m-instruct (real weights, "
+                          "the CPU config's) or tiny-llama",
+                "phase3": "a tiny one (tiny-qwen3, tiny-llama, tiny-gemma4)"}
+"""What the size check offers instead of a GPU-sized ``model``, per phase (33's ``shape``:
+``-p shape tiny``)."""
+
+
+def _check_size(params: dict[str, Any], where: Callable[[str], str], phase: str) -> None:
     from nbhelpers import models
     for name in ("shape", "model"):
         value = params.get(name)
@@ -168,6 +236,6 @@ def _check_size(params: dict[str, Any], where: Callable[[str], str]) -> None:
             raise UserInputError(
                 f"{where(name)}: {name}={value!r} is a GPU workload (random weights, "
                 f"{models.n_params(spec) / 1e9:.1f} B parameters) and torch sees no CUDA GPU "
-                f"here: on this host use a tiny one ("
-                f"{'-p shape tiny' if name == 'shape' else 'tiny-qwen3, tiny-llama, tiny-gemma4'}"
-                "), or run it with --profile h200 on the GPU host.")
+                "here: on this host use "
+                f"{'a tiny one (-p shape tiny)' if name == 'shape' else SMALL_MODELS[phase]}"
+                ", or run it with --profile h200 on the GPU host.")

@@ -158,15 +158,21 @@ def gpu_device_tag(gpu: str | None) -> str:
 
 def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[str] | None,
               executed: Path, repo: Path = REPO) -> list[Job]:
-    """Plan every notebook of ``target`` (:func:`plan_parameters`), then claim output names;
-    a failed plan claims nothing. The git sha is read once, here. One job per notebook."""
+    """Plan every notebook of ``target`` (:func:`plan_parameters`) and check it against this
+    host (:func:`~nbhelpers.run.host_checks.check_host`; a compare notebook's sidecars only
+    when no notebook of its phase runs before it here), then claim output names; a failed plan
+    claims nothing. The git sha is read once, here. One job per notebook.
+
+    Raises:
+        UserInputError: a bad value, a request this host cannot run, or ``executed`` not
+            writable (nothing is claimed)."""
     planned = plan_parameters(resolve_notebooks(target, repo), profile, overrides, repo)
     from nbhelpers.run.host_checks import check_host  # this host runs them: GPU-sized requests
-    from nbhelpers.run.values import phase_of
+    writers = {phase_of(nb) for nb, _ in planned if not is_compare(nb)}
     for nb, params in planned:
         check_host(params, phase_of(nb), lambda n, nb=nb: (
             f"{'-p ' + n if n in overrides else f'configs/{nb.stem}.{profile}.yaml'} "
-            f"({nb.name})"))
+            f"({nb.name})"), notebook=nb, repo=repo, sidecars_pending=phase_of(nb) in writers)
     jobs: list[Job] = []
     _check_writable(executed)
     sha = git_sha(repo)

@@ -159,3 +159,51 @@ def test_perf_goal_is_none_when_vllms_row_has_no_numbers():
                             "peak_mem_device_gib": [2.0, math.nan]}, index=["flex", "vllm"])
     assert grpo_compare.perf_goal(summary) == {"step_ratio": None, "memory_ratio": None,
                                                "met": None}
+
+
+def test_a_newer_failed_run_does_not_replace_an_older_good_one():
+    """29's "newest per backend" prefers the newest run that did not fail; a backend with only
+    failed runs keeps its newest failed one, marked failed in the speed table, and the ratio
+    line names the failed vLLM run (fresh-user trial, 2026-12-03)."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory.\nTraceback (most recent call last): ..."
+    runs = {"flex@20261203T1400Z": _run(1.0, REF),
+            "vllm@20261203T1401Z": _run(2.0, REF),
+            "vllm@20261203T1402Z": _run(error=oom) | {"run_id": "20261203T1402Z"},
+            "flex@20261203T1403Z": _run(1.5, REALISTIC),
+            "vllm@20261203T1404Z": _run(error="RuntimeError: a", shape=REALISTIC),
+            "vllm@20261203T1405Z": _run(error=oom, shape=REALISTIC)
+            | {"run_id": "20261203T1405Z"}}
+    groups = grpo_compare.latest_per_group(runs)
+    ref, real = (groups[("NVIDIA H200", "qwen3-4b", s)] for s in ("g4 b4x1 256tok",
+                                                                  "g8 b16x4 512tok"))
+    assert ref["vllm"] is runs["vllm@20261203T1401Z"]  # the good one, not the newer failure
+    assert real["vllm"] is runs["vllm@20261203T1405Z"]  # only failures: the newest, shown failed
+    one_group = {k: runs[k] for k in list(runs)[:3]}
+    assert grpo_compare.latest_per_backend(one_group)["vllm"] is runs["vllm@20261203T1401Z"]
+    speed = grpo_compare.speed_frame(runs).set_index(["shape", "backend"])
+    assert speed.loc[("g4 b4x1 256tok", "vllm"), "status"] == "ok"
+    assert speed.loc[("g4 b4x1 256tok", "flex"), "step_vs_vllm"] == pytest.approx(0.5)
+    failed = speed.loc[("g8 b16x4 512tok", "vllm")]
+    assert failed["status"] == "failed"
+    assert failed["error"] == "torch.OutOfMemoryError: CUDA out of memory."
+    assert grpo_compare.ratio_text(ref) == "0.500"
+    assert grpo_compare.ratio_text(real) == ("n/a (vLLM run 20261203T1405Z failed: "
+                                             "torch.OutOfMemoryError: CUDA out of memory.)")
+    assert grpo_compare.ratio_text({"flex": ref["flex"]}) == "n/a (no vLLM run in this group)"
+    assert ("g8 b16x4 512tok: no flex/vLLM ratio: vLLM run 20261203T1405Z failed: "
+            "torch.OutOfMemoryError") in grpo_compare.result_by_shape(groups)
+
+
+def test_a_missing_curve_says_why_from_the_run():
+    """20's per-step plots named beta even when beta was 0.04 and no backend had run."""
+    failed = {"vllm": _run(error="BackendNotInstalled: x"), "flex": _run(error="E: y")}
+    ok = {"flex": _run(), "vllm": _run(error="E: z")}
+    reason = grpo_compare.not_logged_reason
+    assert reason(failed, "kl", 0.04) == "no backend ran (vllm, flex: see each error above)"
+    assert reason(ok, "kl", 0.0) == "beta is 0 (TRL logs KL only when beta > 0)"
+    assert reason(ok, "grad_norm", 0.04) == "no step of flex logged it"
+    from pathlib import Path
+    src = (Path(__file__).resolve().parents[2]
+           / "notebooks/phase2_grpo/20_grpo_equivalence.ipynb").read_text()
+    assert "kl needs beta > 0" not in src
+    assert "grpo_compare.not_logged_reason(runs, column, beta)" in src

@@ -167,6 +167,9 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
         UserInputError: a bad value, a request this host cannot run, or ``executed`` not
             writable (nothing is claimed)."""
     planned = plan_parameters(resolve_notebooks(target, repo), profile, overrides, repo)
+    if len(planned) > 1:  # a phase run: its compare notebook reads what this run writes
+        planned = [(nb, reroot_archive_paths(params, overrides, executed, repo))
+                   for nb, params in planned]
     from nbhelpers.run.host_checks import check_host  # this host runs them: GPU-sized requests
     writers = {phase_of(nb) for nb, _ in planned if not is_compare(nb)}
     for nb, params in planned:
@@ -183,6 +186,33 @@ def plan_jobs(target: str, profile: str, overrides: dict[str, Any], gpus: list[s
         params["sidecar_path"] = os.path.relpath(side, repo)
         jobs.append(Job(nb, out, side, params, gpu, sha=sha))
     return jobs
+
+
+ARCHIVE_PREFIX = "executed/"
+"""How a config names a folder of the default archive (``sidecar_dir``, ``bench_dir``)."""
+
+
+def reroot_archive_paths(params: dict[str, Any], overrides: dict[str, Any], executed: Path,
+                         repo: Path) -> dict[str, Any]:
+    """``params`` with each config value that names a folder of the default archive
+    (``executed/...``, not given with ``-p``) moved under ``executed`` when a phase run writes
+    elsewhere (``--executed DIR``): ``run phase2 --executed DIR`` then compares the runs it just
+    wrote to ``DIR`` (29's ``sidecar_dir``), not the checkout's archive. A single notebook keeps
+    its config (``run .../29_compare.ipynb --executed DIR`` reads the archive, writes to DIR).
+    Values are repo-relative when ``executed`` is inside the checkout, else absolute."""
+    if executed.resolve() == (repo / "executed").resolve():
+        return params
+    out = dict(params)
+    for name, value in params.items():
+        if name in overrides or not isinstance(value, str) or \
+                not value.startswith(ARCHIVE_PREFIX):
+            continue
+        moved = executed.resolve() / value[len(ARCHIVE_PREFIX):]
+        try:
+            out[name] = str(moved.relative_to(repo.resolve()))
+        except ValueError:
+            out[name] = str(moved)
+    return out
 
 
 def _check_writable(folder: Path) -> None:

@@ -126,3 +126,24 @@ def test_the_notebook_itself_fails_early_with_the_same_message(tmp_path):
         grpo_compare.load_runs(tmp_path)
     src = (REPO / N29).read_text()
     assert "grpo_compare.load_runs(sidecar_dir, device)" in src
+
+
+def test_a_phase_run_into_another_archive_compares_the_runs_it_writes_there(tmp_path):
+    """`run phase2 --executed DIR` wrote 20's sidecars to DIR while 29 read the checkout's
+    archive (a fresh user's probe, 2026-12-03): 29's config path moves under DIR in a phase run;
+    a `-p sidecar_dir` stays as given; a single 29 run keeps reading the archive."""
+    from nbhelpers.run.runner import reroot_archive_paths
+    out = tmp_path / "elsewhere"
+    jobs = plan_jobs("phase2", "cpu", {}, None, out, REPO)
+    n29 = {j.notebook.stem: j for j in jobs}["29_compare"]
+    assert n29.parameters["sidecar_dir"] == str(out.resolve() / "phase2_grpo/20_grpo_equivalence")
+    given = str(tmp_path / "mine")
+    jobs = plan_jobs("phase2", "cpu", {"sidecar_dir": given}, None, out, REPO)
+    assert {j.notebook.stem: j for j in jobs}["29_compare"].parameters["sidecar_dir"] == given
+    (job,) = plan_jobs(N29, "cpu", {"device": ""}, None, out, REPO)
+    assert job.parameters["sidecar_dir"] == "executed/phase2_grpo/20_grpo_equivalence"
+    params = {"sidecar_dir": "executed/phase2_grpo/20_grpo_equivalence", "device": "h200"}
+    assert reroot_archive_paths(params, {}, REPO / "executed", REPO) == params  # default archive
+    inside = reroot_archive_paths(params, {}, REPO / "scratch_archive", REPO)
+    assert inside == {"sidecar_dir": "scratch_archive/phase2_grpo/20_grpo_equivalence",
+                      "device": "h200"}  # repo-relative inside the checkout; other values kept

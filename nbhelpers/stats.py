@@ -2,7 +2,9 @@
 
 Contract: one JSON sidecar per measurement. ``make_sidecar`` fills the schema's keys, ``write_sidecar``
 writes it atomically next to the executed notebook, ``read_sidecars`` loads every sidecar under a
-folder for the comparison notebooks. Values that are not finite are stored as ``None`` (never inf/NaN).
+folder for the comparison notebooks (``sidecar_root``: their folder parameter as they read it;
+``no_runs_why``: why one holds no runs). Values that are not finite are stored as ``None``
+(never inf/NaN).
 
 Run: ``python -c "from nbhelpers.stats import env_info; print(env_info())"``.
 """
@@ -267,3 +269,27 @@ def read_sidecars(root: str | os.PathLike, phase: str | None = None) -> list[dic
             side["_path"] = str(p)
             out.append(side)
     return out
+
+
+def sidecar_root(sidecar_dir: str | os.PathLike, cwd: Path | None = None) -> Path:
+    """A compare notebook's sidecar folder (``19_compare``'s ``executed_dir``, ``29_compare``'s
+    ``sidecar_dir``) as it reads it: an absolute path as given; a relative one from ``cwd``
+    (default: this process's; the runner starts the kernel in the checkout), or, when it is not
+    there, from two folders above ``cwd`` (Jupyter starts a kernel in the notebook's folder,
+    ``notebooks/phaseN_*/``)."""
+    path, cwd = Path(sidecar_dir), Path.cwd() if cwd is None else Path(cwd)
+    if path.is_absolute():
+        return path
+    tries = [cwd / path] + ([cwd.parents[1] / path] if len(cwd.parents) > 1 else [])
+    return next((p for p in tries if p.exists()), tries[0])
+
+
+def no_runs_why(root: Path, every: list[dict[str, Any]], phase: str, otherwise: str) -> str:
+    """Why a compare notebook found no runs of ``phase`` under ``root`` (``every``: all the
+    sidecars :func:`read_sidecars` found there): no such folder, not a folder, no sidecar files,
+    only other phases' sidecars, else ``otherwise`` (e.g. only notebook summaries)."""
+    other = sorted({str(s.get("phase")) for s in every} - {phase})
+    return ("no such folder" if not root.exists() else "not a folder" if not root.is_dir()
+            else "no sidecar files in it" if not every
+            else f"only sidecars of {other}" if all(s.get("phase") != phase for s in every)
+            else otherwise)

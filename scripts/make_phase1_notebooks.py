@@ -142,10 +142,11 @@ executed_dir: str = "executed/phase1_rollout"  # folder searched for phase 1 sid
 require_any: bool = True  # assert that at least one backend sidecar was found
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
-READ_19 = """sides = rollout.backend_sidecars(executed_dir)
+READ_19 = """# ValueError naming the fix: require_any and no phase-1 backend sidecar under executed_dir
+root, sides = rollout.load_backend_sidecars(executed_dir, require_any)
 frame = rollout.results_frame(sides)
-print(len(sides), "phase 1 backend sidecars;", frame["gpu"].nunique() if len(frame) else 0,
-      "device(s)")"""
+print(f"{len(sides)} phase 1 backend sidecars under {root};",
+      frame["gpu"].nunique() if len(frame) else 0, "device(s)")"""
 
 TABLE_19 = """keys = ["gpu", "model"]
 latest = frame.sort_values("run_id").groupby([*keys, "backend"], dropna=False).tail(1)

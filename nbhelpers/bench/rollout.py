@@ -6,7 +6,8 @@ nbhelpers.bench.worker SPEC.json`` per backend (memory is freed between engines)
 schema-v1 sidecar (``phase="phase1"``); a crash, timeout or exception is recorded in that backend's
 ``error`` (traceback / log tail) and the next backend still runs. :func:`decode_limit_tok_per_s`
 gives the bandwidth ceiling; :func:`results_frame` / :func:`comparison_table` / :func:`bar_figure`
-turn sidecars into the notebook's table and charts.
+turn sidecars into the notebook's table and charts; :func:`load_backend_sidecars` reads
+``19_compare``'s folder (and the runner's pre-launch check), refusing one without any.
 
 Per-backend harness keys in ``engine_options[name]`` (removed before ``load``): ``rounds``,
 ``warmup_rounds``, ``warmup_max_new_tokens`` (a short warm-up for slow engines: it still compiles
@@ -295,9 +296,34 @@ def result_line(table: Any) -> str:
     return "**Result:** " + "; ".join(parts) + (f". Failed: {failed}." if failed else ".")
 
 
+NO_SIDECARS = "run 10_lora_rollout first, or point executed_dir at the folder it wrote"
+
+
 def backend_sidecars(root: str | os.PathLike) -> list[dict[str, Any]]:
     """Every phase 1 *backend* sidecar under ``root``: those this harness wrote (they carry an
     ``engine`` key); notebook summaries and the runner's failure sidecars are left out."""
     from nbhelpers.stats import read_sidecars
 
     return [s for s in read_sidecars(root, phase="phase1") if "engine" in s]
+
+
+def load_backend_sidecars(executed_dir: str | os.PathLike, require_any: bool = True,
+                          cwd: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    """``(root, sidecars)``: :func:`backend_sidecars` under ``executed_dir`` read as
+    ``19_compare`` reads it (:func:`nbhelpers.stats.sidecar_root`), checked before anything is
+    built from them (the runner makes the same check before launch).
+
+    Raises:
+        ValueError: ``require_any`` and no phase-1 backend sidecar under the folder (missing,
+            not a folder, empty, or only other phases' sidecars or notebook summaries): the
+            message says which and names 10_lora_rollout.
+    """
+    from nbhelpers.stats import no_runs_why, read_sidecars, sidecar_root
+
+    root = sidecar_root(executed_dir, cwd)
+    sides = backend_sidecars(root)
+    if require_any and not sides:
+        why = no_runs_why(root, read_sidecars(root) if root.is_dir() else [], "phase1",
+                          "only notebook summaries, no <run>_backends/*.json")
+        raise ValueError(f"no phase-1 sidecars under {root} ({why}): {NO_SIDECARS}.")
+    return root, sides

@@ -21,6 +21,7 @@ from typing import Any
 from nbhelpers.config import GRPOSettings
 from nbhelpers.grpo.compare_shapes import latest_per_group
 from nbhelpers.grpo.compare_tables import gate_word, headline, is_frame, is_summary, summary_frame
+from nbhelpers.stats import sidecar_root
 
 PHASE = "phase2"
 
@@ -46,41 +47,26 @@ def filter_device(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device
 NO_SIDECARS = "run 20_grpo_equivalence first, or point sidecar_dir at the folder it wrote"
 
 
-def sidecar_root(sidecar_dir: str | Path, cwd: Path | None = None) -> Path:
-    """``sidecar_dir`` as ``29_compare`` reads it: an absolute path as given; a relative one from
-    ``cwd`` (default: this process's; the runner starts the kernel in the checkout), or, when
-    it is not there, from two folders above ``cwd`` (Jupyter starts a kernel in the notebook's
-    folder, ``notebooks/phase2_grpo/``)."""
-    path, cwd = Path(sidecar_dir), Path.cwd() if cwd is None else Path(cwd)
-    if path.is_absolute():
-        return path
-    tries = [cwd / path] + ([cwd.parents[1] / path] if len(cwd.parents) > 1 else [])
-    return next((p for p in tries if p.exists()), tries[0])
-
-
 def load_runs(sidecar_dir: str | Path, device: str = "", cwd: Path | None = None
               ) -> tuple[Path, list[dict[str, Any]], dict[str, dict], dict[str, dict]]:
     """``(root, sidecars, runs, gates)`` of the phase-2 sidecars under ``sidecar_dir``
-    (:func:`sidecar_root`; :func:`nbhelpers.stats.read_sidecars`, :func:`runs_from_sidecars`),
-    keeping the runs on ``device`` (:func:`filter_device`): what ``29_compare`` reads, checked
-    before anything is built from it (the runner makes the same checks before launch).
+    (:func:`nbhelpers.stats.sidecar_root`, :func:`~nbhelpers.stats.read_sidecars`,
+    :func:`runs_from_sidecars`), keeping the runs on ``device`` (:func:`filter_device`): what
+    ``29_compare`` reads, checked before anything is built from it (the runner makes the same
+    checks before launch).
 
     Raises:
         ValueError: no phase-2 backend run under the folder (missing, not a folder, empty, or
             only other phases' or summary sidecars): the message says which and names
             20_grpo_equivalence; or ``device`` matches none of them (:func:`filter_device`).
     """
-    from nbhelpers.stats import read_sidecars
+    from nbhelpers.stats import no_runs_why, read_sidecars
     root = sidecar_root(sidecar_dir, cwd)
     every = read_sidecars(root) if root.is_dir() else []
     sidecars = [s for s in every if s.get("phase") == PHASE]
     runs, gates = runs_from_sidecars(sidecars)
     if not runs:
-        other = sorted({str(s.get("phase")) for s in every} - {PHASE})
-        why = ("no such folder" if not root.exists() else "not a folder" if not root.is_dir()
-               else "no sidecar files in it" if not every
-               else f"only sidecars of {other}" if not sidecars
-               else "only notebook summaries, no <run>__<backend>.json")
+        why = no_runs_why(root, every, PHASE, "only notebook summaries, no <run>__<backend>.json")
         raise ValueError(f"no phase-2 sidecars under {root} ({why}): {NO_SIDECARS}.")
     runs, gates = filter_device(runs, gates, device)
     return root, sidecars, runs, gates

@@ -6,12 +6,13 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
 ``-p device cuda`` and ``-p engine_options '{pdl: yes}'`` failed in cell 5).
 
 - ``device`` (phase 3 notebooks: where the model runs) ``cuda``/``cuda:N`` needs CUDA here.
-- A random-weight registry model (phases 2 and 3) or 33's ``shape`` above
+- A random-weight registry model (phases 1, 2 and 3) or 33's ``shape`` above
   :data:`CPU_PARAMS_LIMIT` parameters (the H200 workloads: qwen3-4b, llama-3.2-3b,
   gemma-4-e2b) needs CUDA here.
-- Phase 2's ``backends`` ``vllm`` / ``unsloth`` need CUDA here (:func:`check_cuda_backends`).
-- ``29_compare``'s ``sidecar_dir`` holds phase-2 runs and its ``device`` matches one of them
-  (:func:`check_compare_sidecars`).
+- Phase 1's and phase 2's ``backends`` ``vllm`` / ``unsloth`` (phase 1: their variants and
+  ``hf_cb_fa4`` too) need CUDA here (:func:`check_cuda_backends`).
+- ``29_compare``'s ``sidecar_dir`` holds phase-2 runs and its ``device`` matches one of them;
+  ``19_compare``'s ``executed_dir`` holds phase-1 backend sidecars (:func:`check_compare_sidecars`).
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
   overrides) pass :func:`nbhelpers.bench.flex_ab.check_engine_options` and 34's
   ``parity_engine_options`` :func:`check_parity_options` (any host); 33's
@@ -138,22 +139,43 @@ def check_flex_backend_options(params: dict[str, Any], where: Callable[[str], st
         raise UserInputError(f"{where('engine_options')}: engine_options['flex']: {exc}") from exc
 
 
-def check_cuda_backends(params: dict[str, Any], where: Callable[[str], str]) -> None:
-    """Phase 2's ``backends`` of :data:`nbhelpers.grpo.plans.CUDA_BACKENDS` (``vllm``,
-    ``unsloth``) need CUDA here: on a CPU host they failed after launch (fresh-user trial,
-    2026-12-03: ``-p backends '[vllm]'`` wrote a failed notebook, two sidecars and INDEX rows
-    13 s later; ``'[vllm, flex]'`` ran flex's whole format warm-up first).
-    Raises :class:`UserInputError` naming the backends and the fix."""
-    backends = params.get("backends")
+CPU_BACKENDS = {"phase1": "hf_generate, hf_cb", "phase2": "hf_generate, flex"}
+"""What the CUDA check offers instead when every backend of the run needs CUDA, per phase (the
+CPU configs' backends; phase 1's CPU config leaves flex out: slow on 2 cores)."""
+
+
+def needs_cuda(backend: str) -> bool:
+    """Whether ``backend`` runs only on a CUDA GPU: an engine of
+    :data:`nbhelpers.grpo.plans.CUDA_BACKENDS` (vLLM, Unsloth) or a rollout variant of one
+    (:func:`nbhelpers.backends.resolve`), or a variant on FlashAttention-4 (``hf_cb_fa4``:
+    :data:`nbhelpers.shims.flash_attn4.FA4_NAMES`, CUDA kernels only)."""
+    from nbhelpers.backends import resolve
     from nbhelpers.grpo.plans import CUDA_BACKENDS
-    need = [b for b in backends if b in CUDA_BACKENDS] if isinstance(backends, list) else []
+    from nbhelpers.shims.flash_attn4 import FA4_NAMES
+    try:
+        engine, options = resolve(backend)
+    except ValueError:
+        return backend in CUDA_BACKENDS  # not a rollout name: the value checks name it
+    return engine in CUDA_BACKENDS or options.get("attn_implementation") in FA4_NAMES
+
+
+def check_cuda_backends(params: dict[str, Any], where: Callable[[str], str],
+                        phase: str = "phase2") -> None:
+    """Phase 1's and phase 2's ``backends`` that need CUDA (:func:`needs_cuda`: ``vllm``,
+    ``unsloth``; phase 1's ``hf_cb_fa4`` too) need it here: on a CPU host they failed after
+    launch (fresh-user trial, 2026-12-03: phase 2's ``-p backends '[vllm]'`` wrote a failed
+    notebook, two sidecars and INDEX rows 13 s later, ``'[vllm, flex]'`` ran flex's whole
+    format warm-up first; phase 1's ``-p backends '[vllm]'`` a failed notebook, sidecars and an
+    INDEX row 14 s later). Raises :class:`UserInputError` naming the backends and the fix."""
+    backends = params.get("backends")
+    need = [b for b in backends if needs_cuda(b)] if isinstance(backends, list) else []
     if not need or cuda_available():
         return
-    keep = [b for b in backends if b not in CUDA_BACKENDS]
+    keep = [b for b in backends if b not in need]
     ref = params.get("reference_backend")
     fix = (f"drop {need} (-p backends '[{', '.join(keep)}]'"
            + (f" -p reference_backend {keep[0]}" if ref in need else "") + ")" if keep
-           else "use backends that run on the CPU (-p backends '[hf_generate, flex]'"
+           else f"use backends that run on the CPU (-p backends '[{CPU_BACKENDS[phase]}]'"
            + (" -p reference_backend hf_generate" if ref in need else "") + ")")
     raise UserInputError(f"{where('backends')}: backends {need} need a CUDA GPU and torch sees "
                          f"none on this host: {fix}, or run on a CUDA host with --profile h200.")
@@ -161,15 +183,25 @@ def check_cuda_backends(params: dict[str, Any], where: Callable[[str], str]) -> 
 
 def check_compare_sidecars(params: dict[str, Any], notebook: Path, repo: Path,
                            where: Callable[[str], str]) -> None:
-    """``29_compare``'s ``sidecar_dir`` must hold phase-2 backend runs and its ``device`` must
-    match one of their devices (or be empty), as the notebook reads them
-    (:func:`nbhelpers.grpo.compare_sidecars.load_runs`, from ``repo``: the kernel's working
-    directory): a missing, empty or wrong folder gave a pandas ``KeyError`` after launch, and
-    an unknown device failed in cell 5, each leaving a failed notebook, sidecar and INDEX row
-    (fresh-user trial, 2026-12-03). Checked when ``sidecar_dir`` is given (its config gives it).
+    """A compare notebook's sidecars, read as it reads them (from ``repo``: the kernel's working
+    directory): ``29_compare``'s ``sidecar_dir`` must hold phase-2 backend runs and its
+    ``device`` match one of their devices (or be empty)
+    (:func:`nbhelpers.grpo.compare_sidecars.load_runs`); ``19_compare``'s ``executed_dir`` must
+    hold phase-1 backend sidecars when ``require_any``
+    (:func:`nbhelpers.bench.rollout.load_backend_sidecars`). A missing, empty or wrong folder
+    failed after launch (29: a pandas ``KeyError``, an unknown device in cell 5; 19: its last
+    cell's assert), each leaving a failed notebook, sidecar and INDEX row (fresh-user trial,
+    2026-12-03). Checked when the folder parameter is given (their configs give it).
     Raises :class:`UserInputError` naming the folder or the devices the sidecars hold."""
-    if phase_of(notebook) != "phase2" or not is_compare(notebook) \
-            or not isinstance(params.get("sidecar_dir"), str):
+    if not is_compare(notebook):
+        return
+    if phase_of(notebook) == "phase1" and isinstance(params.get("executed_dir"), str):
+        from nbhelpers.bench.rollout import load_backend_sidecars
+        try:
+            load_backend_sidecars(params["executed_dir"], params.get("require_any", True), repo)
+        except ValueError as exc:
+            raise UserInputError(f"{where('executed_dir')}: {exc}") from exc
+    if phase_of(notebook) != "phase2" or not isinstance(params.get("sidecar_dir"), str):
         return
     from nbhelpers.grpo.compare_sidecars import filter_device, load_runs
     try:
@@ -189,15 +221,15 @@ def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str],
     notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
     only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU);
     33's variants and LoRA modes too (:func:`check_flex_plan_params`), phase 1's flex
-    options (:func:`check_flex_backend_options`), phase 2's CUDA-only backends
+    options (:func:`check_flex_backend_options`), phase 1's and phase 2's CUDA-only backends
     (:func:`check_cuda_backends`) and model size, and, given its ``notebook`` and the ``repo``
-    it runs in, 29_compare's sidecars (:func:`check_compare_sidecars`; not when
-    ``sidecars_pending``: the same run executes the notebooks that write them first).
+    it runs in, 19_compare's and 29_compare's sidecars (:func:`check_compare_sidecars`; not
+    when ``sidecars_pending``: the same run executes the notebooks that write them first).
     Raises :class:`UserInputError` naming the parameter and the fix."""
     if phase == "phase1":
         check_flex_backend_options(params, where)
-    if phase == "phase2":
-        check_cuda_backends(params, where)
+    if phase in ("phase1", "phase2"):
+        check_cuda_backends(params, where, phase)
         _check_size(params, where, phase)
         if notebook is not None and not sidecars_pending:
             check_compare_sidecars(params, notebook, repo or notebook.resolve().parents[2],
@@ -213,7 +245,8 @@ def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str],
     _check_size(params, where, phase)
 
 
-SMALL_MODELS = {"phase2": "a small model such as -p model smollm2-135m-instruct (real weights, "
+SMALL_MODELS = {"phase1": "a tiny one such as -p model tiny-qwen3 (the CPU config's)",
+                "phase2": "a small model such as -p model smollm2-135m-instruct (real weights, "
                           "the CPU config's) or tiny-llama",
                 "phase3": "a tiny one (tiny-qwen3, tiny-llama, tiny-gemma4)"}
 """What the size check offers instead of a GPU-sized ``model``, per phase (33's ``shape``:

@@ -258,8 +258,9 @@ CMP_SPEED = """speed = grpo_compare.speed_frame(runs)
 for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], sort=False):
     display(Markdown(f"### {gpu}, {model}, `{shape}`\\n\\nFrom: "
                      f"{grpo_compare.sources(groups[(gpu, model, shape)])}"))
-    display(table.set_index("backend").drop(columns=["device", "model", "shape", "sidecar",
-                                                     "utc"]).round(3))
+    # utc stays: a group can hold runs of different days (and commits); the caption names files
+    display(table.set_index("backend").drop(columns=["device", "model", "shape", "sidecar"])
+            .assign(utc=lambda t: t["utc"].str[:16].str.replace("T", " ")).round(3))
 for (gpu, model, shape), latest in groups.items():
     print(f"{gpu}, {model}, {shape}: flex median step / vLLM's = "
           f"{grpo_compare.ratio_text(latest)}")"""

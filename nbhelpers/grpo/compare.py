@@ -72,14 +72,15 @@ from nbhelpers.grpo.compare_tables import (
 from nbhelpers.grpo.compile_report import compile_dynamic_flag
 from nbhelpers.stats import gpu_name
 
-__all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar", "compile_dynamic_flag",
-           "compile_frame", "filter_device", "flex_options", "flex_vs_vllm", "gate_frame",
-           "gate_latest", "group_key", "group_runs", "headline", "headline_by_shape", "is_frame", "is_summary", "latest_per_backend",
-           "latest_per_group", "load_runs", "not_logged_reason", "perf_goal", "ratio_text",
-           "result_by_shape", "result_line", "run_backends", "run_isolated",
-           "run_shape", "runs_frame", "runs_from_sidecars", "shape_label", "source_word",
-           "sources", "speed_frame", "step_split_frame", "steps_long", "summary_frame",
-           "vllm_ratio", "write_sidecars"]
+__all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar",
+           "compile_dynamic_flag", "compile_frame", "filter_device", "flex_options",
+           "flex_vs_vllm", "gate_frame", "gate_latest", "group_key", "group_runs",
+           "headline", "headline_by_shape", "is_frame", "is_summary",
+           "latest_per_backend", "latest_per_group", "load_runs", "not_logged_reason",
+           "perf_goal", "ratio_text", "result_by_shape", "result_line", "run_backends",
+           "run_isolated", "run_shape", "runs_frame", "runs_from_sidecars",
+           "shape_label", "source_word", "sources", "speed_frame", "step_split_frame",
+           "steps_long", "summary_frame", "vllm_ratio", "write_sidecars"]
 
 WARMUP_ADAPTER = "merge"
 """Phase 2 merges a format warm-up into the base (``train(warmup_adapter=...)``): every backend of

@@ -110,15 +110,6 @@ def test_19_plans_with_sidecars_or_without_require_any(tmp_path):
     assert job.parameters["executed_dir"] == "executed/phase1_rollout"
 
 
-def test_19_in_a_phase_run_is_not_checked_before_10_writes(monkeypatch, tmp_path):
-    """run phase1 runs 10 first (it writes the sidecars 19 reads): 19 is not checked then."""
-    monkeypatch.setattr(host_checks, "check_compare_sidecars",
-                        lambda *a, **k: pytest.fail("checked a phase run's 19"))
-    jobs = plan_jobs("phase1", "cpu", {"executed_dir": str(tmp_path / "nope")}, None,
-                     tmp_path / "executed", REPO)
-    assert [j.notebook.stem for j in jobs] == ["10_lora_rollout", "19_compare"]
-
-
 def test_the_notebook_itself_fails_early_with_the_same_message(tmp_path):
     """API users (19's first cell after the parameters): load_backend_sidecars raises before any
     table; a relative folder is read from the checkout or, under Jupyter, two folders up."""

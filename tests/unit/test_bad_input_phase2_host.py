@@ -109,13 +109,18 @@ def test_29_reads_a_repo_relative_folder_as_the_kernel_does(tmp_path):
     assert sidecar_root("executed", nb_dir) == REPO / "executed"
 
 
-def test_29_in_a_phase_run_is_not_checked_before_20_writes(monkeypatch, tmp_path):
-    """run phase2 runs 20 first (it writes the sidecars 29 reads): 29 is not checked then."""
+@pytest.mark.parametrize("phase, folder_param, stems", [
+    ("phase1", "executed_dir", ["10_lora_rollout", "19_compare"]),
+    ("phase2", "sidecar_dir", ["20_grpo_equivalence", "29_compare"])])
+def test_a_phase_runs_compare_notebook_is_not_checked_before_its_writer(
+        monkeypatch, tmp_path, phase, folder_param, stems):
+    """run phase1 / phase2 runs 10 / 20 first (they write the sidecars 19 / 29 read): the compare
+    notebook's folder is not checked then."""
     monkeypatch.setattr(host_checks, "check_compare_sidecars",
-                        lambda *a, **k: pytest.fail("checked a phase run's 29"))
-    jobs = plan_jobs("phase2", "cpu", {"sidecar_dir": str(tmp_path / "nope")}, None,
+                        lambda *a, **k: pytest.fail(f"checked a phase run's {stems[1]}"))
+    jobs = plan_jobs(phase, "cpu", {folder_param: str(tmp_path / "nope")}, None,
                      tmp_path / "executed", REPO)
-    assert [j.notebook.stem for j in jobs] == ["20_grpo_equivalence", "29_compare"]
+    assert [j.notebook.stem for j in jobs] == stems
 
 
 def test_the_notebook_itself_fails_early_with_the_same_message(tmp_path):

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from prelaunch import refused
 
 from nbhelpers.run import host_checks
-from nbhelpers.run.params import UserInputError
 from nbhelpers.run.runner import plan_jobs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,11 +22,7 @@ N19 = "notebooks/phase1_rollout/19_compare.ipynb"
 
 
 def _refused(nb, over, want, tmp_path):
-    out = tmp_path / "executed"
-    with pytest.raises(UserInputError) as err:
-        plan_jobs(nb, "cpu", over, None, out, REPO)
-    assert str(err.value) == want
-    assert not out.exists()  # no notebook, sidecar or INDEX.md
+    return refused(nb, over, want, tmp_path, exact=True)
 
 
 CPU_FIX = ", or run on a CUDA host with --profile h200."

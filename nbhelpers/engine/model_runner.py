@@ -170,10 +170,15 @@ class ModelRunner:
         self.kv = self.model.allocate_kv(self.opt.num_pages, self.opt.page_size)
 
     def free_kv(self) -> None:
-        """Drop the KV pool and captured graphs (they point into it)."""
+        """Drop the KV pool and captured graphs (they point into it). Under
+        ``prefill_graphs="auto"`` prefill stays eager from here on (a runner that sleeps between
+        rollouts would re-capture every rollout: warm-up + capture cost more than a replay
+        saves); ``"on"`` re-captures."""
         self.kv, self.states, self.graph_pool = None, {}, None
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
+            if self.opt.prefill_graphs == "auto":
+                self.prefill_graphs = None
 
     # ---------------------------------------------------------------- prefill
     def refresh_weights(self) -> None:

@@ -22,7 +22,8 @@ shared graph pool, so another graph's replay cannot overwrite them). Capture:
 the K/V it writes are the values the replay writes again) in the runner's shared pool; again when
 ``model.signature()`` (weight storage) changes. A capture that raises: a warning, and that bucket
 prefills eagerly (the runner's unchanged eager path: same tokens) until the signature changes.
-At most ``MAX_BUCKETS`` buckets are captured; batches past them prefill eagerly.
+At most ``MAX_BUCKETS`` buckets are captured; batches past them, and batches of more than
+``RunnerOptions.prefill_graph_max_tokens`` padded tokens, prefill eagerly.
 Counters: ``timings["prefill_graph_captures"]`` and ``timings["prefill_graph_replays"]``.
 """
 
@@ -110,10 +111,13 @@ class PrefillGraphs:
     def run(self, seqs: list[Sequence], ids: list[int], pos: list[int], rows: list[int],
             slots: list[int]) -> Any:
         """Logits ``[R, vocab]`` fp32 of each prompt's last token (K/V written into the pool),
-        from the bucket's graph; ``None`` when the bucket has no graph (capture failed, or
-        ``MAX_BUCKETS`` reached): then the caller prefills eagerly. The tensor is the bucket's
+        from the bucket's graph; ``None`` when the bucket has no graph (capture failed,
+        ``MAX_BUCKETS`` reached, or more than ``opt.prefill_graph_max_tokens`` padded tokens):
+        then the caller prefills eagerly. The tensor is the bucket's
         buffer: read it before the next prefill."""
         r = self.runner
+        if len(ids) > r.opt.prefill_graph_max_tokens:
+            return None  # large prefill: eager (RunnerOptions.prefill_graph_max_tokens)
         key = bucket_key(len(ids), len(seqs), r.prefill_attention)
         b, sig = self.buckets.get(key), r.model.signature()
         if b is None and len(self.buckets) >= MAX_BUCKETS:

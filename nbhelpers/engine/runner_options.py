@@ -111,13 +111,24 @@ class RunnerOptions:
     add+RMSNorms; ``scripts/count_prefill_ops.py``, CPU, 2026-12-02), about 180 with the kernels;
     prefill is eager, so each op is a host launch (H200 phase 2: ~0.10 s a prefill). Not the
     default: no H200 A/B yet, and the kernels equal the torch ops up to rounding only."""
-    prefill_graphs: str = "off"
+    prefill_graphs: str = "auto"
     """Prefill as one CUDA graph per bucket (padded token count, prompt count, flex kernel;
-    ``engine/prefill_graphs.py``): ``"off"`` (the default: eager prefill), ``"on"`` (needs CUDA
-    graphs, i.e. a CUDA model with ``use_cuda_graphs`` None or True, and flex prefill: else
-    ``ValueError`` at construction, :func:`resolve_prefill_graphs`) or ``"auto"`` (= ``"off"``
-    until an H200 A/B). Why ask: an eager prefill is ~2,200 host-bound launches (0.057-0.103 s a
-    GRPO rollout on the H200)."""
+    ``engine/prefill_graphs.py``): ``"auto"`` (the default: on wherever it can run, i.e. CUDA
+    graphs in use (a CUDA model, ``use_cuda_graphs`` None or True) and flex prefill, else off;
+    and off for good after the first :meth:`~nbhelpers.engine.LLM.sleep`, which drops the graphs:
+    re-capturing every rollout costs more than it saves), ``"on"`` (the same, but ``ValueError``
+    at construction where it cannot run, :func:`resolve_prefill_graphs`, and kept after a sleep)
+    or ``"off"`` (eager prefill). Why: an eager prefill is ~2,200 host-bound launches; on the H200
+    (2026-12-03, step ``s13f``, Qwen3-4B, 4 GRPO prompts, PEFT fp32 adapters) the graph took a
+    rollout's prefill from 56 to 27 ms (rollout 0.938 -> 0.907 s), same tokens
+    (``tests/engine/test_prefill_graphs.py``). Buckets over :attr:`prefill_graph_max_tokens`
+    prefill eagerly."""
+    prefill_graph_max_tokens: int = 4096
+    """Largest padded prefill (tokens) served by a CUDA graph; larger ones run eagerly. Why a
+    cap: a captured bucket's activations stay reserved in the engine's private graph pool (the
+    trainer's allocations cannot reuse them, unlike eager prefill's freed blocks), ~58 KB a token
+    for Qwen3-4B's MLP alone (2 x 9,728 bf16 gate/up + the product), so 4,096 tokens ~ 0.25 GB;
+    and a long prefill is compute-bound, where the graph saves little. int >= 1."""
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
@@ -259,7 +270,8 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                                 f"{', and any non-empty string counts as True' if isinstance(value, str) else ''}.")
         # page 0 is the null page, so a usable pool needs at least 2
         for name, low in (("page_size", 1), ("num_pages", 2), ("max_model_len", 1),
-                          ("sync_every", 1), ("prefill_pad", 1)):
+                          ("sync_every", 1), ("prefill_pad", 1),
+                          ("prefill_graph_max_tokens", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")

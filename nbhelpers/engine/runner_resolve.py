@@ -42,19 +42,23 @@ def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
 
 
 def resolve_prefill_graphs(opt: RunnerOptions, use_graphs: bool, prefill_attention: str) -> bool:
-    """Whether prefill runs as CUDA graphs (``prefill_graphs.py``): ``opt.prefill_graphs ==
-    "on"``; ``"auto"`` resolves to off (no H200 A/B yet).
+    """Whether prefill runs as CUDA graphs (``prefill_graphs.py``): ``"on"`` -> True (or raises),
+    ``"auto"`` -> True where it can run (``use_graphs`` and ``prefill_attention == "flex"``),
+    ``"off"`` -> False.
 
     Raises:
         ValueError: ``"on"`` without CUDA graphs (``use_graphs``: the resolved
             ``use_cuda_graphs``, off on the CPU) or with ``prefill_attention`` (resolved) not
             ``"flex"`` (SDPA/FA4 plans size their gathers on the host per batch).
     """
+    if opt.prefill_graphs == "auto":
+        return bool(use_graphs) and prefill_attention == "flex"
     if opt.prefill_graphs != "on":
         return False
     if not use_graphs:
         raise ValueError("RunnerOptions.prefill_graphs='on' needs CUDA graphs: a CUDA model with "
-                         "use_cuda_graphs None or True; on the CPU use prefill_graphs='off'.")
+                         "use_cuda_graphs None or True; on the CPU use prefill_graphs='off' (or "
+                         "'auto', which is off there).")
     if prefill_attention != "flex":
         raise ValueError(f"RunnerOptions.prefill_graphs='on' captures the flex prefill only, "
                          f"prefill_attention resolved to {prefill_attention!r} (its plan is "

@@ -197,7 +197,8 @@ N17B_BENCH = _ab_args("bench_ab_b32", "qwen3-4b:bf16:32", {"default": "", "early
 N17C_BENCH = _ab_args("bench_ab_none", "qwen3-4b:none:4", {
     "default": "", "early": '"pdl": "early"',
     "early_nocublas": '"pdl": "early", "skinny_gemm_cublas": "never"'})
-# session 12's opt-in CUDA-graph prefill (prefill_graphs="on", default off): its GPU parity tests,
+# session 12's CUDA-graph prefill (prefill_graphs="on"; opt-in then, the "auto" default since
+# session 14): its GPU parity tests,
 # then the A/B at the GRPO rollout shape (read prefill_s and the prefill_graph_* counters)
 N19_BENCH = _ab_args("bench_ab_pg", "qwen3-4b:fp32:4", {
     "default": "", "prefill_graphs": '"prefill_graphs": "on"'})

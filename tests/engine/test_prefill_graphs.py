@@ -75,7 +75,11 @@ def _same(got, want) -> None:
 
 # ---------------------------------------------------------------- options and buckets
 def test_option_values_are_checked():
-    assert RunnerOptions().prefill_graphs == "off"
+    assert RunnerOptions().prefill_graphs == "auto"
+    assert RunnerOptions().prefill_graph_max_tokens == 4096
+    for bad in (0, -1, 2.5, "4096", True):
+        with pytest.raises(ValueError, match=r"prefill_graph_max_tokens=.*int >= 1"):
+            RunnerOptions(prefill_graph_max_tokens=bad)
     with pytest.raises(ValueError, match=r"prefill_graphs='yes'.*\('off', 'on', 'auto'\)"):
         RunnerOptions(prefill_graphs="yes")
     with pytest.raises(ValueError, match=r"quote the word.*prefill_graphs: 'on'"):
@@ -83,8 +87,13 @@ def test_option_values_are_checked():
 
 
 def test_resolution():
-    for value in ("off", "auto"):  # auto = off until an H200 A/B
-        assert resolve_prefill_graphs(RunnerOptions(prefill_graphs=value), True, "flex") is False
+    assert resolve_prefill_graphs(RunnerOptions(prefill_graphs="off"), True, "flex") is False
+    auto = RunnerOptions()  # the default: on wherever it can run, never an error
+    assert resolve_prefill_graphs(auto, True, "flex") is True
+    assert resolve_prefill_graphs(auto, False, "flex") is False  # no CUDA graphs (the CPU)
+    assert resolve_prefill_graphs(auto, True, "sdpa") is False
+    assert resolve_prefill_graphs(auto, True, "fa4") is False
+    assert LLM(tiny_model(), **CPU_KW).runner.prefill_graphs is None  # CPU model: auto is off
     on = RunnerOptions(prefill_graphs="on")
     assert resolve_prefill_graphs(on, True, "flex") is True
     with pytest.raises(ValueError, match=r"needs CUDA graphs.*prefill_graphs='off'"):
@@ -213,6 +222,51 @@ def test_failed_capture_prefills_eagerly_with_the_same_tokens(monkeypatch):
     assert not graphs.runner.prefill_graphs.buckets
 
 
+def _cpu_auto(monkeypatch, model, **kw) -> LLM:
+    """``prefill_graphs="auto"`` on the CPU with CUDA graphs stood in (as :func:`_cpu_graphs`)."""
+    monkeypatch.setattr(prefill_graphs, "capture_graph", fake_capture)
+    monkeypatch.setattr(model_runner, "capture_graph", fake_capture)
+    monkeypatch.setattr(llm_module, "check_cuda_graphs", lambda *args: None)
+    return LLM(model, use_cuda_graphs=True, **{**CPU_KW, **kw})
+
+
+def test_prefills_over_the_token_cap_run_eagerly(monkeypatch):
+    model = tiny_model()
+    eager = LLM(model, use_cuda_graphs=False, **CPU_KW)
+    graphs = _cpu_auto(monkeypatch, model, prefill_graph_max_tokens=32)
+    assert graphs.runner.prefill_graphs is not None  # auto with (stand-in) CUDA graphs: on
+    runs = []
+    plain = graphs.runner._prefill_run
+    monkeypatch.setattr(graphs.runner, "_prefill_run", lambda *a: runs.append(1) or plain(*a))
+    for prompts, n_eager in ((random_prompts(2, 4, 9, seed=1), 0),  # 32 tokens: at the cap
+                             (random_prompts(2, 20, 28, seed=3), 1),  # 64 tokens: over it
+                             (random_prompts(2, 4, 9, seed=4), 1)):  # 32 again: the graph
+        _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+        assert len(runs) == n_eager
+    assert list(graphs.runner.prefill_graphs.buckets) == [(32, 2, "flex")]  # none for 64
+    t = graphs.runner.timings
+    assert t["prefill_graph_captures"] == 1 and t["prefill_graph_replays"] == 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_sleep_turns_auto_off_and_keeps_on(monkeypatch, mode):
+    model = tiny_model()
+    eager = LLM(model, use_cuda_graphs=False, **CPU_KW)
+    graphs = _cpu_auto(monkeypatch, model, prefill_graphs=mode)
+    prompts = random_prompts(2, 4, 9, seed=1)
+    _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+    graphs.sleep()
+    graphs.wake_up()
+    _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+    t, pg = graphs.runner.timings, graphs.runner.prefill_graphs
+    if mode == "auto":  # a runner that sleeps would re-capture every rollout: eager from here
+        assert pg is None and t["prefill_graph_captures"] == 1 and t["prefill_graph_replays"] == 1
+        assert resolved_kernels(graphs.runner)["prefill_graphs"] == "off"
+    else:  # "on" re-captures after the pool came back
+        assert list(pg.buckets) == [(32, 2, "flex")]
+        assert t["prefill_graph_captures"] == 2 and t["prefill_graph_replays"] == 2
+
+
 def test_buckets_past_the_cap_prefill_eagerly(monkeypatch):
     model = tiny_model()
     eager = LLM(model, use_cuda_graphs=False, **CPU_KW)
@@ -239,8 +293,9 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, n=2)
 @pytest.mark.parametrize("lora", [False, True])
 def test_gpu_prefill_graphs_match_eager(lora):
     model = (peft_tiny(torch.float32) if lora else tiny_model()).cuda()
-    off = LLM(model, **GPU_KW)
-    on = LLM(model, prefill_graphs="on", **GPU_KW)
+    off = LLM(model, prefill_graphs="off", **GPU_KW)
+    on = LLM(model, **GPU_KW)  # the default ("auto") is on for a CUDA model
+    assert on.runner.prefill_graphs is not None and off.runner.prefill_graphs is None
     batches = [random_prompts(2, 5, 30, seed=1), random_prompts(2, 31, 60, seed=2),  # 128
                random_prompts(2, 70, 90, seed=3)]  # 256 tokens: a second bucket
     for prompts in batches + batches[:1]:

@@ -120,7 +120,8 @@ class ModelRunner:
             self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device
         self.prefill_graphs: PrefillGraphs | None = None  # prefill_graphs="on" (prefill_graphs.py)
-        if resolve_prefill_graphs(opt, self.use_graphs, self.prefill_attention):
+        if resolve_prefill_graphs(opt, self.use_graphs, self.prefill_attention,
+                                  compiled=bool(compile_attn)):  # eager flex: no capture
             self.prefill_graphs, self.pad_prefill = PrefillGraphs(self), True  # few buckets
         self.kv: Any = None  # KVCache, or None while asleep
         self.max_pages = -(-opt.max_model_len // opt.page_size) + 1

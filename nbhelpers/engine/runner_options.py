@@ -114,7 +114,8 @@ class RunnerOptions:
     prefill_graphs: str = "auto"
     """Prefill as one CUDA graph per bucket (padded token count, prompt count, flex kernel;
     ``engine/prefill_graphs.py``): ``"auto"`` (the default: on wherever it can run, i.e. CUDA
-    graphs in use (a CUDA model, ``use_cuda_graphs`` None or True) and flex prefill, else off;
+    graphs in use (a CUDA model, ``use_cuda_graphs`` None or True) and compiled flex prefill
+    (``compile_attention`` None or True: eager flex copies from the host), else off;
     and off for good after the first :meth:`~nbhelpers.engine.LLM.sleep`, which drops the graphs:
     re-capturing every rollout costs more than it saves), ``"on"`` (the same, but ``ValueError``
     at construction where it cannot run, :func:`resolve_prefill_graphs`, and kept after a sleep)

@@ -41,10 +41,16 @@ def resolve_prefill(opt: RunnerOptions, on_cuda: bool, sdpa_ok: bool) -> str:
     return "sdpa" if sdpa_ok and not on_cuda else "flex"
 
 
-def resolve_prefill_graphs(opt: RunnerOptions, use_graphs: bool, prefill_attention: str) -> bool:
+def resolve_prefill_graphs(opt: RunnerOptions, use_graphs: bool, prefill_attention: str,
+                           compiled: bool = True) -> bool:
     """Whether prefill runs as CUDA graphs (``prefill_graphs.py``): ``"on"`` -> True (or raises),
-    ``"auto"`` -> True where it can run (``use_graphs`` and ``prefill_attention == "flex"``),
-    ``"off"`` -> False.
+    ``"auto"`` -> True where it can run (``use_graphs``, ``prefill_attention == "flex"`` and
+    ``compiled``: the resolved ``compile_attention``), ``"off"`` -> False. Uncompiled flex
+    cannot be captured: torch's eager flex (``_math_attention_inner``) builds its ``-inf`` fill
+    with ``torch.tensor(-inf, device=scores.device)`` on every call, a pageable host-to-device
+    copy that CUDA-graph capture refuses (H200 suite of 2026-12-03, ``tests/unit/
+    test_ab_flex_is.py`` with ``flex_compile_attention="off"``); ``"on"`` still tries (a failed
+    capture warns and prefills eagerly).
 
     Raises:
         ValueError: ``"on"`` without CUDA graphs (``use_graphs``: the resolved
@@ -52,7 +58,7 @@ def resolve_prefill_graphs(opt: RunnerOptions, use_graphs: bool, prefill_attenti
             ``"flex"`` (SDPA/FA4 plans size their gathers on the host per batch).
     """
     if opt.prefill_graphs == "auto":
-        return bool(use_graphs) and prefill_attention == "flex"
+        return bool(use_graphs) and prefill_attention == "flex" and bool(compiled)
     if opt.prefill_graphs != "on":
         return False
     if not use_graphs:

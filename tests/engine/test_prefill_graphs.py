@@ -60,6 +60,30 @@ def fake_capture(step, reset, pool=None):
     return FakeGraph(step)
 
 
+def guarded_capture(step, reset, pool=None):
+    """:func:`fake_capture` whose captured call fails on what CUDA-graph capture refuses and a
+    CPU run cannot see: a tensor built from Python data (``torch.tensor``/``torch.as_tensor``:
+    on CUDA a pageable host-to-device copy, "Cannot copy between CPU and CUDA tensors during
+    CUDA graph capture") or read back to the host (``.item()``, ``.tolist()``)."""
+    with torch.inference_mode():
+        for _ in range(WARMUP_STEPS):
+            step()
+            reset()
+
+    def refuse(name):
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"{name} during capture (a host copy CUDA graphs refuse)")
+        return fail
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("tensor", "as_tensor"):
+            mp.setattr(torch, name, refuse(f"torch.{name}"))
+        for name in ("item", "tolist"):
+            mp.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+        with torch.inference_mode():
+            step()
+    return FakeGraph(step)
+
+
 def _cpu_graphs(monkeypatch, model, capture=fake_capture) -> LLM:
     monkeypatch.setattr(prefill_graphs, "capture_graph", capture)
     monkeypatch.setattr(model_runner, "capture_graph", fake_capture)  # decode: same stand-in
@@ -93,6 +117,9 @@ def test_resolution():
     assert resolve_prefill_graphs(auto, False, "flex") is False  # no CUDA graphs (the CPU)
     assert resolve_prefill_graphs(auto, True, "sdpa") is False
     assert resolve_prefill_graphs(auto, True, "fa4") is False
+    assert resolve_prefill_graphs(auto, True, "flex", compiled=False) is False  # eager flex
+    on_eager = RunnerOptions(prefill_graphs="on")  # "on" tries anyway (a failed capture warns)
+    assert resolve_prefill_graphs(on_eager, True, "flex", compiled=False) is True
     assert LLM(tiny_model(), **CPU_KW).runner.prefill_graphs is None  # CPU model: auto is off
     on = RunnerOptions(prefill_graphs="on")
     assert resolve_prefill_graphs(on, True, "flex") is True
@@ -223,7 +250,13 @@ def test_failed_capture_prefills_eagerly_with_the_same_tokens(monkeypatch):
 
 
 def _cpu_auto(monkeypatch, model, **kw) -> LLM:
-    """``prefill_graphs="auto"`` on the CPU with CUDA graphs stood in (as :func:`_cpu_graphs`)."""
+    """``prefill_graphs="auto"`` on the CPU with CUDA graphs stood in (as :func:`_cpu_graphs`),
+    resolved as for compiled flex (auto leaves uncompiled flex eager; the CPU's flex is
+    uncompiled, and compiling it here would only cost time:
+    :func:`test_auto_leaves_uncompiled_flex_eager_and_captures_compiled_flex_clean`)."""
+    real = model_runner.resolve_prefill_graphs
+    monkeypatch.setattr(model_runner, "resolve_prefill_graphs",
+                        lambda opt, graphs, attention, compiled: real(opt, graphs, attention))
     monkeypatch.setattr(prefill_graphs, "capture_graph", fake_capture)
     monkeypatch.setattr(model_runner, "capture_graph", fake_capture)
     monkeypatch.setattr(llm_module, "check_cuda_graphs", lambda *args: None)
@@ -265,6 +298,43 @@ def test_sleep_turns_auto_off_and_keeps_on(monkeypatch, mode):
     else:  # "on" re-captures after the pool came back
         assert list(pg.buckets) == [(32, 2, "flex")]
         assert t["prefill_graph_captures"] == 2 and t["prefill_graph_replays"] == 2
+
+
+def test_eager_flex_prefill_copies_from_the_host_so_its_capture_fails(monkeypatch):
+    """What the H200 suite of 2026-12-03 hit (tests/unit/test_ab_flex_is.py, GRPO's
+    ``flex_compile_attention="off"``): uncompiled flex_attention runs torch's math fallback,
+    which builds ``torch.tensor(-inf, device=scores.device)`` on every call
+    (``torch/_higher_order_ops/flex_attention.py``, ``_math_attention_inner``): a host-to-device
+    copy that CUDA-graph capture refuses. ``"on"`` still tries: a warning, eager tokens."""
+    model = tiny_model()
+    eager = LLM(model, use_cuda_graphs=False, **CPU_KW)
+    graphs = _cpu_graphs(monkeypatch, model, capture=guarded_capture)  # the CPU's flex: eager
+    prompts = random_prompts(2, 4, 9, seed=1)
+    with pytest.warns(UserWarning, match=r"prefill bucket \(32, 2\).*torch\.tensor during"):
+        _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+    assert graphs.runner.timings["prefill_graph_captures"] == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_auto_leaves_uncompiled_flex_eager_and_captures_compiled_flex_clean(monkeypatch,
+                                                                            compiled):
+    """``"auto"`` captures only a body free of host copies (:func:`guarded_capture`): none for
+    uncompiled flex (no bucket, no warning), a clean capture for compiled flex."""
+    import warnings
+    model = tiny_model()
+    kw = {**CPU_KW, "compile_attention": compiled}
+    eager = LLM(model, use_cuda_graphs=False, **kw)
+    monkeypatch.setattr(prefill_graphs, "capture_graph", guarded_capture)
+    monkeypatch.setattr(model_runner, "capture_graph", fake_capture)
+    monkeypatch.setattr(llm_module, "check_cuda_graphs", lambda *args: None)
+    graphs = LLM(model, use_cuda_graphs=True, **kw)
+    prompts = random_prompts(2, 4, 9, seed=1)
+    with warnings.catch_warnings():  # a capture that fails the guard warns: an error here
+        warnings.filterwarnings("error", message=".*CUDA graph capture")
+        _same(graphs.generate(prompts, SAMPLED), eager.generate(prompts, SAMPLED))
+    assert (graphs.runner.prefill_graphs is not None) == compiled
+    t = graphs.runner.timings
+    assert (t["prefill_graph_captures"], t["prefill_graph_replays"]) == (int(compiled),) * 2
 
 
 def test_buckets_past_the_cap_prefill_eagerly(monkeypatch):

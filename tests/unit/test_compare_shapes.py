@@ -11,7 +11,7 @@ import pytest
 
 from nbhelpers.config import GRPOSettings
 from nbhelpers.grpo import compare as grpo_compare
-from nbhelpers.stats import read_sidecars
+from nbhelpers.stats import gpu_name, read_sidecars
 
 REF = (4, 4, 1, 256)  # num_generations, per_device_train_batch_size, accumulation, new tokens
 REALISTIC = (8, 16, 4, 512)
@@ -60,11 +60,12 @@ def test_two_shapes_of_one_model_are_separate_groups(tmp_path, distinct_stamps):
         grpo_compare.write_sidecars(runs, {}, _settings(shape), MODEL,
                                     tmp_path / folder / "r.json")
     runs, _ = grpo_compare.runs_from_sidecars(read_sidecars(tmp_path, phase="phase2"))
-    groups = grpo_compare.latest_per_group(runs)  # this host wrote them: device "cpu"
-    assert list(groups) == [("cpu", "qwen3-4b", "g4 b4x1 256tok"),
-                            ("cpu", "qwen3-4b", "g8 b16x4 512tok")]
-    assert list(groups[("cpu", "qwen3-4b", "g4 b4x1 256tok")]) == ["flex", "hf_generate"]
-    assert list(groups[("cpu", "qwen3-4b", "g8 b16x4 512tok")]) == ["flex", "vllm"]
+    groups = grpo_compare.latest_per_group(runs)  # this host wrote them: its device
+    dev = gpu_name()  # "cpu", or torch.cuda.get_device_name(0) ("NVIDIA H200") on a GPU host
+    assert list(groups) == [(dev, "qwen3-4b", "g4 b4x1 256tok"),
+                            (dev, "qwen3-4b", "g8 b16x4 512tok")]
+    assert list(groups[(dev, "qwen3-4b", "g4 b4x1 256tok")]) == ["flex", "hf_generate"]
+    assert list(groups[(dev, "qwen3-4b", "g8 b16x4 512tok")]) == ["flex", "vllm"]
     with pytest.raises(ValueError, match="span 2 .device, model, shape. groups"):
         grpo_compare.latest_per_backend(runs)  # newest flex would be the other shape's
     frame = grpo_compare.runs_frame(runs)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nbhelpers.config import GRPOSettings, LoraSpec
-from nbhelpers.grpo import sft_warmup, trainer
+from nbhelpers.grpo import setup, sft_warmup, trainer
 from nbhelpers.grpo.plans import BackendPlan
 from nbhelpers.run.params import UserInputError
 from nbhelpers.run.values import check_values
@@ -48,6 +48,9 @@ def test_vllm_warmup_folder_holds_the_trainers_weights(tmp_path, monkeypatch, ad
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(1)
+    # fp32 on the CPU on any host: a GPU host would load the policy in bf16 on CUDA (plans.
+    # load_policy), which neither the CPU ids below nor TOL fit (H200 suite of 2026-12-03)
+    monkeypatch.setattr(setup, "is_cuda", lambda: False)
     model, tok, peft, ds, _ = trainer._load_inputs(BackendPlan("vllm"), "tiny-llama", SETTINGS,
                                                    "gsm8k", 4)
     unwarmed_folder = model.name_or_path

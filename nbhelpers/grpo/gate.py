@@ -13,6 +13,15 @@ each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
   TRL logs KL only when ``beta > 0``: with ``beta == 0`` the check is skipped, saying so.
 * ``kl_vs_reference``: per step, ``|kl - kl_ref| <= kl_tolerance`` against the reference backend.
 * ``reward_vs_reference``: the median reward is within ``reward_tolerance`` of the reference's.
+* ``grad_norm_vs_reference``: the median ``grad_norm`` within a factor ``grad_ratio_max`` (3) of
+  the reference's. Why: KL and rewards over a short run cannot tell a backend whose updates are
+  ~100x smaller from one that trains: on SmolLM2-135M real weights (H200, 2026-12-03, 30 steps,
+  ``min_p=0.1``) vLLM colocate under TRL 1.15's default importance-sampling correction
+  (``sequence_mask``: exp of the summed per-token logprob gaps, which vLLM's min_p-renormalised
+  logprobs make ~0) had median grad norm 0.0016 against 0.27 (flex) and 0.32 (hf_generate), and
+  passed both KL and reward checks. The factor 3 leaves room for sampling noise (flex /
+  hf_generate: 0.85 there). Skipped when the reference's median is 0 (untrained: see
+  ``learning_signal``). The detail names TRL's applied IS weight mean when the row has it.
 * ``learning_signal`` (``info``, never failing): how many steps had ``grad_norm > 0``. With
   reward ties in every group (all -7.5 for a model that never writes the format tags) GRPO's
   advantages are zero, nothing trains, and the KL checks pass without testing anything.
@@ -67,6 +76,7 @@ class Thresholds:
     reward_tolerance: float = 3.0
     logprob_mismatch_max: float = 0.1
     sampling_is_filtered: bool = False
+    grad_ratio_max: float = 3.0
 
     def __post_init__(self) -> None:
         lo, hi = self.reward_range
@@ -75,6 +85,10 @@ class Thresholds:
         if min(self.kl_max_early, self.kl_tolerance, self.reward_tolerance,
                self.logprob_mismatch_max) < 0 or self.kl_early_steps < 1:
             raise ValueError("Thresholds: tolerances must be >= 0 and kl_early_steps >= 1.")
+        if not self.grad_ratio_max >= 1:  # also refuses NaN
+            raise ValueError(f"Thresholds.grad_ratio_max={self.grad_ratio_max!r}: must be >= 1 "
+                             "(a factor: 3 accepts a median grad norm from 1/3 to 3x the "
+                             "reference's).")
 
 
 def thresholds_for(model_kind: str, sampling: Any = None, **overrides: Any) -> Thresholds:
@@ -182,6 +196,26 @@ def _check_reward_ref(rows, ref_rows, th: Thresholds) -> Check:
                  f"(tolerance {th.reward_tolerance})")
 
 
+def _check_grad_ref(rows, ref_rows, th: Thresholds) -> Check:
+    name = "grad_norm_vs_reference"
+    if ref_rows is None:
+        return Check(name, "skip", "this is the reference run (or none given)")
+    mine = [r["grad_norm"] for r in rows if _finite(r.get("grad_norm"))]
+    theirs = [r["grad_norm"] for r in ref_rows if _finite(r.get("grad_norm"))]
+    if not mine or not theirs:
+        return Check(name, "skip", "no finite grad norms to compare")
+    ref = median(theirs)
+    if ref <= 0:
+        return Check(name, "skip", "the reference did not train (median grad norm 0)")
+    ratio = median(mine) / ref
+    applied = [r["is_ratio_applied_mean"] for r in rows if _finite(r.get("is_ratio_applied_mean"))]
+    why = (f"; TRL's applied IS weight, median {median(applied):.3g}, scales the loss"
+           if applied and ratio < 1 / th.grad_ratio_max else "")
+    status = "pass" if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max else "fail"
+    return Check(name, status, f"median grad norm {median(mine):.3g} = {ratio:.3g} x the "
+                 f"reference's {ref:.3g} (limit {th.grad_ratio_max:g}x either way){why}")
+
+
 def _check_mismatch(rows: list[dict[str, Any]], th: Thresholds) -> Check:
     vals = [v for v in _series(rows, MISMATCH_MEAN) if v is not None]
     if not vals:
@@ -226,7 +260,8 @@ def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
         _check_finite(rows, "loss"), _check_finite(rows, "grad_norm"),
         _check_reward(rows, thresholds), _check_kl_early(rows, thresholds),
         _check_kl_ref(rows, reference_rows, thresholds),
-        _check_reward_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds),
+        _check_reward_ref(rows, reference_rows, thresholds),
+        _check_grad_ref(rows, reference_rows, thresholds), _check_mismatch(rows, thresholds),
         _check_is(rows), _check_signal(rows)])
 
 
@@ -257,7 +292,8 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
                               None if name == reference else ref_rows)
         if ref is None and name != reference:
             for c in out[name].checks:
-                if c.name in ("kl_vs_reference", "reward_vs_reference"):
+                if c.name in ("kl_vs_reference", "reward_vs_reference",
+                              "grad_norm_vs_reference"):
                     c.detail = (f"reference backend {reference!r} is not in this run (runs: "
                                 f"{sorted(runs)}); 29_compare gates the latest runs together")
     return out

@@ -36,7 +36,7 @@ def test_healthy_rows_pass_every_check():
     assert {c.name: c.status for c in res.checks} == {
         "loss_finite": "pass", "grad_norm_finite": "pass", "reward_range": "pass",
         "kl_early": "pass", "kl_vs_reference": "pass", "reward_vs_reference": "pass",
-        "logprob_mismatch": "pass", "importance_sampling": "skip", "learning_signal": "info"}
+        "grad_norm_vs_reference": "pass", "logprob_mismatch": "pass", "importance_sampling": "skip", "learning_signal": "info"}
 
 
 @pytest.mark.parametrize("bad,check", [
@@ -57,6 +57,39 @@ def test_kl_and_reward_vs_reference_use_stated_tolerances():
     assert res.status("kl_vs_reference") == "fail" and "tolerance 0.001" in \
         next(c.detail for c in res.checks if c.name == "kl_vs_reference")
     assert res.status("reward_vs_reference") == "fail"
+
+
+def _grads(values, **extra):
+    return [r | {"grad_norm": g, **extra} for r, g in zip(rows(n=len(values)), values)]
+
+
+def test_grad_norm_vs_reference_catches_a_backend_that_barely_trains():
+    ref = _grads([0.3, 0.25, 0.35, 0.32])  # hf_generate-like
+    # the H200 SmolLM2 vLLM row of 2026-12-03: KL and rewards pass, updates ~200x smaller
+    small = _grads([0.0016, 0.0001, 0.002, 0.0015], is_ratio_applied_mean=0.0048)
+    res = check_run("vllm", small, TH, reference_rows=ref)
+    assert res.status("kl_vs_reference") == "pass" and res.status("reward_vs_reference") == "pass"
+    assert res.status("grad_norm_vs_reference") == "fail" and not res.passed
+    detail = next(c.detail for c in res.checks if c.name == "grad_norm_vs_reference")
+    assert "0.00155 = 0.005 x the reference's 0.31" in detail and "applied IS weight, median 0.0048" in detail
+    with pytest.raises(GateFailed, match="vllm.grad_norm_vs_reference"):
+        assert_gate({"vllm": res})
+    for values, status in (([0.27, 0.2, 0.3, 0.26], "pass"),  # flex-like: 0.85x
+                           ([0.95, 0.9, 1.0, 0.99], "fail"),  # 3.1x: too large as well
+                           ([0.11, 0.1, 0.12, 0.1], "pass")):  # 0.34x: inside 1/3
+        assert check_run("flex", _grads(values), TH, ref).status("grad_norm_vs_reference") == status
+    th = Thresholds(reward_range=RANDOM_WEIGHTS_REWARD, grad_ratio_max=10)
+    assert check_run("flex", _grads([0.95, 0.9, 1.0, 0.99]), th, ref).passed
+
+
+def test_grad_norm_vs_reference_skips_untrained_references_and_rejects_bad_limits():
+    untrained = _grads([0.0, 0.0, 0.0, 0.0])  # random weights: every reward ties
+    res = check_run("flex", _grads([0.0, 0.0, 0.0, 0.0]), TH, reference_rows=untrained)
+    assert res.status("grad_norm_vs_reference") == "skip" and res.passed
+    assert check_run("flex", rows(), TH).status("grad_norm_vs_reference") == "skip"  # no ref
+    for bad in (0.5, math.nan, -3):
+        with pytest.raises(ValueError, match="grad_ratio_max.*must be >= 1"):
+            Thresholds(grad_ratio_max=bad)
 
 
 def test_beta_zero_and_no_logprobs_are_skipped_not_passed():

@@ -459,12 +459,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                             "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0),
         (P2, {"backends": "[vllm]"}, 150, 240, 0)]),
     # session 14: the transformers CB row on SmolLM2 real weights (issue 13 part 1), gated
-    # against the same hf_generate row as n20v; after n20v if time is left
+    # against the same hf_generate row as n20v. Session 14 gave it 315 s and it stopped at
+    # step ~20 of 30 (~14 s a GRPO step, generation 13.8-14.7 s): a call of its own, ~560 s
     "s14h": ([], [], [
         (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_cb]", "max_steps": "30",
               "format_warmup_steps": "60", "n_questions": "60",
               "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
-                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 200, 330, 0)]),
+                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 480, 565, 0)]),
     "rh1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
     # session 13, after the rv chain (vLLM realistic): the prefill-graph GPU tests and A/B (n19)

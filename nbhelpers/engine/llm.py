@@ -139,8 +139,12 @@ class LLM:
         seqs = self._make_seqs(prompts, sampling, sched)
         before = dict(self.runner.timings)
         t0 = time.perf_counter()
-        while not sched.is_done:
-            self._step(sched, sampling)
+        self.runner.begin_generate()  # the live-weights check, once for the whole call
+        try:
+            while not sched.is_done:
+                self._step(sched, sampling)
+        finally:
+            self.runner.end_generate()
         total = dict(self.runner.timings)
         self.last_stats = {"wall_s": time.perf_counter() - t0,
                            "num_preemptions": sched.num_preemptions,

@@ -60,6 +60,39 @@ def test_refresh_weights_copies_every_stale_shadow_in_one_call_and_none_when_cur
     assert "_foreach_copy_" not in _count(llm.runner.refresh_weights)  # nothing changed
 
 
+def test_generate_checks_the_live_weights_once_and_still_sees_updates(monkeypatch):
+    """One weights check per ``LLM.generate`` call (``ModelRunner.begin_generate``), not one per
+    prefill and decode window; an in-place optimizer step between calls is still seen."""
+    model = peft_tiny(torch.bfloat16)
+    llm = LLM(model, lora_dtype="model", sync_every=2, **KW)  # 6 tokens: 1 prefill + 3 windows
+    runner, calls, events = llm.runner, [], []
+    plain = runner.refresh_weights
+    monkeypatch.setattr(runner, "refresh_weights", lambda: calls.append(1) or plain())
+    monkeypatch.setattr(llm, "_record", lambda kind, *a, **k: events.append(kind))
+    prompt = random_prompts(1, 9, 9, seed=3)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True)
+    before = llm.generate(prompt, sp)
+    assert events.count("prefill") == 1 and events.count("decode") == 3
+    assert len(calls) == 1 and not runner.weights_checked  # reset after the call
+    inplace_lora_step(model)  # what the trainer's optimizer does between rollouts
+    after = llm.generate(prompt, sp)
+    assert len(calls) == 2
+    for src, dst in _shadow_pairs(llm):  # the one check copied the update into the shadows
+        for s, d in zip(src, dst):
+            assert torch.equal(d, s.detach().to(d.dtype))
+    assert after[0].logprobs != before[0].logprobs
+    fresh = LLM(model, lora_dtype="model", sync_every=2, **KW).generate(prompt, sp)
+    assert after[0].token_ids == fresh[0].token_ids  # same as an engine built after the step
+    torch.testing.assert_close(after[0].logprobs, fresh[0].logprobs, atol=1e-5, rtol=0)
+
+    def boom():
+        raise RuntimeError("stop mid-call")
+    monkeypatch.setattr(llm, "_step", lambda *a: boom())
+    with pytest.raises(RuntimeError, match="stop mid-call"):
+        llm.generate(prompt, sp)
+    assert not runner.weights_checked  # a failed call does not leave the check switched off
+
+
 def test_copy_pages_is_copy_page_per_pair_in_one_call():
     kv = KVCache.allocate(3, 2, 4, num_pages=6, page_size=2, dtype=torch.float32, device=DEV)
     for t in kv.k + kv.v:

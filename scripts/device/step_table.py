@@ -495,6 +495,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs"}, 420, 570, 0)]),
     "c13h": ([], ["gsm8k"], [
         (P2, {"backends": "[hf_generate]", "compile_mode": "default"}, 420, 570, 0)]),
+    # next window (runbook section 18): flex and vLLM at the reference shape in one window with
+    # 20 steps each (medians over 17: session 14's 7-step medians spread +-0.08 s a step);
+    # s15v after rv1-rv3 (restores part 3)
+    "s15f": ([], [], [
+        (P2, {"backends": "[flex]", "max_steps": "20"}, 120, 200, 0)]),
+    "s15v": ([], ["vllm3"], [
+        (P2, {"backends": "[vllm]", "max_steps": "20"}, 180, 280, 0)]),
     "s13r": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [

@@ -203,6 +203,13 @@ N17C_BENCH = _ab_args("bench_ab_none", "qwen3-4b:none:4", {
 N19_BENCH = _ab_args("bench_ab_pg", "qwen3-4b:fp32:4", {
     "default": "", "prefill_graphs": '"prefill_graphs": "on"'})
 
+# session 14's question for the next window: what a decode window boundary costs at the GRPO
+# rollout shape (phase 2 flex host_s 0.058 s a rollout at e87e43f: 8 windows of 32 steps, the
+# GPU idle while the host appends tokens and loads the next window); read wall_s and host_s
+# (sync_every is the sweep's own flag, not a variant option: one bench run per value, same call)
+N15_SYNC = {n: _ab_args(f"bench_ab_sync{n}", "qwen3-4b:fp32:4", {"default": ""})
+            + f" --sync-every {n}" for n in (32, 64, 16)}
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -502,6 +509,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[flex]", "max_steps": "20"}, 120, 200, 0)]),
     "s15v": ([], ["vllm3"], [
         (P2, {"backends": "[vllm]", "max_steps": "20"}, 180, 280, 0)]),
+    "s15a": ([], [], [
+        (BENCH, {"args": N15_SYNC[n]}, 50, 90, 0) for n in (32, 64, 16)]),
     "s13r": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [

@@ -85,8 +85,9 @@ class Thresholds:
         if min(self.kl_max_early, self.kl_tolerance, self.reward_tolerance,
                self.logprob_mismatch_max) < 0 or self.kl_early_steps < 1:
             raise ValueError("Thresholds: tolerances must be >= 0 and kl_early_steps >= 1.")
-        if not self.grad_ratio_max >= 1:  # also refuses NaN
-            raise ValueError(f"Thresholds.grad_ratio_max={self.grad_ratio_max!r}: must be >= 1 "
+        g = self.grad_ratio_max
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 1 <= g < math.inf:
+            raise ValueError(f"Thresholds.grad_ratio_max={g!r}: must be a finite number >= 1 "
                              "(a factor: 3 accepts a median grad norm from 1/3 to 3x the "
                              "reference's).")
 
@@ -206,11 +207,11 @@ def _check_grad_ref(rows, ref_rows, th: Thresholds) -> Check:
         return Check(name, "skip", "no finite grad norms to compare")
     ref = median(theirs)
     if ref <= 0:
-        return Check(name, "skip", "the reference did not train (median grad norm 0)")
+        return Check(name, "skip", f"the reference did not train (median grad norm {ref:.3g})")
     ratio = median(mine) / ref
     applied = [r["is_ratio_applied_mean"] for r in rows if _finite(r.get("is_ratio_applied_mean"))]
-    why = (f"; TRL's applied IS weight, median {median(applied):.3g}, scales the loss"
-           if applied and ratio < 1 / th.grad_ratio_max else "")
+    why = (f"; TRL's applied IS weight (mean over steps {sum(applied) / len(applied):.3g}) "
+           "scales the loss" if applied and ratio < 1 / th.grad_ratio_max else "")
     status = "pass" if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max else "fail"
     return Check(name, status, f"median grad norm {median(mine):.3g} = {ratio:.3g} x the "
                  f"reference's {ref:.3g} (limit {th.grad_ratio_max:g}x either way){why}")
@@ -255,7 +256,11 @@ def _check_signal(rows: list[dict[str, Any]]) -> Check:
 
 def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,
               reference_rows: list[dict[str, Any]] | None = None) -> GateResult:
-    """Gate one run (see module docstring); ``reference_rows`` None = no cross-backend checks."""
+    """Gate one run (see module docstring); ``reference_rows`` None = no cross-backend checks.
+    A run with no step rows fails one check, ``steps``."""
+    if not rows:
+        return GateResult(backend, [Check("steps", "fail", "the run logged no step rows (did "
+                                          "training start? see the run's error / log)")])
     return GateResult(backend, [
         _check_finite(rows, "loss"), _check_finite(rows, "grad_norm"),
         _check_reward(rows, thresholds), _check_kl_early(rows, thresholds),
@@ -282,6 +287,7 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
     """
     ref = runs.get(reference, reference_run)
     ref_rows = None if ref is None or ref.get("error") else ref.get("rows")
+    cross = ("kl_vs_reference", "reward_vs_reference", "grad_norm_vs_reference")
     out = {}
     for name, run in runs.items():
         if run.get("error"):
@@ -290,12 +296,16 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
             continue
         out[name] = check_run(name, run["rows"], thresholds,
                               None if name == reference else ref_rows)
-        if ref is None and name != reference:
-            for c in out[name].checks:
-                if c.name in ("kl_vs_reference", "reward_vs_reference",
-                              "grad_norm_vs_reference"):
-                    c.detail = (f"reference backend {reference!r} is not in this run (runs: "
-                                f"{sorted(runs)}); 29_compare gates the latest runs together")
+        if name == reference or (ref is not None and not ref.get("error")):
+            continue
+        why = (f"reference backend {reference!r} is not in this run (runs: {sorted(runs)}); "
+               "29_compare gates the latest runs together" if ref is None else
+               f"reference backend {reference!r} "
+               f"{'is not staged' if is_not_staged(ref['error']) else 'failed'} "
+               f"({str(ref['error'])[:80]}): nothing to compare against")
+        for c in out[name].checks:
+            if c.name in cross:
+                c.status, c.detail = "skip", why
     return out
 
 

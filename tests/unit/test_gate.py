@@ -71,7 +71,7 @@ def test_grad_norm_vs_reference_catches_a_backend_that_barely_trains():
     assert res.status("kl_vs_reference") == "pass" and res.status("reward_vs_reference") == "pass"
     assert res.status("grad_norm_vs_reference") == "fail" and not res.passed
     detail = next(c.detail for c in res.checks if c.name == "grad_norm_vs_reference")
-    assert "0.00155 = 0.005 x the reference's 0.31" in detail and "applied IS weight, median 0.0048" in detail
+    assert "0.00155 = 0.005 x the reference's 0.31" in detail and "applied IS weight (mean over steps 0.0048)" in detail
     with pytest.raises(GateFailed, match="vllm.grad_norm_vs_reference"):
         assert_gate({"vllm": res})
     for values, status in (([0.27, 0.2, 0.3, 0.26], "pass"),  # flex-like: 0.85x
@@ -87,9 +87,34 @@ def test_grad_norm_vs_reference_skips_untrained_references_and_rejects_bad_limit
     res = check_run("flex", _grads([0.0, 0.0, 0.0, 0.0]), TH, reference_rows=untrained)
     assert res.status("grad_norm_vs_reference") == "skip" and res.passed
     assert check_run("flex", rows(), TH).status("grad_norm_vs_reference") == "skip"  # no ref
-    for bad in (0.5, math.nan, -3):
-        with pytest.raises(ValueError, match="grad_ratio_max.*must be >= 1"):
+    for bad in (0.5, math.nan, -3, math.inf, True, None, "3"):
+        with pytest.raises(ValueError, match="grad_ratio_max.*must be a finite number >= 1"):
             Thresholds(grad_ratio_max=bad)
+    with pytest.raises(ValueError, match="grad_ratio_max='2'"):
+        thresholds_for("real", grad_ratio_max="2")
+    negative = _grads([-0.3, -0.3, -0.3, -0.3])
+    detail = next(c.detail for c in check_run("flex", rows(), TH, negative).checks
+                  if c.name == "grad_norm_vs_reference")
+    assert detail == "the reference did not train (median grad norm -0.3)"
+
+
+def test_a_run_without_rows_fails_one_clear_check():
+    res = check_run("flex", [], TH, reference_rows=rows())
+    assert [(c.name, c.status) for c in res.checks] == [("steps", "fail")]
+    with pytest.raises(GateFailed, match="flex.steps: the run logged no step rows"):
+        assert_gate({"flex": res})
+
+
+@pytest.mark.parametrize("error,says", [
+    ("RuntimeError: CUDA out of memory", "failed (RuntimeError: CUDA out of memory)"),
+    ("BackendNotInstalled: pip install -e '.[vllm]'", "is not staged")])
+def test_cross_checks_name_a_reference_that_failed(error, says):
+    runs = {"hf_generate": {"rows": [], "error": error}, "flex": {"rows": rows(), "error": None}}
+    res = check_runs(runs, "hf_generate", TH)["flex"]
+    for name in ("kl_vs_reference", "reward_vs_reference", "grad_norm_vs_reference"):
+        check = next(c for c in res.checks if c.name == name)
+        assert check.status == "skip" and check.detail.startswith(
+            f"reference backend 'hf_generate' {says}") and "nothing to compare" in check.detail
 
 
 def test_beta_zero_and_no_logprobs_are_skipped_not_passed():

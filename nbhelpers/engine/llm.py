@@ -114,7 +114,7 @@ class LLM:
         ``prefill_s``, ``decode_s``, ``host_s`` (seconds; see
         :mod:`nbhelpers.engine.model_runner`), ``decode_steps``, ``prefill_tokens`` (tokens
         actually prefilled: shared prefixes once), ``graph_captures`` (decode),
-        ``prefill_graph_captures`` and ``prefill_graph_replays`` (``prefill_graphs="on"``).
+        ``prefill_graph_captures`` and ``prefill_graph_replays`` (``prefill_graphs`` resolved on).
         Cumulative (since the engine was built or :meth:`reset_timings`): the same counters as
         ``total_<key>`` (``total_decode_s``...), which is what ``runner.timings`` holds. Before 2026-12-01 the
         unprefixed counters were the cumulative ones; every reader in the repo either called

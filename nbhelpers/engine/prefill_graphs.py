@@ -1,4 +1,5 @@
-"""CUDA-graph prefill (runner option ``prefill_graphs="on"``), used by ``model_runner.py``.
+"""CUDA-graph prefill (runner option ``prefill_graphs``: ``"auto"``, the default, or ``"on"``),
+used by ``model_runner.py``.
 
 Contract: :class:`PrefillGraphs` serves ``ModelRunner.prefill``'s packed forward + LM head of the
 prompts' last tokens as one CUDA graph per bucket :func:`bucket_key` = ``(T, R, kernel)``: ``T``

@@ -117,9 +117,11 @@ class RunnerOptions:
     graphs in use (a CUDA model, ``use_cuda_graphs`` None or True) and compiled flex prefill
     (``compile_attention`` None or True: eager flex copies from the host), else off;
     and off for good after the first :meth:`~nbhelpers.engine.LLM.sleep`, which drops the graphs:
-    re-capturing every rollout costs more than it saves), ``"on"`` (the same, but ``ValueError``
-    at construction where it cannot run, :func:`resolve_prefill_graphs`, and kept after a sleep)
-    or ``"off"`` (eager prefill). Why: an eager prefill is ~2,200 host-bound launches; on the H200
+    re-capturing every rollout costs more than it saves), ``"on"`` (``ValueError`` at
+    construction without CUDA graphs or flex prefill, or with :attr:`prefill_graph_max_tokens`
+    below :attr:`prefill_pad` (no padded prefill would fit); with uncompiled flex it tries, and
+    the capture fails with a warning and prefills eagerly (torch's eager flex copies from the
+    host); kept after a sleep) or ``"off"`` (eager prefill). Why: an eager prefill is ~2,200 host-bound launches; on the H200
     (2026-12-03, step ``s13f``, Qwen3-4B, 4 GRPO prompts, PEFT fp32 adapters) the graph took a
     rollout's prefill from 56 to 27 ms (rollout 0.938 -> 0.907 s), same tokens
     (``tests/engine/test_prefill_graphs.py``). Buckets over :attr:`prefill_graph_max_tokens`
@@ -129,7 +131,9 @@ class RunnerOptions:
     cap: a captured bucket's activations stay reserved in the engine's private graph pool (the
     trainer's allocations cannot reuse them, unlike eager prefill's freed blocks), ~58 KB a token
     for Qwen3-4B's MLP alone (2 x 9,728 bf16 gate/up + the product), so 4,096 tokens ~ 0.25 GB;
-    and a long prefill is compute-bound, where the graph saves little. int >= 1."""
+    and a long prefill is compute-bound, where the graph saves little. int >= 1; with
+    ``prefill_graphs="on"`` at least :attr:`prefill_pad` (``"auto"`` leaves a smaller cap as
+    "capture nothing")."""
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     """``"flex"`` (packed document-causal BlockMask), ``"sdpa"`` (per-request causal SDPA over
@@ -276,6 +280,12 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RunnerOptions.{name}={value!r}: must be an int >= {low}.")
+        if self.prefill_graphs == "on" and self.prefill_graph_max_tokens < self.prefill_pad:
+            raise ValueError(f"RunnerOptions.prefill_graph_max_tokens="
+                             f"{self.prefill_graph_max_tokens} < prefill_pad={self.prefill_pad}: "
+                             "every padded prefill is larger than the cap, so "
+                             "prefill_graphs='on' would capture nothing; raise "
+                             "prefill_graph_max_tokens (or use prefill_graphs='auto' / 'off').")
         if self.compile_decode and self.compile_attention is False:
             raise ValueError("RunnerOptions.compile_decode=True compiles the whole step with "
                              "flex_attention inside: leave compile_attention None or True.")

@@ -104,6 +104,9 @@ def test_option_values_are_checked():
     for bad in (0, -1, 2.5, "4096", True):
         with pytest.raises(ValueError, match=r"prefill_graph_max_tokens=.*int >= 1"):
             RunnerOptions(prefill_graph_max_tokens=bad)
+    with pytest.raises(ValueError, match=r"max_tokens=16 < prefill_pad=32.*capture nothing"):
+        RunnerOptions(prefill_graphs="on", prefill_graph_max_tokens=16, prefill_pad=32)
+    RunnerOptions(prefill_graph_max_tokens=16, prefill_pad=32)  # auto: a cap, nothing captured
     with pytest.raises(ValueError, match=r"prefill_graphs='yes'.*\('off', 'on', 'auto'\)"):
         RunnerOptions(prefill_graphs="yes")
     with pytest.raises(ValueError, match=r"quote the word.*prefill_graphs: 'on'"):

@@ -167,6 +167,7 @@ class LiveGroup:
         self.lora_dtype = "adapter"
         self._versions: tuple = ()
         self._skinny: Any = None  # skinny_linear.SkinnyLinear (runner option skinny_gemm)
+        self.checked = False  # True inside one LLM.generate (ModelRunner.begin_generate)
         self.set_lora_expand(lora_expand)
         self.refresh()
 
@@ -277,7 +278,10 @@ class LiveGroup:
     def _buffers(self) -> dict[str, Any] | None:
         """Fused (or single-part live) tensors for the GEMM path, or ``None`` for per-part."""
         import torch
-        if self.fuse_lora_a and not torch.compiler.is_compiling():  # traced: refreshed before
+        # traced: refreshed before; checked: the runner refreshed every group at the start of
+        # this LLM.generate call, and weights cannot change inside it (begin_generate)
+        # (is_compiling first: a trace must not read, and so guard on, the flag)
+        if self.fuse_lora_a and not torch.compiler.is_compiling() and not self.checked:
             self.refresh()
         if self._fused is not None and self._fused["lora"] == any(p.has_lora for p in self.parts):
             return self._fused

@@ -8,7 +8,8 @@ decode steps for the running batch: every step (all layers, live LoRA, sampler, 
 mask, position/token updates) is one CUDA graph per batch-size bucket; token ids stay on the device
 and the host reads the tokens once per window (``steps``), not per step. When capture fails, the
 same step runs eagerly with a warning (same tokens). On the CPU everything runs eagerly. With
-``prefill_graphs="on"`` the prefill forward replays a CUDA graph per bucket (``prefill_graphs.py``).
+``prefill_graphs`` resolved on (``"auto"``, the default, with CUDA graphs and compiled flex prefill;
+or ``"on"``) the prefill forward replays a CUDA graph per bucket (``prefill_graphs.py``).
 
 Timing: ``self.timings`` accumulates ``prefill_s``, ``decode_s`` (graph replays + the end-of-window
 readback) and ``host_s`` (Python bookkeeping), in seconds, and counts ``decode_steps``,
@@ -119,7 +120,7 @@ class ModelRunner:
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode
             self.paged_decode = build_paged_decode(self.model, opt)
         self.device = self.model.device
-        self.prefill_graphs: PrefillGraphs | None = None  # prefill_graphs="on" (prefill_graphs.py)
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill_graphs resolved on (prefill_graphs.py)
         if resolve_prefill_graphs(opt, self.use_graphs, self.prefill_attention,
                                   compiled=bool(compile_attn)):  # eager flex: no capture
             self.prefill_graphs, self.pad_prefill = PrefillGraphs(self), True  # few buckets
@@ -195,15 +196,24 @@ class ModelRunner:
         a 2-core CPU host, 2026-12-03, a 36-layer hidden-64 Qwen3), which before ran
         before every prefill and every decode window (8 windows a 256-token rollout at
         ``sync_every=32``). Until :meth:`end_generate`, :meth:`prefill` and :meth:`decode` skip
-        their own refresh; called directly (without this), they refresh each time, as before."""
+        their own refresh, and so do the projection groups' eager forwards (``LiveGroup.checked``;
+        CUDA-graph replays run no Python at all); called directly (without this), they refresh
+        each time, as before."""
         t0 = time.perf_counter()
         self.refresh_weights()
-        self.weights_checked = True
+        self._set_checked(True)
         self._tick("host_s", t0)
 
     def end_generate(self) -> None:
         """End of the ``LLM.generate`` call: the next prefill/decode refreshes again."""
-        self.weights_checked = False
+        self._set_checked(False)
+
+    def _set_checked(self, value: bool) -> None:
+        """The runner's flag and every group's (``LiveGroup.checked``: its eager forwards skip
+        their own per-call refresh, ``LiveGroup._buffers``)."""
+        self.weights_checked = value
+        for group in self.model.live_groups():
+            group.checked = value
 
     def _refresh_unless_checked(self) -> None:
         if not self.weights_checked:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kv_cache import KVCache
+from nbhelpers.engine.lora import LiveGroup
 
 # the compiled CUDA flex prefill takes pages of a multiple of its 64-token tile (the H200 suite
 # of 2026-12-02 refused 16); the CPU keeps its small pages
@@ -71,9 +72,15 @@ def test_generate_checks_the_live_weights_once_and_still_sees_updates(monkeypatc
     monkeypatch.setattr(llm, "_record", lambda kind, *a, **k: events.append(kind))
     prompt = random_prompts(1, 9, 9, seed=3)
     sp = SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True)
+    group_refreshes = []
+    plain_group = LiveGroup.refresh
+    monkeypatch.setattr(LiveGroup, "refresh",
+                        lambda self: group_refreshes.append(1) or plain_group(self))
     before = llm.generate(prompt, sp)
     assert events.count("prefill") == 1 and events.count("decode") == 3
     assert len(calls) == 1 and not runner.weights_checked  # reset after the call
+    # the groups' eager forwards (CPU; CUDA warm-up/capture) skip their own per-call check
+    assert not group_refreshes and not any(g.checked for g in runner.model.live_groups())
     inplace_lora_step(model)  # what the trainer's optimizer does between rollouts
     after = llm.generate(prompt, sp)
     assert len(calls) == 2

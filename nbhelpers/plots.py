@@ -159,20 +159,26 @@ def metrics_by_step(frame: pd.DataFrame, metrics: Sequence[tuple[str, str]], tit
 
 def grouped_bars(frame: pd.DataFrame, columns: Sequence[str], ylabel: str, title: str
                  ) -> Figure:
-    """Bars of ``columns`` (x groups) for each backend (``frame``'s index; backend colours);
-    NaN draws no bar.
+    """Bars of ``columns`` (x groups) for each backend (``frame``'s index; backend colours).
+    A missing value (None or NaN, also a whole-``None`` column) draws no bar; a column no
+    backend has is labelled ``(not logged)`` under its tick.
 
     Raises:
         ValueError: ``frame`` lacks one of ``columns``.
     """
+    import pandas as pd
     _require_columns(frame, columns, "grouped_bars")
+    values = frame[list(columns)].apply(pd.to_numeric, errors="coerce").astype(float)
     fig, (ax,) = _new_figure(width=7.0, height=3.4)
     width = 0.8 / max(1, len(frame))
-    for i, (backend, row) in enumerate(frame.iterrows()):
-        xs = [j + (i - (len(frame) - 1) / 2) * width for j in range(len(columns))]
-        ax.bar(xs, [row[c] for c in columns], width, color=color(str(backend)),
+    for i, (backend, row) in enumerate(values.iterrows()):
+        bars = [(j + (i - (len(frame) - 1) / 2) * width, row[c])
+                for j, c in enumerate(columns) if pd.notna(row[c])]
+        ax.bar([x for x, _ in bars], [h for _, h in bars], width, color=color(str(backend)),
                label=str(backend))
-    ax.set_xticks(range(len(columns)), [c.split("/")[-1] for c in columns], fontsize="small")
+    ax.set_xticks(range(len(columns)),
+                  [c.split("/")[-1] + ("" if values[c].notna().any() else "\n(not logged)")
+                   for c in columns], fontsize="small")
     ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize="x-small")
     return fig

@@ -42,7 +42,7 @@ from nbhelpers.stats import gpu_name"""
 
 EQ_PARAMETERS = """\
 backends: list = ["hf_generate", "flex"]  # of hf_generate, hf_cb, vllm, unsloth, flex
-reference_backend: str = "hf_generate"  # the gate compares KL and reward against this one
+reference_backend: str = "hf_generate"  # the gate compares KL, reward, grad norm with it
 model: str = "smollm2-135m-instruct"  # nbhelpers.models.list_models() name, hub id, folder
 dataset: str = "gsm8k"  # gsm8k | gsm_symbolic | dapo_math
 n_questions: int = 16  # questions drawn for the prompts
@@ -243,7 +243,7 @@ from nbhelpers.stats import make_sidecar, write_sidecar"""
 
 CMP_PARAMETERS = """\
 sidecar_dir: str = "executed/phase2_grpo/20_grpo_equivalence"  # where 20_* wrote its sidecars
-reference_backend: str = "hf_generate"  # the cross-run gate compares KL and reward against it
+reference_backend: str = "hf_generate"  # cross-run gate: KL, reward, grad norm against it
 device: str = ""  # keep runs whose device name contains this (e.g. "h200", "cpu"); empty: all
 sidecar_path: str = ""  # this notebook's summary sidecar (the runner sets it)"""
 
@@ -285,21 +285,21 @@ display(compiled if len(compiled) else Markdown("No run compiled the trainer (co
 
 CMP_CROSS = """cross = grpo_compare.gate_latest(runs, reference_backend)
 display(grpo_compare.gate_frame(cross))
-failed = [f"{name}.{c.name}" for name, r in cross.items() for c in r.checks if c.status == "fail"]
-print("cross-run gate:", "pass" if not failed else f"FAILED {failed}")"""
+print(grpo_compare.failed_checks_text(cross))  # every failed check in full (the table is cut)"""
 
 CMP_GOAL = """goals = pd.DataFrame({
     ", ".join(g): grpo_compare.perf_goal(grpo_compare.summary_frame(latest))
     for g, latest in groups.items()}).T
 display(goals)
 result = grpo_compare.result_by_shape(groups)
+gate_text = grpo_compare.gate_conclusion(runs, cross, reference_backend)
 display(Markdown(f"**Result:** {len(runs)} runs in {len(groups)} (device, model, shape) groups; "
-                 f"{result}."))
+                 f"{result}; {gate_text}"))
 side = make_sidecar(phase=grpo_compare.PHASE, backend="summary:29_compare", extra={
     "kind": "summary", "notebook": "29_compare", "device": device, "n_sidecars": len(sidecars),
-    "speed": speed.to_dict(orient="records"), "result": result,
+    "speed": speed.to_dict(orient="records"), "result": result, "gate_conclusion": gate_text,
     "cross_gate": {name: g.as_dict() for name, g in cross.items()},
-    "headline": grpo_compare.headline_by_shape(groups)})
+    "headline": grpo_compare.headline_by_shape(groups) | grpo_compare.gate_headline(cross)})
 if sidecar_path:
     print("sidecar:", write_sidecar(side, sidecar_path))
 assert runs, f"no phase-2 sidecars under {root}: run 20_grpo_equivalence first"
@@ -338,12 +338,15 @@ def compare() -> nbformat.NotebookNode:
         (("## Gate across runs\nThe newest run of each backend against the newest "
           "`reference_backend` run of the same (device, model, shape) group, wherever they ran "
           "(one device call may hold only some backends, so a run's own gate can lack the "
-          "reference; a group without a reference run skips the reference checks)."),
+          "reference; a group without a reference run skips the reference checks: KL, reward "
+          "and median grad norm). The table is long and pandas cuts it; every failed check is "
+          "printed in full under it."),
          CMP_CROSS)],
         sidecar=(("## The flex goal per shape, sidecar and checks\nPer group, newest run per "
                   "backend: issue 6's ratios flex / vLLM (`met`: median step <= vLLM's at <= 1/5 "
                   "of its peak memory; `None` when either backend has no numbers), the Result "
-                  "line, and this notebook's summary sidecar."), CMP_GOAL))
+                  "line (with the cross-run gate's failures in words), and this notebook's "
+                  "summary sidecar."), CMP_GOAL))
 
 
 NOTEBOOKS = {"notebooks/phase2_grpo/20_grpo_equivalence.ipynb": equivalence,

@@ -50,6 +50,7 @@ from nbhelpers.grpo.compare_sidecars import (
     PHASE,
     backend_sidecar,
     filter_device,
+    gate_conclusion,
     gate_latest,
     load_runs,
     runs_from_sidecars,
@@ -57,7 +58,10 @@ from nbhelpers.grpo.compare_sidecars import (
 )
 from nbhelpers.grpo.compare_tables import (
     compile_frame,
+    failed_checks,
+    failed_checks_text,
     gate_frame,
+    gate_headline,
     headline,
     is_frame,
     is_summary,
@@ -73,8 +77,9 @@ from nbhelpers.grpo.compile_report import compile_dynamic_flag
 from nbhelpers.stats import gpu_name
 
 __all__ = ["PHASE", "RUN_KEYS", "WARMUP_ADAPTER", "backend_sidecar",
-           "compile_dynamic_flag", "compile_frame", "filter_device", "flex_options",
-           "flex_vs_vllm", "gate_frame", "gate_latest", "group_key", "group_runs",
+           "compile_dynamic_flag", "compile_frame", "failed_checks", "failed_checks_text",
+           "filter_device", "flex_options", "flex_vs_vllm", "gate_conclusion", "gate_frame",
+           "gate_headline", "gate_latest", "group_key", "group_runs",
            "headline", "headline_by_shape", "is_frame", "is_summary",
            "latest_per_backend", "latest_per_group", "load_runs", "not_logged_reason",
            "perf_goal", "ratio_text", "result_by_shape", "result_line", "run_backends",

@@ -241,7 +241,10 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
     run never logged the key), ``peak_mem_device_gib``, the IS columns of
     :func:`~nbhelpers.grpo.compare_tables.is_frame`, ``step_vs_vllm`` (:func:`vllm_ratio`,
     from the vLLM row of the same group; NaN when it has none), ``status`` (``ok`` | ``failed``:
-    a failed run's numbers are missing, not zero) and ``error`` (its first line, else None)."""
+    a failed run's numbers are missing, not zero) and ``error`` (its first line, else None).
+    Every number column is float: a value no run logged is NaN (a whole-``None`` column, such as
+    ``time/*`` on records from before 2026-12-02, would otherwise be ``object`` and break
+    arithmetic and bar plots)."""
     import pandas as pd
 
     from nbhelpers.grpo.compare_tables import is_frame, step_split_frame
@@ -258,7 +261,13 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
                          **is_table.loc[backend].to_dict(), "step_vs_vllm": ratio[backend],
                          "status": "failed" if error_line(run) else "ok",
                          "error": error_line(run)})
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    numbers = [c for c in frame.columns if c not in _SPEED_TEXT]
+    frame[numbers] = frame[numbers].apply(pd.to_numeric, errors="coerce").astype(float)
+    return frame
+
+
+_SPEED_TEXT = ("device", "model", "shape", "backend", "sidecar", "utc", "status", "error")
 
 
 def runs_frame(runs: dict[str, dict[str, Any]]):

@@ -8,7 +8,8 @@ the partial records of :mod:`~nbhelpers.grpo.compare_records`, which they replac
 :func:`filter_device` keeps one device's runs; :func:`load_runs` reads a folder's runs for
 ``29_compare`` (and the runner's pre-launch check), refusing a folder without any; :func:`gate_latest` gates the newest run of each
 backend against the reference within one (device, model, shape) group
-(:func:`nbhelpers.grpo.compare_shapes.latest_per_group`). Reached through
+(:func:`nbhelpers.grpo.compare_shapes.latest_per_group`) and :func:`gate_conclusion` says what
+failed, in sentences. Reached through
 :mod:`nbhelpers.grpo.compare`, the notebooks' face.
 """
 
@@ -183,6 +184,25 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
     return [write_sidecar(main, path), *written]
 
 
+def _gate_groups(runs: dict[str, dict[str, Any]], reference: str, overrides: dict[str, Any]):
+    """Per (device, model, shape) group: ``(latest, thresholds, label)``; ``label(backend)`` is
+    :func:`gate_latest`'s key for that backend's run."""
+    from types import SimpleNamespace
+
+    from nbhelpers.grpo.gate import thresholds_for
+    groups = latest_per_group(runs)
+    for (gpu, model, shape), latest in groups.items():
+        ref = latest.get(reference) or next(iter(latest.values()), {})
+        kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
+        cfg = ref.get("config") or {}
+        top_k = cfg.get("top_k") or 0
+        sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0,
+                                   top_p=cfg.get("top_p", 1.0) or 1.0, top_k=max(0, top_k))
+        suffix = "" if len(groups) == 1 else f" ({gpu}, {model}, {shape})"
+        yield latest, thresholds_for(kind, sampling, **overrides), (
+            lambda name, suffix=suffix: name + suffix)
+
+
 def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: Any):
     """Gate the newest run of each backend against the newest ``reference`` run of the same
     device, model and shape (:func:`nbhelpers.grpo.compare_shapes.group_key`; the newest run
@@ -195,19 +215,38 @@ def gate_latest(runs: dict[str, dict[str, Any]], reference: str, **overrides: An
     recorded GRPO config (``min_p``, ``top_p``, ``top_k``). Returns ``{backend: GateResult}``, keyed
     ``"backend (device, model, shape)"`` when the runs span several groups.
     """
-    from types import SimpleNamespace
-
-    from nbhelpers.grpo.gate import check_runs, thresholds_for
-    groups = latest_per_group(runs)
+    from nbhelpers.grpo.gate import check_runs
     out = {}
-    for (gpu, model, shape), latest in groups.items():
-        ref = latest.get(reference) or next(iter(latest.values()), {})
-        kind = "random" if (ref.get("model") or {}).get("weights") == "random" else "real"
-        cfg = ref.get("config") or {}
-        top_k = cfg.get("top_k") or 0
-        sampling = SimpleNamespace(min_p=cfg.get("min_p") or 0.0,
-                                   top_p=cfg.get("top_p", 1.0) or 1.0, top_k=max(0, top_k))
-        gates = check_runs(latest, reference, thresholds_for(kind, sampling, **overrides))
-        for name, gate in gates.items():
-            out[name if len(groups) == 1 else f"{name} ({gpu}, {model}, {shape})"] = gate
+    for latest, thresholds, label in _gate_groups(runs, reference, overrides):
+        for name, gate in check_runs(latest, reference, thresholds).items():
+            out[label(name)] = gate
     return out
+
+
+def gate_conclusion(runs: dict[str, dict[str, Any]], cross: dict[str, Any], reference: str,
+                    **overrides: Any) -> str:
+    """The cross-run gate (``cross``: :func:`gate_latest` of the same ``runs``, ``reference``
+    and ``overrides``) as sentences for 29's Result line: ``cross-run gate: pass.``, or ``cross-run
+    gate FAILED: <n> checks (<key>.<check>, ...).`` followed by one sentence per failed
+    ``grad_norm_vs_reference`` (:func:`nbhelpers.grpo.gate.grad_gap_sentence`: the policy
+    gradient much smaller than the reference's, and when TRL's applied IS weight is small, that
+    its importance-sampling correction scales the loss and the switches that stop it)."""
+    from nbhelpers.grpo.compare_tables import failed_checks
+    from nbhelpers.grpo.gate import grad_gap_sentence
+    failed = failed_checks(cross)
+    if not failed:
+        return "cross-run gate: pass."
+    out = [f"cross-run gate FAILED: {len(failed)} check{'s' if len(failed) > 1 else ''} ("
+           + ", ".join(f"{f['backend']}.{f['check']}" for f in failed) + ")."]
+    for latest, thresholds, label in _gate_groups(runs, reference, overrides):
+        ref = latest.get(reference)
+        ref_rows = None if ref is None or ref.get("error") else ref.get("rows")
+        for name, run in latest.items():
+            if not any(f["backend"] == label(name) and f["check"] == "grad_norm_vs_reference"
+                       for f in failed):
+                continue
+            sentence = grad_gap_sentence(label(name), run.get("rows") or [], ref_rows,
+                                         reference, thresholds)
+            if sentence:
+                out.append(sentence)
+    return " ".join(out)

@@ -5,7 +5,8 @@
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
 reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame; :func:`not_logged_reason`: why a metric has no
 curve), :func:`gate_frame` (one
-row per gate check), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
+row per gate check; :func:`failed_checks` / :func:`failed_checks_text` / :func:`gate_headline`: the
+failed ones in full), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
 memory ratios), :func:`step_split_frame` (where each step's seconds go), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
 :func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
 :func:`compile_frame` (the compile report per run). pandas is imported inside.
@@ -125,6 +126,36 @@ def gate_frame(gates: dict[str, Any]):
         g = g if isinstance(g, dict) else g.as_dict()
         rows += [{"backend": name, **c} for c in g["checks"]]
     return pd.DataFrame(rows, columns=["backend", "name", "status", "detail"])
+
+
+def failed_checks(gates: dict[str, Any]) -> list[dict[str, str]]:
+    """Every failed check of ``gates`` (``{key: GateResult or its dict}``) as ``{backend, check,
+    detail}``, the detail in full."""
+    out = []
+    for name, g in gates.items():
+        g = g if isinstance(g, dict) else g.as_dict()
+        out += [{"backend": name, "check": c["name"], "detail": c["detail"]}
+                for c in g["checks"] if c["status"] == "fail"]
+    return out
+
+
+def failed_checks_text(gates: dict[str, Any]) -> str:
+    """``cross-run gate: pass``, or ``cross-run gate: FAILED, <n> checks:`` and one line per
+    failed check (:func:`failed_checks`): ``- <backend>: <check>: <full detail>``; for printing
+    under :func:`gate_frame`, whose display pandas cuts (rows past ``max_rows``, long details)."""
+    failed = failed_checks(gates)
+    if not failed:
+        return "cross-run gate: pass"
+    head = f"cross-run gate: FAILED, {len(failed)} check{'s' if len(failed) > 1 else ''}:"
+    return "\n".join([head, *(f"- {f['backend']}: {f['check']}: {f['detail']}" for f in failed)])
+
+
+def gate_headline(gates: dict[str, Any]) -> dict[str, str]:
+    """``{"cross_gate": "pass"}`` or ``{"cross_gate": "FAIL <backend>.<check>; ..."}`` for
+    ``executed/INDEX.md``."""
+    failed = failed_checks(gates)
+    return {"cross_gate": "pass" if not failed else
+            "FAIL " + "; ".join(f"{f['backend']}.{f['check']}" for f in failed)}
 
 
 def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, Any]:

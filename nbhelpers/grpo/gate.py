@@ -21,7 +21,8 @@ each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
   logprobs make ~0) had median grad norm 0.0016 against 0.27 (flex) and 0.32 (hf_generate), and
   passed both KL and reward checks. The factor 3 leaves room for sampling noise (flex /
   hf_generate: 0.85 there). Skipped when the reference's median is 0 (untrained: see
-  ``learning_signal``). The detail names TRL's applied IS weight mean when the row has it.
+  ``learning_signal``). The detail names TRL's applied IS weight mean when the row has it;
+  :func:`grad_gap_sentence` states a failure as a sentence (29_compare's conclusion).
 * ``learning_signal`` (``info``, never failing): how many steps had ``grad_norm > 0``. With
   reward ties in every group (all -7.5 for a model that never writes the format tags) GRPO's
   advantages are zero, nothing trains, and the KL checks pass without testing anything.
@@ -197,24 +198,70 @@ def _check_reward_ref(rows, ref_rows, th: Thresholds) -> Check:
                  f"(tolerance {th.reward_tolerance})")
 
 
+def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if _finite(r.get(key))]
+    return median(vals) if vals else None
+
+
+def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over the rows that have a finite value (the sidecar's IS summary is the
+    mean over steps too), ``None`` when none has."""
+    vals = [r[key] for r in rows if _finite(r.get(key))]
+    return sum(vals) / len(vals) if vals else None
+
+
 def _check_grad_ref(rows, ref_rows, th: Thresholds) -> Check:
     name = "grad_norm_vs_reference"
     if ref_rows is None:
         return Check(name, "skip", "this is the reference run (or none given)")
-    mine = [r["grad_norm"] for r in rows if _finite(r.get("grad_norm"))]
-    theirs = [r["grad_norm"] for r in ref_rows if _finite(r.get("grad_norm"))]
-    if not mine or not theirs:
+    mine, ref = _median_of(rows, "grad_norm"), _median_of(ref_rows, "grad_norm")
+    if mine is None or ref is None:
         return Check(name, "skip", "no finite grad norms to compare")
-    ref = median(theirs)
     if ref <= 0:
         return Check(name, "skip", f"the reference did not train (median grad norm {ref:.3g})")
-    ratio = median(mine) / ref
-    applied = [r["is_ratio_applied_mean"] for r in rows if _finite(r.get("is_ratio_applied_mean"))]
-    why = (f"; TRL's applied IS weight (mean over steps {sum(applied) / len(applied):.3g}) "
-           "scales the loss" if applied and ratio < 1 / th.grad_ratio_max else "")
+    ratio = mine / ref
+    applied = _mean_of(rows, "is_ratio_applied_mean")
+    why = (f"; TRL's applied IS weight (mean over steps {applied:.3g}) scales the loss"
+           if applied is not None and ratio < 1 / th.grad_ratio_max else "")
     status = "pass" if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max else "fail"
-    return Check(name, status, f"median grad norm {median(mine):.3g} = {ratio:.3g} x the "
+    return Check(name, status, f"median grad norm {mine:.3g} = {ratio:.3g} x the "
                  f"reference's {ref:.3g} (limit {th.grad_ratio_max:g}x either way){why}")
+
+
+IS_SWITCHES = ("vllm_importance_sampling_correction=False",
+               "vllm_importance_sampling_mode='token_truncate'")
+"""TRL's ``GRPOConfig`` switches that stop its IS correction from scaling the loss to ~0."""
+
+
+def grad_gap_sentence(label: str, rows: list[dict[str, Any]],
+                      ref_rows: list[dict[str, Any]] | None, reference: str,
+                      thresholds: Thresholds | None = None) -> str | None:
+    """One sentence for a failed ``grad_norm_vs_reference`` check of run ``label``: its policy
+    gradient is much smaller (or larger) than the ``reference`` backend's, with the medians.
+    When the run's TRL applied IS weight (``is_ratio_applied_mean``, mean over steps) is below
+    ``1 / grad_ratio_max`` (the weight alone scales the loss past the gate's factor) it says that
+    TRL's importance-sampling correction scales the loss and names :data:`IS_SWITCHES`.
+    ``None`` when the two medians are not comparable or lie within the limit (no failure)."""
+    th = thresholds or Thresholds()
+    mine, ref = _median_of(rows, "grad_norm"), _median_of(ref_rows or [], "grad_norm")
+    if mine is None or ref is None or ref <= 0:
+        return None
+    ratio = mine / ref
+    if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max:
+        return None
+    size = "much smaller" if ratio < 1 else "much larger"
+    out = (f"{label}: the policy gradient is {size} than the reference's ({reference}: median "
+           f"grad norm {mine:.3g} = {ratio:.3g} x {ref:.3g}, limit {th.grad_ratio_max:g}x "
+           "either way)")
+    applied = _mean_of(rows, "is_ratio_applied_mean")
+    if ratio < 1 and applied is not None and applied < 1 / th.grad_ratio_max:
+        out += (f"; TRL's applied IS weight has mean {applied:.3g} over steps: TRL's "
+                "importance-sampling "
+                "correction (vllm_importance_sampling_mode sequence_mask, TRL's default: exp of "
+                "the summed per-token logprob gaps, which min_p-renormalised engine logprobs "
+                f"push to ~0) scales the loss; {IS_SWITCHES[0]} or {IS_SWITCHES[1]} are TRL's "
+                "switches")
+    return out + "."
 
 
 def _check_mismatch(rows: list[dict[str, Any]], th: Thresholds) -> Check:

@@ -208,3 +208,20 @@ def test_a_missing_curve_says_why_from_the_run():
            / "notebooks/phase2_grpo/20_grpo_equivalence.ipynb").read_text()
     assert "kl needs beta > 0" not in src
     assert "grpo_compare.not_logged_reason(runs, column, beta)" in src
+
+
+def test_speed_columns_nobody_logged_are_float_nan_and_plot():
+    """CPU records from before the step split logged no time/*: their whole-None columns were
+    object dtype and crashed 29_compare's bar plot (TypeError: int + NoneType)."""
+    from nbhelpers import plots
+    old = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in _rows(2.0, 0.001)]
+    runs = {"flex@1": _run(1.0, gpu="cpu") | {"rows": old},
+            "hf_generate@2": _run(2.0, gpu="cpu") | {"rows": old}}
+    speed = grpo_compare.speed_frame(runs)
+    split = ["step_time_s_median", "generate_s", "time/generate_and_score_s",
+             "time/loss_fwd_bwd_s", "time/optimizer_s"]
+    for column in [*split, "flex/prefill_s", "step_vs_vllm", "peak_mem_device_gib"]:
+        assert speed[column].dtype == float, column
+    assert speed[["time/loss_fwd_bwd_s", "step_vs_vllm"]].isna().all().all()
+    fig = plots.grouped_bars(speed.set_index("backend"), split, "s", "cpu")
+    assert len(fig.axes[0].patches) == 4  # step and generate_s for each backend, nothing else

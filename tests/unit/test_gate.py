@@ -263,3 +263,64 @@ def test_filter_device_matches_part_of_the_name_and_names_the_devices_seen():
     assert list(kept) == ["flex@a"] and kept_gates == {"flex@a": "ga"}
     with pytest.raises(ValueError, match=r"matches no phase-2 run.*'NVIDIA H200'"):
         grpo_compare.filter_device(runs, gates, "a100")
+
+
+def test_grad_gap_sentence_names_trls_is_correction_only_when_its_weight_is_small():
+    from nbhelpers.grpo.gate import IS_SWITCHES, grad_gap_sentence
+    ref = _grads([0.3, 0.25, 0.35, 0.32])
+    small = _grads([0.0016, 0.0001, 0.002, 0.0015], is_ratio_applied_mean=0.0048)
+    text = grad_gap_sentence("vllm", small, ref, "hf_generate", TH)
+    assert text.startswith("vllm: the policy gradient is much smaller than the reference's "
+                           "(hf_generate: median grad norm 0.00155 = 0.005 x 0.31")
+    assert "importance-sampling correction (vllm_importance_sampling_mode sequence_mask" in text
+    assert all(s in text for s in IS_SWITCHES) and text.endswith(".")
+    unweighted = grad_gap_sentence("vllm", _grads([0.0016] * 4, is_ratio_applied_mean=0.9),
+                                   ref, "hf_generate", TH)
+    assert "much smaller" in unweighted and "importance-sampling" not in unweighted
+    assert "much larger" in grad_gap_sentence("flex", _grads([0.95] * 4), ref, "hf_generate")
+    assert grad_gap_sentence("flex", _grads([0.27] * 4), ref, "hf_generate") is None  # passes
+    assert grad_gap_sentence("flex", _grads([0.27] * 4), None, "hf_generate") is None
+
+
+def test_29_prints_every_failed_cross_run_check_in_full_and_says_why():
+    """29's gate table is cut by pandas (100 rows shown as 10, details at 50 characters): the
+    H200 SmolLM2 vLLM row's grad_norm_vs_reference failure was visible by chance only, and the
+    Result line and INDEX headline did not mention it (review, 2026-12-03)."""
+    from nbhelpers.grpo import compare as grpo_compare
+    small = {"name": "smollm2-135m-instruct", "weights": "real"}
+    ref = _grads([0.3, 0.25, 0.35, 0.32])
+    vllm = _grads([0.0016, 0.0001, 0.002, 0.0015], is_ratio_applied_mean=0.000442)
+    runs = {"hf_generate@1": _run() | {"rows": ref, "gpu": "NVIDIA H200", "model": small},
+            "vllm@2": _run() | {"rows": vllm, "gpu": "NVIDIA H200", "model": small},
+            "hf_generate@3": _run() | {"gpu": "cpu", "model": small},
+            "flex@4": _run() | {"gpu": "cpu", "model": small}}
+    cross = grpo_compare.gate_latest(runs, "hf_generate")
+    key = "vllm (NVIDIA H200, smollm2-135m-instruct, g? b?x1 ?tok)"
+    detail = next(c.detail for c in cross[key].checks if c.name == "grad_norm_vs_reference")
+    assert len(detail) > 50  # longer than pandas shows in a cell
+    text = grpo_compare.failed_checks_text(cross)
+    assert text.splitlines() == ["cross-run gate: FAILED, 1 check:",
+                                 f"- {key}: grad_norm_vs_reference: {detail}"]
+    assert grpo_compare.failed_checks(cross) == [
+        {"backend": key, "check": "grad_norm_vs_reference", "detail": detail}]
+    conclusion = grpo_compare.gate_conclusion(runs, cross, "hf_generate")
+    assert conclusion.startswith(f"cross-run gate FAILED: 1 check ({key}.grad_norm_vs_reference). "
+                                 f"{key}: the policy gradient is much smaller than the reference's")
+    assert "TRL's applied IS weight has mean 0.000442 over steps" in conclusion
+    assert "vllm_importance_sampling_correction=False" in conclusion
+    assert grpo_compare.gate_headline(cross) == {
+        "cross_gate": f"FAIL {key}.grad_norm_vs_reference"}
+    good = {k: r for k, r in runs.items() if r["gpu"] == "cpu"}
+    cross = grpo_compare.gate_latest(good, "hf_generate")
+    assert grpo_compare.failed_checks_text(cross) == "cross-run gate: pass"
+    assert grpo_compare.gate_conclusion(good, cross, "hf_generate") == "cross-run gate: pass."
+    assert grpo_compare.gate_headline(cross) == {"cross_gate": "pass"}
+    from pathlib import Path
+
+    import nbformat
+    nb = nbformat.read(Path(__file__).parents[2] / "notebooks/phase2_grpo/29_compare.ipynb", 4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert code.index("print(grpo_compare.failed_checks_text(cross))") > code.index(
+        "display(grpo_compare.gate_frame(cross))")
+    assert "gate_conclusion(runs, cross, reference_backend)" in code
+    assert "grpo_compare.gate_headline(cross)" in code

@@ -61,3 +61,18 @@ def test_shape_figures_draw_each_backend_in_its_colour_and_carry_their_caption()
     assert len(panel.axes) == 2 and panel.axes[1].texts[0].get_text() == "generate_s not logged"
     with pytest.raises(ValueError, match="grouped_bars: frame lacks"):
         plots.grouped_bars(split, ["generate_s"], "s", "t")
+
+
+def test_grouped_bars_skip_missing_values_and_name_columns_nobody_logged():
+    """29_compare crashed in ax.bar on CPU records whose time/* columns were all None."""
+    import pandas as pd
+    split = pd.DataFrame({"step_time_s_median": [1.4, 1.7],
+                          "time/loss_fwd_bwd_s": [None, None],
+                          "time/optimizer_s": [0.01, None]}, index=["flex", "hf_generate"])
+    assert split["time/loss_fwd_bwd_s"].dtype == object  # what pandas makes of all-None
+    fig = plots.grouped_bars(split, list(split.columns), "s", "split")
+    assert [b.get_height() for b in fig.axes[0].patches] == [1.4, 0.01, 1.7]
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["step_time_s_median", "loss_fwd_bwd_s\n(not logged)", "optimizer_s"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["flex",
+                                                                              "hf_generate"]

@@ -143,8 +143,9 @@ class EngineModel:
         return KVCache.allocate(len(self.layers), self.num_kv_heads, self.head_dim, num_pages,
                                 page_size, self.dtype, self.device)
 
-    def signature(self) -> tuple[int, ...]:
-        """Storage pointers of every projection tensor (CUDA-graph staleness guard)."""
+    def signature(self) -> tuple:
+        """Storage pointers of every projection tensor and each part's adapter, LoRA on/off and
+        scaling (CUDA-graph staleness guard, ``lora.storage_signature``)."""
         return storage_signature(self.live_groups())
 
     def forward(self, input_ids: Any, positions: Any, slot_mapping: Any, attn: AttnBatch,

@@ -94,6 +94,21 @@ class LiveLinear:
         self.adapter = _adapter_of(module)
         self.base = module.base_layer if self.adapter is not None else module
 
+    def sync_adapter(self) -> None:
+        """Re-read the module's active adapter (PEFT ``set_adapter`` after the engine was built;
+        the group's live-weights check calls it). Raises ``ValueError`` as at construction when
+        not exactly one adapter is active."""
+        if hasattr(self.module, "lora_A"):
+            self.adapter = _adapter_of(self.module)
+            self.base = self.module.base_layer if self.adapter is not None else self.module
+
+    def config(self) -> tuple:
+        """``(adapter, has_lora, scaling)``: what decides the math besides the tensors (PEFT's
+        ``scaling`` is a Python float, read at fuse time and baked into captured graphs)."""
+        if self.adapter is None:
+            return (None, False, None)
+        return (self.adapter, self.has_lora, float(self.module.scaling[self.adapter]))
+
     @property
     def has_lora(self) -> bool:
         m = self.module
@@ -252,11 +267,14 @@ class LiveGroup:
 
     def _current_state(self) -> tuple:
         return (tuple(t.data_ptr() for t in self.tensors()),
-                tuple(p.has_lora for p in self.parts))
+                tuple(p.config() for p in self.parts))
 
     def refresh(self) -> None:
-        """Fuse again if storage was replaced or adapters toggled since the last fuse (host-side;
-        the runner calls it before each prefill and decode window)."""
+        """Fuse again if storage was replaced, adapters toggled or switched (PEFT
+        ``set_adapter``) or the LoRA scaling changed since the last fuse (host-side; the runner
+        calls it once per ``LLM.generate``, ``ModelRunner.begin_generate``)."""
+        for p in self.parts:
+            p.sync_adapter()
         if self.fuse_lora_a and self._current_state() != self._state:
             self._fused = self._fuse_storage()
             self._state = self._current_state()
@@ -267,6 +285,8 @@ class LiveGroup:
         """:meth:`refresh` except the shadow copy: fuse again if needed, then ``(the trainer's
         A/B, their shadows)`` when any changed since the last copy (recorded as copied: the
         caller must copy them, :func:`.lora_shadow.refresh_all`), else ``None``."""
+        for p in self.parts:
+            p.sync_adapter()
         if self.fuse_lora_a and self._current_state() != self._state:
             self._fused = self._fuse_storage()
             self._state = self._current_state()
@@ -388,6 +408,9 @@ def _repoint(tensors: list[Any]) -> Any:
     return buf
 
 
-def storage_signature(groups: list[Any]) -> tuple[int, ...]:
-    """``data_ptr`` of every tensor the projections read (changes when storage is replaced)."""
-    return tuple(t.data_ptr() for g in groups for t in g.tensors())
+def storage_signature(groups: list[Any]) -> tuple:
+    """``data_ptr`` of every tensor the projections read (changes when storage is replaced), then
+    each part's :meth:`LiveLinear.config` (adapter, LoRA on/off, scaling: a captured graph bakes
+    them in, so a switched adapter, ``disable_adapter()``, a merge or a new scaling recaptures)."""
+    return (tuple(t.data_ptr() for g in groups for t in g.tensors())
+            + tuple(p.config() for g in groups for p in g.parts))

@@ -81,7 +81,7 @@ class PrefillBucket:
         self.key = key
         self.bufs = {name: value.to(device) for name, value in host.items()}
         self.graph: Any = None
-        self.signature: tuple[int, ...] | None = None
+        self.signature: tuple | None = None
         self.attn: Any = None
         self.logits: Any = None
 

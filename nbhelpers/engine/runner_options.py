@@ -365,7 +365,7 @@ class DecodeState:
         self.col = torch.zeros(1, dtype=torch.long, **z)
         self.graph: Any = None
         self.use_sort = True
-        self.signature: tuple[int, ...] = ()
+        self.signature: tuple = ()
 
 
 def _one_of(name: str, value: Any, choices: tuple) -> None:

@@ -132,3 +132,67 @@ def test_lora_on_some_projections_only():
             if "lora_B" in name:
                 p.mul_(-3.0)
     assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, 10)[0]
+
+
+def _fresh(model, prompt):
+    return LLM(model, page_size=8, num_pages=32, max_model_len=64).generate([prompt], GREEDY)[0]
+
+
+def _same_as_fresh(llm, model, prompt):
+    got, want = llm.generate([prompt], GREEDY)[0], _fresh(model, prompt)
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    return got
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_new_lora_scaling_is_seen(peft_model, fuse):
+    """PEFT's ``scaling`` is a Python float the fused path read once (helper-7's probe,
+    2026-12-03: ``scaling *= 20`` after the engine was built kept the old tokens); it is part
+    of the live-weights check and of the graph signature now."""
+    prompt = random_prompts(1, 12, 12, seed=7)[0]
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64, fuse_lora_a=fuse)
+    before = llm.generate([prompt], GREEDY)[0]
+    sig = llm.runner.model.signature()
+    for module in peft_model.modules():
+        if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
+            module.scaling["default"] *= 20
+    after = _same_as_fresh(llm, peft_model, prompt)
+    assert after.logprobs != before.logprobs
+    assert llm.runner.model.signature() != sig  # a CUDA graph would be recaptured
+
+
+def test_a_switched_adapter_is_seen(peft_model):
+    """``set_adapter`` after the engine was built: the engine follows (it chose the adapter
+    once before) and recaptures; with two adapters active it refuses, naming the fix."""
+    from peft import LoraConfig
+    torch.manual_seed(1)
+    peft_model.add_adapter("b", LoraConfig(r=4, lora_alpha=32, target_modules=TARGETS,
+                                           init_lora_weights=False))
+    prompt = random_prompts(1, 12, 12, seed=7)[0]
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64)
+    first = llm.generate([prompt], GREEDY)[0]
+    sig = llm.runner.model.signature()
+    peft_model.set_adapter("b")
+    second = _same_as_fresh(llm, peft_model, prompt)
+    assert second.logprobs != first.logprobs and llm.runner.model.signature() != sig
+    peft_model.set_adapter("default")
+    back = llm.generate([prompt], GREEDY)[0]
+    assert back.token_ids == first.token_ids
+    torch.testing.assert_close(back.logprobs, first.logprobs, atol=1e-5, rtol=0)
+
+
+def test_disabling_or_merging_changes_the_graph_signature(peft_model):
+    """A captured graph bakes LoRA in: ``disable_adapter()`` and ``merge_adapter()`` must change
+    the signature (CUDA graphs recapture) as well as the eager result."""
+    llm = LLM(peft_model, page_size=8, num_pages=32, max_model_len=64)
+    model = llm.runner.model
+    sig = model.signature()
+    with peft_model.disable_adapter():
+        assert model.signature() != sig
+    assert model.signature() == sig
+    peft_model.merge_adapter()
+    try:
+        assert model.signature() != sig
+    finally:
+        peft_model.unmerge_adapter()

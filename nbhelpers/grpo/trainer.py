@@ -328,7 +328,7 @@ def _result(model_name: str, plan: BackendPlan, trainer: Any, parts: dict[str, A
             settings: GRPOSettings, ds_stats: dict[str, Any], wall_s: float, skip_first: int,
             extra: dict[str, Any], warm: dict[str, Any]) -> GRPOResult:
     args, stats = parts["args"], parts["stats"]
-    config = {k: getattr(args, k) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)}
+    config = {k: getattr(args, k, None) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)}
     return GRPOResult(
         model_name=model_name, backend=plan.backend, records=stats.records,
         summary=stats.summary(skip_first), completions=parts["recorder"].rows,

@@ -49,6 +49,10 @@ def test_both_variants_in_one_process(tmp_path, capsys):
     assert side["env"]["git_sha"] and side["env"]["trl"] and side["env"]["gpu"] == gpu
     assert side["args"]["steps"] == 2 and side["model"]["name"] == "tiny-llama"
     assert side["grpo_config"]["max_steps"] == 9 and side["workload"]["max_completion_length"] == 8
+    cfg = side["grpo_config"]  # TRL's IS settings ride along (they scale the loss)
+    assert cfg["vllm_importance_sampling_correction"] is True
+    assert cfg["vllm_importance_sampling_mode"] == "sequence_mask"
+    assert cfg["vllm_importance_sampling_clip_max"] == 3.0
     rows = side["steps"]
     assert [r["step"] for r in rows] == list(range(1, 10))
     lt, ef = "loss_time", "extra_forward"

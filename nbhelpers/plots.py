@@ -136,19 +136,32 @@ def grpo_panel(steps: pd.DataFrame, reward_frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def metrics_by_step(frame: pd.DataFrame, metrics: Sequence[tuple[str, str]], title: str
+def metrics_by_step(frame: pd.DataFrame, metrics: Sequence[tuple[str, ...]], title: str
                     ) -> Figure:
-    """One panel per ``(column, ylabel)`` of ``metrics`` present in ``frame`` (a column with no
-    value gets a "not logged" note), lines per backend, ``title`` over the row.
+    """One panel per ``(column, ylabel)`` or ``(column, ylabel, "log")`` of ``metrics`` present
+    in ``frame`` (a column with no value gets a "not logged" note), lines per backend, ``title``
+    over the row. ``"log"``: a log y axis when every value is > 0 (grad norms that differ 100x
+    between backends), else linear with "(linear: values <= 0)" in the label.
 
     Raises:
-        ValueError: ``frame`` lacks ``step`` or ``backend``.
+        ValueError: ``frame`` lacks ``step`` or ``backend``, or a scale other than ``"log"``.
     """
+    import pandas as pd
     _require_columns(frame, ("step", "backend"), "metrics_by_step")
     fig, axes = _new_figure(ncols=len(metrics), width=3.6)
-    for ax, (y, label) in zip(axes, metrics):
+    for ax, spec in zip(axes, metrics):
+        y, label = spec[0], spec[1]
+        scale = spec[2] if len(spec) > 2 else None
+        if scale not in (None, "log"):
+            raise ValueError(f"metrics_by_step: scale {scale!r} for {y!r}: use 'log' or leave "
+                             "it out.")
         if y in frame.columns and frame[y].notna().any():
             _line_per_backend(ax, frame, y)
+            values = pd.to_numeric(frame[y], errors="coerce").dropna()
+            if scale == "log" and (values > 0).all():
+                ax.set_yscale("log")
+            elif scale == "log":
+                label += " (linear: values <= 0)"
         else:
             ax.text(0.5, 0.5, f"{y} not logged", ha="center", transform=ax.transAxes)
         ax.set(xlabel="optimiser step", ylabel=label)

@@ -273,7 +273,7 @@ for (gpu, model, shape), table in speed.groupby(["device", "model", "shape"], so
     display(plots.caption(fig, "From: " + grpo_compare.sources(groups[(gpu, model, shape)])))"""
 
 CMP_PLOTS = """metrics = [("wall_s", "step wall s"), ("generate_s", "generation s"),
-           ("reward", "mean reward"), ("kl", "KL")]
+           ("reward", "mean reward"), ("kl", "KL"), ("grad_norm", "grad norm", "log")]
 for (gpu, model, shape), latest in groups.items():
     fig = plots.metrics_by_step(grpo_compare.steps_long(latest), metrics,
                                 f"{gpu}, {model}, {shape}: newest run per backend")
@@ -328,7 +328,8 @@ def compare() -> nbformat.NotebookNode:
         (("## Step split per shape\nMedian seconds per step and per part, one bar per "
           "backend (colours as everywhere); the caption names the sidecars."), CMP_SPLIT),
         (("## Per-step curves\nNewest run of each backend, one figure per (device, model, "
-          "shape) group."), CMP_PLOTS),
+          "shape) group; grad norm on a log axis (the gate's `grad_norm_vs_reference` compares "
+          "its medians)."), CMP_PLOTS),
         (("## Importance sampling and recompiles across runs\nPer run (`backend@run_id`, with "
           "its shape): IS "
           "ratio mean, fraction of tokens outside [0.9, 1.1], mean |engine - trainer| logprob "

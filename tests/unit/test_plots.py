@@ -76,3 +76,19 @@ def test_grouped_bars_skip_missing_values_and_name_columns_nobody_logged():
     assert ticks == ["step_time_s_median", "loss_fwd_bwd_s\n(not logged)", "optimizer_s"]
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["flex",
                                                                               "hf_generate"]
+
+
+def test_metrics_by_step_log_scale_for_grad_norms():
+    """29's grad-norm panel: the H200 SmolLM2 vLLM row's grad norms are ~200x below flex's and
+    hf_generate's, flat at zero on a linear axis."""
+    import pandas as pd
+    frame = pd.DataFrame({"backend": ["flex"] * 3 + ["vllm"] * 3, "step": [1, 2, 3] * 2,
+                          "grad_norm": [0.3, 0.25, 0.27, 0.0016, 0.0001, 0.002]})
+    fig = plots.metrics_by_step(frame, [("grad_norm", "grad norm", "log")], "t")
+    assert fig.axes[0].get_yscale() == "log"
+    zero = frame.assign(grad_norm=[0.3, 0.0, 0.27, 0.0016, 0.0001, 0.002])
+    fig = plots.metrics_by_step(zero, [("grad_norm", "grad norm", "log")], "t")
+    assert fig.axes[0].get_yscale() == "linear"
+    assert fig.axes[0].get_ylabel() == "grad norm (linear: values <= 0)"
+    with pytest.raises(ValueError, match="scale 'symlog' for 'grad_norm': use 'log'"):
+        plots.metrics_by_step(frame, [("grad_norm", "grad norm", "symlog")], "t")

@@ -91,16 +91,14 @@ class LiveLinear:
 
     def __init__(self, module: Any):
         self.module = module
-        self.adapter = _adapter_of(module)
-        self.base = module.base_layer if self.adapter is not None else module
+        self.sync_adapter()
 
     def sync_adapter(self) -> None:
-        """Re-read the module's active adapter (PEFT ``set_adapter`` after the engine was built;
-        the group's live-weights check calls it). Raises ``ValueError`` as at construction when
-        not exactly one adapter is active."""
-        if hasattr(self.module, "lora_A"):
-            self.adapter = _adapter_of(self.module)
-            self.base = self.module.base_layer if self.adapter is not None else self.module
+        """(Re-)read the module's active adapter (at construction, and in the group's
+        live-weights check: PEFT ``set_adapter`` after the engine was built). Raises
+        ``ValueError`` when not exactly one adapter is active."""
+        self.adapter = _adapter_of(self.module)
+        self.base = self.module.base_layer if self.adapter is not None else self.module
 
     def config(self) -> tuple:
         """``(adapter, has_lora, scaling)``: what decides the math besides the tensors (PEFT's
@@ -269,15 +267,20 @@ class LiveGroup:
         return (tuple(t.data_ptr() for t in self.tensors()),
                 tuple(p.config() for p in self.parts))
 
-    def refresh(self) -> None:
-        """Fuse again if storage was replaced, adapters toggled or switched (PEFT
-        ``set_adapter``) or the LoRA scaling changed since the last fuse (host-side; the runner
-        calls it once per ``LLM.generate``, ``ModelRunner.begin_generate``)."""
+    def _fuse_again_if_changed(self) -> None:
+        """Re-read each part's adapter, then fuse again when the storage or a part's
+        :meth:`LiveLinear.config` changed since the last fuse (``fuse_lora_a`` only)."""
         for p in self.parts:
             p.sync_adapter()
         if self.fuse_lora_a and self._current_state() != self._state:
             self._fused = self._fuse_storage()
             self._state = self._current_state()
+
+    def refresh(self) -> None:
+        """Fuse again if storage was replaced, adapters toggled or switched (PEFT
+        ``set_adapter``) or the LoRA scaling changed since the last fuse (host-side; the runner
+        calls it once per ``LLM.generate``, ``ModelRunner.begin_generate``)."""
+        self._fuse_again_if_changed()
         if self._fused is not None and "shadow" in self._fused:
             self._refresh_shadow()
 
@@ -285,11 +288,7 @@ class LiveGroup:
         """:meth:`refresh` except the shadow copy: fuse again if needed, then ``(the trainer's
         A/B, their shadows)`` when any changed since the last copy (recorded as copied: the
         caller must copy them, :func:`.lora_shadow.refresh_all`), else ``None``."""
-        for p in self.parts:
-            p.sync_adapter()
-        if self.fuse_lora_a and self._current_state() != self._state:
-            self._fused = self._fuse_storage()
-            self._state = self._current_state()
+        self._fuse_again_if_changed()
         if self._fused is None or "shadow" not in self._fused:
             return None
         self._versions, stale = stale_shadow(self._fused, self.parts, self._versions)

@@ -121,11 +121,11 @@ class RunnerOptions:
     construction without CUDA graphs or flex prefill, or with :attr:`prefill_graph_max_tokens`
     below :attr:`prefill_pad` (no padded prefill would fit); with uncompiled flex it tries, and
     the capture fails with a warning and prefills eagerly (torch's eager flex copies from the
-    host); kept after a sleep) or ``"off"`` (eager prefill). Why: an eager prefill is ~2,200 host-bound launches; on the H200
-    (2026-12-03, step ``s13f``, Qwen3-4B, 4 GRPO prompts, PEFT fp32 adapters) the graph took a
-    rollout's prefill from 56 to 27 ms (rollout 0.938 -> 0.907 s), same tokens
-    (``tests/engine/test_prefill_graphs.py``). Buckets over :attr:`prefill_graph_max_tokens`
-    prefill eagerly."""
+    host); kept after a sleep) or ``"off"`` (eager prefill). Why: an eager prefill is ~2,200
+    host-bound launches; on the H200 (2026-12-03, step ``s13f``, Qwen3-4B, 4 GRPO prompts, PEFT
+    fp32 adapters) the graph took a rollout's prefill from 56 to 27 ms (rollout 0.938 -> 0.907
+    s), same tokens (``tests/engine/test_prefill_graphs.py``). Buckets over
+    :attr:`prefill_graph_max_tokens` prefill eagerly."""
     prefill_graph_max_tokens: int = 4096
     """Largest padded prefill (tokens) served by a CUDA graph; larger ones run eagerly. Why a
     cap: a captured bucket's activations stay reserved in the engine's private graph pool (the

@@ -210,17 +210,25 @@ def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _grad_gap(rows, ref_rows) -> tuple[float, float, float, float | None] | str:
+    """``(median grad norm, the reference's, their ratio, mean TRL applied IS weight or None)``,
+    or why the two cannot be compared (no finite grad norms; a reference that did not train)."""
+    mine, ref = _median_of(rows, "grad_norm"), _median_of(ref_rows or [], "grad_norm")
+    if mine is None or ref is None:
+        return "no finite grad norms to compare"
+    if ref <= 0:
+        return f"the reference did not train (median grad norm {ref:.3g})"
+    return mine, ref, mine / ref, _mean_of(rows, "is_ratio_applied_mean")
+
+
 def _check_grad_ref(rows, ref_rows, th: Thresholds) -> Check:
     name = "grad_norm_vs_reference"
     if ref_rows is None:
         return Check(name, "skip", "this is the reference run (or none given)")
-    mine, ref = _median_of(rows, "grad_norm"), _median_of(ref_rows, "grad_norm")
-    if mine is None or ref is None:
-        return Check(name, "skip", "no finite grad norms to compare")
-    if ref <= 0:
-        return Check(name, "skip", f"the reference did not train (median grad norm {ref:.3g})")
-    ratio = mine / ref
-    applied = _mean_of(rows, "is_ratio_applied_mean")
+    gap = _grad_gap(rows, ref_rows)
+    if isinstance(gap, str):
+        return Check(name, "skip", gap)
+    mine, ref, ratio, applied = gap
     why = (f"; TRL's applied IS weight (mean over steps {applied:.3g}) scales the loss"
            if applied is not None and ratio < 1 / th.grad_ratio_max else "")
     status = "pass" if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max else "fail"
@@ -243,17 +251,16 @@ def grad_gap_sentence(label: str, rows: list[dict[str, Any]],
     TRL's importance-sampling correction scales the loss and names :data:`IS_SWITCHES`.
     ``None`` when the two medians are not comparable or lie within the limit (no failure)."""
     th = thresholds or Thresholds()
-    mine, ref = _median_of(rows, "grad_norm"), _median_of(ref_rows or [], "grad_norm")
-    if mine is None or ref is None or ref <= 0:
+    gap = _grad_gap(rows, ref_rows)
+    if isinstance(gap, str):
         return None
-    ratio = mine / ref
+    mine, ref, ratio, applied = gap
     if 1 / th.grad_ratio_max <= ratio <= th.grad_ratio_max:
         return None
     size = "much smaller" if ratio < 1 else "much larger"
     out = (f"{label}: the policy gradient is {size} than the reference's ({reference}: median "
            f"grad norm {mine:.3g} = {ratio:.3g} x {ref:.3g}, limit {th.grad_ratio_max:g}x "
            "either way)")
-    applied = _mean_of(rows, "is_ratio_applied_mean")
     if ratio < 1 and applied is not None and applied < 1 / th.grad_ratio_max:
         out += (f"; TRL's applied IS weight has mean {applied:.3g} over steps: TRL's "
                 "importance-sampling "

@@ -7,11 +7,10 @@ are not executed; CUDA is stubbed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from prelaunch import refused
+from prelaunch import refused, write_sidecar
 
 from nbhelpers.run import host_checks
 from nbhelpers.run.runner import plan_jobs
@@ -68,16 +67,8 @@ def test_with_cuda_phase1_plans_and_cpu_backends_never_ask(monkeypatch, tmp_path
 
 def _sidecar(folder: Path, phase: str = "phase1", engine: bool = True) -> Path:
     """A minimal phase-1 backend sidecar (``engine`` key: what backend_sidecars keeps)."""
-    side = {"schema": 1, "run_id": "20261203T140000Z", "phase": phase, "backend": "hf_generate",
-            "model": {"name": "tiny-qwen3"}, "lora": None, "workload": None, "rounds": [],
-            "decode_tok_per_s_median": None, "prompt_tok_per_s_median": None,
-            "wall_s_median": None, "peak_mem_allocated_gib": None, "peak_mem_device_gib": None,
-            "env": {"gpu": "cpu"}, "error": None}
-    if engine:
-        side["engine"] = {"name": "hf_generate"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "20261203T140000Z_cpu_hf_generate.json").write_text(json.dumps(side))
-    return folder
+    return write_sidecar(folder / "20261203T140000Z_cpu_hf_generate.json", phase, "hf_generate",
+                         "tiny-qwen3", **({"engine": {"name": "hf_generate"}} if engine else {}))
 
 
 @pytest.mark.parametrize("make,why", [

@@ -5,11 +5,10 @@ INDEX rows). The notebooks are not executed; CUDA is stubbed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from prelaunch import refused
+from prelaunch import refused, write_sidecar
 
 from nbhelpers.run import host_checks
 from nbhelpers.run.runner import plan_jobs
@@ -59,14 +58,9 @@ def test_with_cuda_phase2_plans_and_cpu_sized_runs_never_ask(monkeypatch, tmp_pa
 
 def _sidecar(folder: Path, gpu: str = "cpu", phase: str = "phase2") -> Path:
     """A minimal per-backend phase-2 sidecar (what runs_from_sidecars reads)."""
-    side = {"schema": 1, "run_id": "20261203T140000Z_flex", "phase": phase, "backend": "flex",
-            "model": {"name": "tiny-llama"}, "lora": None, "workload": None, "rounds": [],
-            "decode_tok_per_s_median": None, "prompt_tok_per_s_median": None,
-            "wall_s_median": None, "peak_mem_allocated_gib": None, "peak_mem_device_gib": None,
-            "env": {"gpu": gpu}, "error": None, "grpo_steps": [], "grpo_summary": {}}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "20261203T140000Z_cpu_abc__flex.json").write_text(json.dumps(side))
-    return folder
+    return write_sidecar(folder / "20261203T140000Z_cpu_abc__flex.json", phase, "flex",
+                         "tiny-llama", gpu, run_id="20261203T140000Z_flex", grpo_steps=[],
+                         grpo_summary={})
 
 
 @pytest.mark.parametrize("make,why", [

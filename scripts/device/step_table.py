@@ -210,6 +210,22 @@ N19_BENCH = _ab_args("bench_ab_pg", "qwen3-4b:fp32:4", {
 N15_SYNC = {n: _ab_args(f"bench_ab_sync{n}", "qwen3-4b:fp32:4", {"default": ""})
             + f" --sync-every {n}" for n in (32, 64, 16)}
 
+def _real_weights(backends: str, reuse: str = "") -> dict[str, str]:
+    """Phase 2's ``-p`` overrides for SmolLM2-135M real weights: 60-step format warm-up, 30 GRPO
+    steps, 60 questions, ``backends``; ``reuse``: a ``reuse_runs`` backend's sidecar under
+    executed/phase2_grpo/20_grpo_equivalence/ (the reference row it is gated against)."""
+    out = {"model": "smollm2-135m-instruct", "backends": backends, "max_steps": "30",
+           "format_warmup_steps": "60", "n_questions": "60"}
+    if reuse:
+        backend = reuse.rsplit("__", 1)[1].removesuffix(".json")
+        out["reuse_runs"] = f"{{{backend}: executed/phase2_grpo/20_grpo_equivalence/{reuse}}}"
+    return out
+
+
+HF_GENERATE_ROW = "20261201T155701Z_h200_4cbffe9__hf_generate.json"
+"""Session 6's hf_generate row on SmolLM2 real weights: the reference of the later rows."""
+
+
 # step -> (wheel sets, extra staging, jobs); job = (notebook, -p overrides, est_s, cap_s, lane).
 # Jobs of one lane run in order on GPU ``lane`` (CUDA_VISIBLE_DEVICES); lanes run side by side
 # when the machine has that many GPUs (nvidia-h200-x2), else one after another on GPU 0.
@@ -294,16 +310,14 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (AB_ATTN, {"args": "--out $OUT --rounds 10"}, 60, 110, 0),
         (BENCH, {"args": K2_BENCH}, 240, 330, 0)]),
     "k3": ([], ["gguf2"], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate, flex, hf_cb]",
-              "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 420, 540, 0)]),
+        (P2, _real_weights("[hf_generate, flex, hf_cb]"), 420, 540, 0)]),
     # session 5 (one nvidia-h200; docs/h200_runbook.md section 9): m1 the whole suite in 8 xdist
     # workers, then the A/B of the triton elementwise fusions + decode v2 against today's default.
     "m1": (["notebooks", "trl"], ["tok", "gguf0"], [
         (SUITE, {"args": "--tb=long --durations=40"}, 280, 330, 0),
         (BENCH, {"args": M1_BENCH}, 200, 240, 0)]),
     "k3b": ([], [], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[flex, hf_cb]",
-              "max_steps": "30", "format_warmup_steps": "60", "n_questions": "60"}, 300, 520, 0)]),
+        (P2, _real_weights("[flex, hf_cb]"), 300, 520, 0)]),
     # session 5, final chain (back to back): m2a/m2b stage the GGUF's first parts, GSM8K and the
     # wheels; m2c joins the GGUF, converts SmolLM2 (suite.py prefetches) and runs the whole suite,
     # then the engine A/B of the new defaults (fp32 adapters via bf16 shadows, triton
@@ -317,8 +331,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
     "k3f": ([], [], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[flex]", "max_steps": "30",
-              "format_warmup_steps": "60", "n_questions": "60"}, 100, 190, 0)]),
+        (P2, _real_weights("[flex]"), 100, 190, 0)]),
     "k4": ([], [], [
         (N33, {}, 300, 400, 0),
         (P2, {"backends": "[flex]"}, 150, 200, 0)]),
@@ -328,10 +341,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s6c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 200, 400, 0)]),
     "s6h": ([], [], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_generate]", "max_steps": "30",
-              "format_warmup_steps": "60", "n_questions": "60",
-              "reuse_runs": "{flex: executed/phase2_grpo/20_grpo_equivalence/"
-                            "20261201T143605Z_h200_50095f5__flex.json}"}, 430, 560, 0)]),
+        (P2, _real_weights("[hf_generate]", "20261201T143605Z_h200_50095f5__flex.json"), 430,
+         560, 0)]),
     # s6s: the whole suite in one call, nothing staged before it (the GGUF's SmolLM2 tests skip
     # with their reason), for when the machine is not kept warm between calls.
     "s6s": (["notebooks", "trl"], ["tok", "gsm8k"], [
@@ -452,27 +463,18 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # issue 13 part 1: SmolLM2 real weights (GGUF joined by n18), vLLM and flex live, gated
     # against session 6's hf_generate row (same request: checked on the CPU, 2026-12-02)
     "rv5": ([], [], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[vllm, flex]", "max_steps": "30",
-              "format_warmup_steps": "60", "n_questions": "60",
-              "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
-                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0)]),
+        (P2, _real_weights("[vllm, flex]", HF_GENERATE_ROW), 300, 450, 0)]),
     # next window (runbook section 17, item 3): after rv1-rv3, restore the site and run the
     # real-weights vLLM row (with the format warm-up, now allowed for vllm) and vLLM at the
     # reference shape, same call
     "n20v": ([], ["vllm3"], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[vllm, flex]", "max_steps": "30",
-              "format_warmup_steps": "60", "n_questions": "60",
-              "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
-                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 300, 450, 0),
+        (P2, _real_weights("[vllm, flex]", HF_GENERATE_ROW), 300, 450, 0),
         (P2, {"backends": "[vllm]"}, 150, 240, 0)]),
     # session 14: the transformers CB row on SmolLM2 real weights (issue 13 part 1), gated
     # against the same hf_generate row as n20v. Session 14 gave it 315 s and it stopped at
     # step ~20 of 30 (~14 s a GRPO step, generation 13.8-14.7 s): a call of its own, ~560 s
     "s14h": ([], [], [
-        (P2, {"model": "smollm2-135m-instruct", "backends": "[hf_cb]", "max_steps": "30",
-              "format_warmup_steps": "60", "n_questions": "60",
-              "reuse_runs": "{hf_generate: executed/phase2_grpo/20_grpo_equivalence/"
-                            "20261201T155701Z_h200_4cbffe9__hf_generate.json}"}, 480, 565, 0)]),
+        (P2, _real_weights("[hf_cb]", HF_GENERATE_ROW), 480, 565, 0)]),
     "rh1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
     # session 13, after the rv chain (vLLM realistic): the prefill-graph GPU tests and A/B (n19)

@@ -241,7 +241,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # vLLM site in three parts, then phase 1 vLLM and phase 2 vLLM side by side.
     # Since session 3 the site is in four parts of <= 40 MiB (`python -m nbhelpers.bundles
     # resplit vllm --part-mib 40`: the working tree, carried by every call, grew to 6.5 MiB and
-    # pushed v1 over 64 MiB), so a chain is v1, v2, v2b, then one of v3 / v3p2 / s4v3.
+    # pushed v1 over 64 MiB), so a chain is v1, v2, v2b, then one of v3 / v3p2 / s4v3. Since
+    # session 14 the parts are <= 37 MiB (`resplit vllm --part-mib 37`, still four): the tree
+    # is 24.6 MiB and 40 MiB parts came to 64.6 MiB a call (rv1-rv3 by the dry run).
     "v1": ([], ["vllm0", "tok"], []),
     "v2": (["trl"], ["vllm1"], []),
     "v2b": ([], ["vllm2"], []),
@@ -322,11 +324,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # wheels; m2c joins the GGUF, converts SmolLM2 (suite.py prefetches) and runs the whole suite,
     # then the engine A/B of the new defaults (fp32 adapters via bf16 shadows, triton
     # elementwise, decode kernel auto) against the previous ones at TRL's adapter dtype.
-    "m2a": (["trl"], ["tok", "gguf0"], []),  # GSM8K moved to n8a: the tree grew past 64 MiB
+    # GSM8K and the tokenizers ride with m2n since session 14 (m2a came to 64.3 MiB with the
+    # 24.6 MiB tree); n14a no longer carries GSM8K (63.9 MiB)
+    "m2a": (["trl"], ["gguf0"], []),
     # m2b alone: with the notebooks wheels it came to 63.7 MiB by the dry run and the device tool
     # refused it (session 13: its count runs a little above du's); m2n stages those wheels
     "m2b": ([], ["gguf1"], []),
-    "m2n": (["notebooks"], [], []),
+    "m2n": (["notebooks"], ["tok", "gsm8k"], []),
     "m2c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
@@ -413,7 +417,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (BENCH, {"args": N12_BENCH}, 400, 560, 0)]),
     # the whole suite in two calls (n11a's one call stopped at its 560 s cap at 99 %, session 9:
     # tests/engine held 1,275 of the 1,951 test-seconds): engine tests first, with n11a's staging
-    "n14a": ([], ["gguf2", "gsm8k"], [
+    "n14a": ([], ["gguf2"], [
         (SUITE, {"args": "--paths tests/engine --tb=short --durations=30"}, 380, 560, 0)]),
     "n14b": ([], [], [
         (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "

@@ -121,12 +121,14 @@ else:
     print("compile_mode none: nothing compiled by the trainer (compile_dynamic has no effect)")"""
 
 EQ_PLOTS = """steps = grpo_compare.steps_long(runs)
+from_note = grpo_compare.reused_caption(runs)  # None: every curve is this run's
 panels = [("wall_s", "s", "Step time"), ("generate_s", "s", "Generation time per step"),
           ("reward", "mean reward", "Reward"), ("kl", "KL", "KL to the reference policy"),
           ("grad_norm", "grad norm", "Grad norm")]
 for column, label, title in panels:
     if column in steps and steps[column].notna().any():
-        display(plots.metric_by_step(steps, column, label, title))
+        fig = plots.metric_by_step(steps, column, label, title)
+        display(plots.caption(fig, from_note) if from_note else fig)
     else:
         print(f"{title}: not plotted: {grpo_compare.not_logged_reason(runs, column, beta)}")"""
 
@@ -205,7 +207,9 @@ def equivalence() -> nbformat.NotebookNode:
           "applies it; `filtered_*` (flex only): the vLLM-style ratio against the engine's "
           "filtered logprobs, not on one support (reported, not applied). Then the compile report (`compile_mode` not none): recompiles and graph "
           "breaks with `compile_dynamic`."), EQ_IS),
-        ("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`).",
+        (("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`); a "
+          "backend reused from an earlier sidecar (`reuse_runs`) is named with its file and "
+          "date under each figure."),
          EQ_PLOTS),
         (("## Notes, compile report, a completion\nvLLM-only settings ignored elsewhere; graph "
           "breaks and recompiles of `compile_mode`."), EQ_DETAILS),

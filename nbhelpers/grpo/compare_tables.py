@@ -28,6 +28,15 @@ def source_word(run: dict[str, Any]) -> str:
     return f"reused: {src['path'].rsplit('/', 1)[-1]} ({src.get('utc')}{note})"
 
 
+def reused_caption(runs: dict[str, dict[str, Any]]) -> str | None:
+    """A figure caption naming where each backend's curve comes from (``backend: this run`` /
+    ``backend: reused: <file> (<UTC>)``, :func:`source_word`) when any run was reused from an
+    earlier sidecar; ``None`` when every curve is this run's."""
+    if not any(run.get("reused_from") for run in runs.values()):
+        return None
+    return "From: " + "; ".join(f"{name}: {source_word(run)}" for name, run in runs.items())
+
+
 def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None = None):
     """One row per backend: wall, median step / generation time, peak memory, gate, error; and
     ``source`` (:func:`source_word`) when a run was reused from an earlier sidecar."""

@@ -225,3 +225,17 @@ def test_speed_columns_nobody_logged_are_float_nan_and_plot():
     assert speed[["time/loss_fwd_bwd_s", "step_vs_vllm"]].isna().all().all()
     fig = plots.grouped_bars(speed.set_index("backend"), split, "s", "cpu")
     assert len(fig.axes[0].patches) == 4  # step and generate_s for each backend, nothing else
+
+
+def test_20s_figures_name_a_reused_backend_with_its_file_and_date():
+    """20's per-step figures drew session 6's reused hf_generate row beside this run's curves
+    with no label (H200 SmolLM2 run of 2026-12-03): the caption now names each curve's source."""
+    from nbhelpers.grpo.compare import reused_caption
+    mine = {"rows": [{"step": 1}]}
+    reused = {"rows": [{"step": 1}], "reused_from": {
+        "path": "executed/phase2_grpo/20_grpo_equivalence/x__hf_generate.json",
+        "utc": "2026-12-01T16:05:47+00:00", "partial": False}}
+    assert reused_caption({"flex": mine, "vllm": mine}) is None
+    assert reused_caption({"hf_generate": reused, "flex": mine}) == (
+        "From: hf_generate: reused: x__hf_generate.json (2026-12-01T16:05:47+00:00); "
+        "flex: this run")

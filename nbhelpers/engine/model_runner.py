@@ -348,7 +348,8 @@ class ModelRunner:
         # decode GEMMs (skinny_gemm option; prefill: cuBLAS); PDL launches (pdl option): the
         # same body runs warm-up, capture and eager steps, so graph and eager launch alike;
         # l2_prefetch option: o_proj weights into L2 on a side stream (decode only)
-        with self.skinny.decoding(), pdl.scope(self.pdl_mode), self.l2.decoding():
+        prefetch = self.opt.pdl_prefetch_mib << 20  # bytes; used by pdl="prefetch" only
+        with self.skinny.decoding(), pdl.scope(self.pdl_mode, prefetch), self.l2.decoding():
             tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature,
                               st.min_p, st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))

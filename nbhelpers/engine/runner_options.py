@@ -216,7 +216,18 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     at runtime and applies to decode steps only (warm-up, CUDA-graph capture, eager steps;
     prefill keeps ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs
     and with ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) both
-    ``"on"``, ``"early"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`)."""
+    ``"on"``, ``"early"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`).
+    ``"prefetch"`` (opt-in, not yet measured on the H200): ``"early"`` plus the weight prefetch
+    of ``pdl.py``'s last section: add+RMSNorm, act x up (and its LoRA consumer) and both paged
+    decode stages let the next kernel launch at their start, and the skinny GEMM pulls the next
+    K tiles of its weights into L2 before its wait (:attr:`pdl_prefetch_mib` per GEMM); same
+    tokens and logprobs as ``"early"``. It resolves to off where ``"early"`` does."""
+    pdl_prefetch_mib: int = 16
+    """With ``pdl="prefetch"``: the L2 budget of one skinny GEMM's prefetch before its wait, in
+    MiB (int >= 0; 0 keeps the early launches without the prefetch), split over its programs
+    (``kernels/skinny_gemm.py`` ``prefetch_tiles``). Why 16: about what HBM delivers (~4 TB/s) in
+    the ~2-6 us the kernels before a decode GEMM run, a third of the H200's 50 MB L2. Ignored
+    with any other ``pdl``."""
     sample_kernel: str = "auto"
     """Decode sampling: ``"torch"`` (``engine/sampler.py`` ``sample``, compiled with the decode
     pieces when ``compile_layers``), ``"triton"`` (steps whose rows use no top-k/top-p,
@@ -326,6 +337,11 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
         if self.pdl not in ("auto", *pdl_launch.PDL_MODES):
             raise ValueError(f"RunnerOptions.pdl={self.pdl!r}: must be one of "
                              f"{('auto', *pdl_launch.PDL_MODES)}.")
+        if (isinstance(self.pdl_prefetch_mib, bool) or not isinstance(self.pdl_prefetch_mib, int)
+                or not 0 <= self.pdl_prefetch_mib <= 1024):
+            raise ValueError(f"RunnerOptions.pdl_prefetch_mib={self.pdl_prefetch_mib!r}: must be "
+                             "an int in [0, 1024] (MiB of L2 prefetch per decode GEMM; 16 is the "
+                             "default, the H200's L2 is 50 MB).")
         check_l2_prefetch(self.l2_prefetch, "RunnerOptions.l2_prefetch")
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
         _needs_triton("sample_kernel", self.sample_kernel, "torch")

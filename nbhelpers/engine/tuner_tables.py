@@ -58,7 +58,8 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
     ``prefill_attention``, ``lora_expand`` (the groups' mode; unsupported shapes still fall back
     to ``addmm`` per call), ``skinny_gemm`` (``"triton"`` / ``"off"``), ``skinny_gemm_cublas``
     (``None`` with the skinny path off), ``pdl`` (bool), ``pdl_mode`` (``"off"`` / ``"on"`` /
-    ``"early"``), ``sample_kernel`` and ``prefill_graphs`` (what ran: ``"off"``; ``"on"``;
+    ``"early"`` / ``"prefetch"``), ``pdl_prefetch_mib`` (the budget in MiB where ``pdl_mode`` is
+    ``"prefetch"``, else ``None``), ``sample_kernel`` and ``prefill_graphs`` (what ran: ``"off"``; ``"on"``;
     ``"on_eager"`` when the option was on but every bucket tried so far prefilled eagerly, its
     capture having failed or the ``MAX_BUCKETS`` cap reached: ``prefill_graph_replays`` 0)."""
     skinny = runner.skinny
@@ -67,6 +68,8 @@ def resolved_kernels(runner: Any) -> dict[str, Any]:
             "skinny_gemm": skinny.mode if skinny.enabled else "off",
             "skinny_gemm_cublas": skinny.cublas if skinny.enabled else None,
             "pdl": bool(runner.pdl), "pdl_mode": getattr(runner, "pdl_mode", "off"),
+            "pdl_prefetch_mib": (runner.opt.pdl_prefetch_mib
+                                 if getattr(runner, "pdl_mode", "off") == "prefetch" else None),
             "sample_kernel": runner.sample_kernel,
             "prefill_graphs": _prefill_graphs_ran(runner)}
 

@@ -210,6 +210,22 @@ N19_BENCH = _ab_args("bench_ab_pg", "qwen3-4b:fp32:4", {
 N15_SYNC = {n: _ab_args(f"bench_ab_sync{n}", "qwen3-4b:fp32:4", {"default": ""})
             + f" --sync-every {n}" for n in (32, 64, 16)}
 
+# session 15: pdl="prefetch" (early triggers + the skinny GEMM's L2 prefetch before its wait,
+# engine/kernels/pdl.py): its GPU tests, then the A/B at the GRPO rollout shape against the
+# default ("early"), over the budget (pdl_prefetch_mib 8/16/32, 0 = the triggers alone) and with
+# qkv moved off cuBLAS (cuBLAS launches break the PDL chain); then batch 32 bf16 and batch 4
+# without LoRA, default vs prefetch. Read ms/step, GEMM ms and kernels/step per row.
+_PF = '"pdl": "prefetch"'
+S16_BENCH = _ab_args("bench_ab_pf", "qwen3-4b:fp32:4", {
+    "default": "", "prefetch16": _PF, "prefetch8": _PF + ', "pdl_prefetch_mib": 8',
+    "prefetch32": _PF + ', "pdl_prefetch_mib": 32', "trigger_only": _PF + ', "pdl_prefetch_mib": 0',
+    "prefetch16_nocublas": _PF + ', "skinny_gemm_cublas": "never"'})
+S16_BENCH_B32 = _ab_args("bench_ab_pf_b32", "qwen3-4b:bf16:32", {"default": "", "prefetch16": _PF})
+S16_BENCH_NONE = _ab_args("bench_ab_pf_none", "qwen3-4b:none:4", {"default": "", "prefetch16": _PF})
+S16_TESTS = ("--paths tests/engine/test_pdl_prefetch.py,tests/engine/test_pdl_builds.py "
+             "--tb=short")
+
+
 def _real_weights(backends: str, reuse: str = "") -> dict[str, str]:
     """Phase 2's ``-p`` overrides for SmolLM2-135M real weights: 60-step format warm-up, 30 GRPO
     steps, 60 questions, ``backends``; ``reuse``: a ``reuse_runs`` backend's sidecar under
@@ -517,6 +533,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[vllm]", "max_steps": "20"}, 180, 280, 0)]),
     "s15a": ([], [], [
         (BENCH, {"args": N15_SYNC[n]}, 50, 90, 0) for n in (32, 64, 16)]),
+    "s16p": ([], [], [
+        (SUITE, {"args": S16_TESTS}, 90, 150, 0),
+        (BENCH, {"args": S16_BENCH}, 170, 240, 0),
+        (BENCH, {"args": S16_BENCH_B32}, 60, 90, 0),
+        (BENCH, {"args": S16_BENCH_NONE}, 60, 90, 0)]),
     "s13r": ([], [], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
     "n17a": ([], [], [

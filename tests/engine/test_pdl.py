@@ -28,11 +28,12 @@ CUDA = torch.device("cuda")
 
 def test_option_values_and_auto_is_the_default():
     assert RunnerOptions().pdl == "auto"
-    for mode in ("auto", "off", "on", "early"):
+    for mode in ("auto", "off", "on", "early", "prefetch"):
         assert RunnerOptions(pdl=mode).pdl == mode
-    with pytest.raises(ValueError, match=r"pdl='yes'.*\('auto', 'off', 'on', 'early'\)"):
+    with pytest.raises(ValueError,
+                       match=r"pdl='yes'.*\('auto', 'off', 'on', 'early', 'prefetch'\)"):
         RunnerOptions(pdl="yes")
-    with pytest.raises(ValueError, match=r"\('off', 'on', 'early'\)"):
+    with pytest.raises(ValueError, match=r"\('off', 'on', 'early', 'prefetch'\)"):
         pdl.check_pdl("auto")  # the launch side takes resolved values only
     with pytest.raises(ValueError, match="pdl"):
         LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=4, max_model_len=32, pdl=True)

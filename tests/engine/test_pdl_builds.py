@@ -96,6 +96,8 @@ BUILDS = ((True, False), (False, False), (True, True))  # (USE_GDC, PREWAIT): on
 for name, (kern, consts, ptrs, launches, w_first, w_early) in CASES.items():
     for gdc, pre in BUILDS if w_early is not None else BUILDS[:2]:
         c = {**consts, "USE_GDC": gdc, **({"PREWAIT": pre} if w_early is not None else {})}
+        # pdl="prefetch" builds (EARLY_TRIGGER, PREFETCH): test_pdl_prefetch.py
+        c.update({a: 0 for a in ("EARLY_TRIGGER", "PREFETCH") if a in kern.arg_names})
         sig = {a: "constexpr" if a in c else ptrs.get(a) or (
             "fp32" if a in FLOATS or a.startswith("eps") else
             "*bf16" if a.endswith("_ptr") or a[0].isupper() else "i32") for a in kern.arg_names}

@@ -30,8 +30,8 @@ def test_cpu_defaults():
     got = resolved_kernels(LLM(tiny_model("qwen3"), **POOL).runner)
     assert got == {"decode_attention": "sdpa", "prefill_attention": "sdpa",
                    "lora_expand": "addmm", "skinny_gemm": "off", "skinny_gemm_cublas": None,
-                   "pdl": False, "pdl_mode": "off", "sample_kernel": "torch",
-                   "prefill_graphs": "off"}
+                   "pdl": False, "pdl_mode": "off", "pdl_prefetch_mib": None,
+                   "sample_kernel": "torch", "prefill_graphs": "off"}
 
 
 @pytest.mark.skipif(not TRITON, reason="sample_kernel='triton' needs triton: pip install triton "

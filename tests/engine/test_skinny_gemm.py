@@ -185,7 +185,7 @@ for dt, split, bias in (("bf16", True, False), ("bf16", False, True), ("fp32", T
     sig = {"x_ptr": "*" + dt, "w_ptr": "*" + dt, "bias_ptr": "*" + dt, "y_ptr": "*" + dt,
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", **dict.fromkeys(ints, "i32")}
     consts = {"HAS_BIAS": bias, "SPLIT": split, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
-              "UPCAST": False, "BF16_RNE": False, "USE_GDC": False}
+              "UPCAST": False, "BF16_RNE": False, "USE_GDC": False, "PREFETCH": 0}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

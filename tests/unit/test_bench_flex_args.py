@@ -56,7 +56,7 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     # 3: a bad engine option, RunnerOptions' own message, up front
     ([*AB, "--variants", '{"name":"a","options":{"pdl":"yes"}}'],
      (r"--variants[0] ('a'): RunnerOptions.pdl='yes': must be one of "
-      "('auto', 'off', 'on', 'early')")),
+      "('auto', 'off', 'on', 'early', 'prefetch')")),
     ([*AB, "--variants", '{"name":"a","options":{"skinny_gemm_cublas":"off"}}'],
      ("--variants[0] ('a'): RunnerOptions.skinny_gemm_cublas='off': must be one of "
       "('auto', 'never')")),

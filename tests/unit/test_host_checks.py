@@ -48,7 +48,8 @@ def test_planning_an_h200_config_on_the_cpu_is_not_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("opts,want", [
-    ({"pdl": "yes"}, r"RunnerOptions.pdl='yes': must be one of \('auto', 'off', 'on', 'early'\)"),
+    ({"pdl": "yes"},
+     r"RunnerOptions.pdl='yes': must be one of \('auto', 'off', 'on', 'early', 'prefetch'\)"),
     ({"nope": 1}, r"unknown RunnerOptions field\(s\) \['nope'\]"),
 ])
 def test_phase3_engine_options_are_checked_on_any_host(opts, want):
@@ -130,7 +131,7 @@ def _plans_or_is_refused(nb, over, want, key, tmp_path):
 @pytest.mark.parametrize("over,want", [
     ({"parity_engine_options": {"pdl": "Early"}},
      (r"-p parity_engine_options \(34_gemma4.ipynb\): parity_engine_options: RunnerOptions\."
-      r"pdl='Early': must be one of \('auto', 'off', 'on', 'early'\)")),
+      r"pdl='Early': must be one of \('auto', 'off', 'on', 'early', 'prefetch'\)")),
     ({"parity_engine_options": {"sampel_kernel": "torch"}},
      (r"unknown engine option\(s\) \['sampel_kernel'\] \('sampel_kernel': did you mean "
       r"'sample_kernel'\?\)")),

@@ -102,7 +102,10 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
                      HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
                      O_W: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K: tl.constexpr,
                      LORA_RNE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
-                     PREWAIT: tl.constexpr):
+                     PREWAIT: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if EARLY_TRIGGER:  # pdl="prefetch": the next kernel (a GEMM) may launch now (pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if not PREWAIT:  # PDL (pdl.py): the row comes from the previous kernel
             tl.extra.cuda.gdc_wait()
@@ -137,8 +140,9 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
             y = _rnd(y * sv, DT)
         else:
             y = _rnd(y * tl.load(s_ptr).to(tl.float32), DT)
-    if USE_GDC:  # every input read: the next kernel may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:  # noqa: SIM102 (every input read: the next kernel may start its prologue)
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     if STORE_RES:
         tl.store(res_ptr + row * n_cols + cols, y.to(DT), mask=m)
     if O_STYLE != 0:
@@ -148,7 +152,11 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
 
 @triton.jit
 def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, ACT: tl.constexpr,
-                    BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                    BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+                    EARLY_TRIGGER: tl.constexpr = False):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if EARLY_TRIGGER:  # pdl="prefetch": the next kernel (a GEMM) may launch now (pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
     if USE_GDC:  # PDL (pdl.py): gate and up come from the previous kernel
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -158,8 +166,9 @@ def _act_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, ACT: tl.con
     g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
     a = act_fn(g, ACT)
-    if USE_GDC:  # every input read: the next kernel may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:  # noqa: SIM102 (every input read: the next kernel may start its prologue)
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     tl.store(o_ptr + row * n_cols + cols, (_rnd(a, DT) * u).to(DT), mask=m)
 
 
@@ -220,7 +229,7 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
         LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n),
         num_warps=_warps(n) if lora is None else lp.warps_for(triton.next_power_of_2(n),
                                                               _warps(n)),
-        **pdl.launch_kwargs(prewait=True))
+        **pdl.launch_kwargs(prewait=True, trigger=True))
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)
@@ -267,5 +276,5 @@ def act_mul(gate: Any, up: Any, act: str = "silu", lora: Any = None) -> Any:
     block = min(1024, triton.next_power_of_2(n))
     _act_mul_kernel[(rows, triton.cdiv(n, block))](
         g2, u2, out, n, g2.stride(0), u2.stride(0), ACT=ACTS[act], BLOCK=block, num_warps=4,
-        **pdl.launch_kwargs())
+        **pdl.launch_kwargs(trigger=True))
     return out.view(gate.shape)

@@ -81,7 +81,10 @@ def _act_mul_lora_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_rows, n_
                          stride_u, stride_xa, r_g, r_u, scaling, ACT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                          DOT_FP32: tl.constexpr, RNE: tl.constexpr, USE_GDC: tl.constexpr,
-                         PREWAIT: tl.constexpr):
+                         PREWAIT: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False):
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if EARLY_TRIGGER:  # pdl="prefetch": the next kernel (a GEMM) may launch now (pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if not PREWAIT:  # PDL (pdl.py): gate, up and xa come from the previous kernel
             tl.extra.cuda.gdc_wait()
@@ -102,8 +105,9 @@ def _act_mul_lora_kernel(g_ptr, u_ptr, o_ptr, xa_ptr, bg_ptr, bu_ptr, n_rows, n_
                    PREWAIT)
     lu = _lora_dot(xa_ptr, stride_xa, r_g, bu_ptr, r_u, rows, rm, cols, cm, BLOCK_R, DOT_FP32,
                    bu, PREWAIT)
-    if USE_GDC:  # every input read: the next kernel may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:  # noqa: SIM102 (every input read: the next kernel may start its prologue)
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     g = round_once(g.to(tl.float32) + scaling * lg, DT, RNE)
     u = round_once(u.to(tl.float32) + scaling * lu, DT, RNE)
     a = act_fn(g, ACT).to(DT).to(tl.float32)  # the casts of fused_norm._act_mul_kernel
@@ -132,4 +136,4 @@ def act_mul_lora(g2: Any, u2: Any, out: Any, act: int, lora: Any) -> None:
         g2, u2, out, xa, bg, bu, rows, n, g2.stride(0), u2.stride(0), sxa, rg, ru, s, ACT=act,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(max(rg, ru))),
         DOT_FP32=xa.dtype == torch.float32 or interp, RNE=lp.rne(out.dtype), num_warps=4,
-        **pdl.launch_kwargs(prewait=True))
+        **pdl.launch_kwargs(prewait=True, trigger=True))

@@ -108,13 +108,16 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
             DOT_PRECISION: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DIRECT: tl.constexpr,
-            USE_GDC: tl.constexpr):
+            USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False):
     """Stage 1: one program per ``(row, kv head, split)``, all ``GROUP`` q heads of the kv head
     as the ``BLOCK_H`` rows of the ``tl.dot`` tiles (each K/V tile is read once per kv head).
     ``DIRECT``: ``Out`` (strides ``stride_mb/mh`` then) gets the final output. ``USE_GDC``
     (PDL, :mod:`.pdl`): wait first (q, the KV just written, seq lens and the block table come
     from earlier kernels; the shared workspace may still be read by the previous layer's
-    stage 2), let the next kernel launch after the KV loop."""
+    stage 2), let the next kernel launch after the KV loop (``EARLY_TRIGGER``: first)."""
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if EARLY_TRIGGER:  # pdl="prefetch": the next kernel may launch now (pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -134,8 +137,9 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
                               offs_d, mask_d, stride_kh, stride_ks, stride_vh, stride_vs, scale,
                               soft_cap, BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_SOFT_CAP,
                               DOT_PRECISION)
-    if USE_GDC:  # KV loop done: the next kernel may start its prologue
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:  # noqa: SIM102 (KV loop done: the next kernel may start its prologue)
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     has = l_i > 0  # False for an empty split (more splits than tiles)
     l_safe = tl.where(has, l_i, 1.0)
     mask_hd = mask_h[:, None] & mask_d[None, :]
@@ -154,9 +158,13 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
 def _paged_attention_stage2(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
             stride_ob, stride_oh,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
+            BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False):
     """Stage 2: one program per ``(row, head)`` merges its splits; ``USE_GDC`` (PDL): wait
-    first (stage 1's partials), let the next kernel launch once they are read."""
+    first (stage 1's partials), let the next kernel launch once they are read
+    (``EARLY_TRIGGER``: first, so o_proj launches during the attention)."""
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if EARLY_TRIGGER:  # pdl="prefetch": the next kernel may launch now (pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
@@ -172,8 +180,9 @@ def _paged_attention_stage2(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, 
     o = tl.load(MidO + base + offs_s[:, None] * stride_ms + offs_d[None, :],
                 mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=mask_d)
 
@@ -229,7 +238,7 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
         NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_SPLIT_TILES=min_tiles, DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_kwargs())
+        **pdl.launch_kwargs(trigger=True))
     if not direct:
         _merge_splits(mid_o, mid_lse, out, block_d)
     return out
@@ -256,7 +265,7 @@ def _merge_splits(mid_o: Any, mid_lse: Any, out: Any, block_d: int) -> None:
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4, **pdl.launch_kwargs())
+        num_warps=4, **pdl.launch_kwargs(trigger=True))
 
 
 def new_workspace(batch: int, heads: int, num_splits: int, dim: int,

@@ -69,6 +69,26 @@ PDL attribute) and the launch keyword ``launch_pdl=True`` (``CUDAOptions.launch_
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, ``backends/nvidia/driver.py``).
 Neither exists in the interpreter, so :func:`scope` stays off under ``TRITON_INTERPRET=1``.
 
+Weight prefetch (``scope("prefetch")``, runner option ``pdl="prefetch"``, opt-in until an H200
+A/B keeps it). Why: at batch 4 each decode GEMM pays ~3.5 us beyond bytes / bandwidth (the
+tuner's cold timings on the H200, 2026-12-03: o_proj 8.9 us for 21 MB, qkv 11.6 us for 32 MB),
+while the small kernels between GEMMs (add+RMSNorm, act x up, the two attention stages) leave
+HBM idle. Two pieces: (1) ``EARLY_TRIGGER`` (launchers passing ``launch_kwargs(trigger=True)``:
+add+RMSNorm, act x up and its LoRA consumer, both paged decode stages) moves
+``griddepcontrol.launch_dependents`` to the first instruction of every program, so the next
+kernel (a GEMM, or stage 2 and then o_proj) launches while they run, not once their loads are
+done; (2) the skinny GEMM, before its wait, issues ``prefetch.global.L2`` for the next
+``PREFETCH`` K tiles of its W slice (one per 128-byte line; :func:`prefetch_bytes` split over
+its programs, ``skinny_gemm.prefetch_tiles``), so that HBM streams W into L2 during that
+window and the K loop after the wait reads it from L2. CUTLASS example 63
+(``63_hopper_gemm_with_weight_prefetch``) prefetches a GEMM's weights before its PDL wait the
+same way (TMA ``cp.async.bulk.prefetch``); a persistent megakernel gets the overlap for free
+(Hazy Research, "Look Ma, No Bubbles!", 2025). Sound: a trigger only lets the next grid be
+scheduled; its ``griddepcontrol.wait`` still waits for this grid to complete and flush, and a
+grid triggers only once all its programs are resident, so no program waits on one that cannot
+run. Prefetches read weights only (the rule above) and change no value: results are bit-identical
+to ``"early"``. Cost: waiting programs hold SM slots earlier.
+
 Tests: ``tests/engine/test_pdl.py`` (option resolution, the ``USE_GDC`` branches in the
 interpreter), ``tests/engine/test_pdl_early.py`` (``PREWAIT`` against its absence, bit for bit),
 ``tests/engine/test_pdl_builds.py`` (sm_90 PTX of every kernel, and on a GPU greedy parity of
@@ -82,16 +102,25 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
-PDL_MODES = ("off", "on", "early")
+PDL_MODES = ("off", "on", "early", "prefetch")
 """Resolved values of ``RunnerOptions.pdl`` (``"auto"`` resolves to one of them). ``"early"`` is
 ``"on"`` plus weights loaded before the wait in the kernels whose launcher asks for ``PREWAIT``
-(:func:`launch_kwargs`)."""
+(:func:`launch_kwargs`). ``"prefetch"`` is ``"early"`` plus the weight prefetch of the module
+docstring's last section: the kernels before a GEMM let it launch at their start
+(``EARLY_TRIGGER``) and the skinny GEMM pulls more of its W slice into L2 before its wait."""
+
+PREFETCH_BYTES = 16 << 20
+"""Default L2 budget of one skinny GEMM's prefetch before its wait, in bytes (runner option
+``pdl_prefetch_mib``): a fraction of the H200's 50 MB L2, about what HBM delivers in the
+~2-6 us the kernels before a decode GEMM run (~4 TB/s)."""
 
 MIN_CAPABILITY = 9
 """Compute capability major version with PDL (Hopper, sm_90)."""
 
 _ON = False
 _EARLY = False
+_PREFETCH = 0  # bytes; > 0 only inside scope("prefetch")
+_TRIGGER = False  # EARLY_TRIGGER: inside scope("prefetch")
 
 
 def check_pdl(mode: str) -> str:
@@ -128,35 +157,54 @@ def active() -> bool:
 
 
 def early() -> bool:
-    """Whether launches now load weights before the wait (inside :func:`scope` ``("early")``)."""
+    """Whether launches now load weights before the wait (inside :func:`scope` ``("early")`` or
+    ``("prefetch")``)."""
     return _EARLY
 
 
+def prefetch_bytes() -> int:
+    """The skinny GEMM's L2 prefetch budget now, in bytes: > 0 only inside :func:`scope`
+    ``("prefetch")`` (and never under the interpreter, where PDL stays off)."""
+    return _PREFETCH
+
+
 @contextlib.contextmanager
-def scope(mode: bool | str) -> Iterator[None]:
-    """Within this block the kernels above launch with PDL iff ``mode`` is ``True``, ``"on"``
-    or ``"early"`` (a resolved value: the caller checked :func:`supported`), and the
-    ``PREWAIT`` kernels load their weights before the wait iff it is ``"early"``; ``False`` /
-    ``"off"``: ordinary launches. Under the interpreter it stays off. Restores the previous
-    state on exit (nesting is fine).
+def scope(mode: bool | str, prefetch: int = PREFETCH_BYTES) -> Iterator[None]:
+    """Within this block the kernels above launch with PDL iff ``mode`` is ``True``, ``"on"``,
+    ``"early"`` or ``"prefetch"`` (a resolved value: the caller checked :func:`supported`), the
+    ``PREWAIT`` kernels load their weights before the wait iff it is ``"early"`` or
+    ``"prefetch"``, and with ``"prefetch"`` the ``EARLY_TRIGGER`` kernels let the next kernel
+    launch at their start and the skinny GEMM prefetches up to ``prefetch`` bytes (int >= 0; 0:
+    the early triggers alone; :func:`prefetch_bytes`) of its weights into L2 before its wait; ``False`` / ``"off"``:
+    ordinary launches. Under the interpreter it stays off. Restores the previous state on exit
+    (nesting is fine).
 
     Raises:
-        ValueError: a string that is not one of :data:`PDL_MODES`.
+        ValueError: a string that is not one of :data:`PDL_MODES`, or a negative ``prefetch``.
     """
-    global _ON, _EARLY
+    global _ON, _EARLY, _PREFETCH, _TRIGGER
     name = ("on" if mode else "off") if isinstance(mode, bool) else check_pdl(mode)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"pdl.scope: prefetch={prefetch!r} must be an int >= 0 (bytes).")
     on = name != "off" and not interpreted()
-    old, (_ON, _EARLY) = (_ON, _EARLY), (on, on and name == "early")
+    old = (_ON, _EARLY, _PREFETCH, _TRIGGER)
+    _ON, _EARLY, _TRIGGER = on, on and name in ("early", "prefetch"), on and name == "prefetch"
+    _PREFETCH = prefetch if _TRIGGER else 0
     try:
         yield
     finally:
-        _ON, _EARLY = old
+        _ON, _EARLY, _PREFETCH, _TRIGGER = old
 
 
-def launch_kwargs(prewait: bool = False) -> dict[str, bool]:
+def launch_kwargs(prewait: bool = False, trigger: bool = False) -> dict[str, bool]:
     """Keyword arguments for a kernel launch: ``USE_GDC`` (the kernel's constexpr) and, when on,
     ``launch_pdl=True`` (module docstring). ``prewait``: the kernel also takes the ``PREWAIT``
-    constexpr (weights before the wait), given :func:`early`; launchers without it keep the
-    two keys above."""
+    constexpr (weights before the wait), given :func:`early`; ``trigger``: it also takes the
+    ``EARLY_TRIGGER`` constexpr (``griddepcontrol.launch_dependents`` first in every program),
+    true inside :func:`scope` ``("prefetch")``; launchers without them keep the keys above."""
     kw = {"USE_GDC": True, "launch_pdl": True} if _ON else {"USE_GDC": False}
-    return {**kw, "PREWAIT": _EARLY} if prewait else kw
+    if prewait:
+        kw["PREWAIT"] = _EARLY
+    if trigger:
+        kw["EARLY_TRIGGER"] = _TRIGGER
+    return kw

@@ -30,7 +30,12 @@ prefetches weights before the wait. Sound because no kernel of a decode step wri
 (``ModelRunner.refresh_weights``), and a PDL launch can only overlap the kernel right before
 it. ``gdc_launch_dependents()`` follows the K loop (what remains is the epilogue and, for
 ``SPLIT``, the fix-up of the tile's last program). With ``USE_GDC=False`` the peeled branch is
-pruned and the kernel is the plain loop.
+pruned and the kernel is the plain loop. With ``PREFETCH > 0`` (``pdl="prefetch"``, :mod:`.pdl`'s
+last section; :func:`prefetch_tiles`) each program also issues ``prefetch.global.L2`` for the
+next ``PREFETCH`` K tiles of its slice (one per 128-byte line, inline PTX; out-of-range lines
+are pointed at W's first element) before the wait: HBM streams them into L2 while the previous
+kernel runs, and the loop after the wait reads them from there. Same loads, same arithmetic:
+the result is bit-identical to ``PREFETCH=0``.
 
 Why: cuBLAS reads cold decode weights at 1.9-3.8 TB/s for Qwen3-4B's o/qkv/down/gate_up shapes
 at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 2.66 ms for the
@@ -141,11 +146,21 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2 [p]`` for every address of ``ptrs`` (a cache hint: no register
+    result, no value; PTX ISA "prefetch, prefetchu"). The dummy ``mov`` gives the asm the output
+    ``inline_asm_elementwise`` needs; ``is_pure=False`` keeps it from being removed."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["m"])
 def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride_x, stride_w,
                  stride_y, k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, BF16_RNE: tl.constexpr, USE_GDC: tl.constexpr):
+                 UPCAST: tl.constexpr, BF16_RNE: tl.constexpr, USE_GDC: tl.constexpr,
+                 PREFETCH: tl.constexpr = 0):
     tile = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,6 +174,14 @@ def _skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, stride
         k0_ok = kk0 < k_hi
         w0 = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + kk0[None, :],
                      mask=col_ok[:, None] & k0_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if PREFETCH > 0:  # pdl="prefetch": the next PREFETCH W tiles into L2 (module docstring)
+            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # per 128 B
+            lines = tl.arange(0, BLOCK_K // LINE) * LINE
+            for t in tl.static_range(1, PREFETCH + 1):
+                kp = k_lo + t * BLOCK_K + lines
+                p_ok = col_ok[:, None] & (kp < k_hi)[None, :]
+                _prefetch_l2(tl.where(p_ok, w_ptr + cols[:, None].to(tl.int64) * stride_w
+                                      + kp[None, :], w_ptr))
         tl.extra.cuda.gdc_wait()  # x, y, ws and the counters only after the previous kernel
         x0 = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + kk0[None, :],
                      mask=row_ok[:, None] & k0_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -243,6 +266,26 @@ def small_n_configs(n: int, k: int, num_sms: int = NUM_SMS) -> tuple[Config, ...
     return tuple(out)
 
 
+MAX_PREFETCH_TILES = 8
+"""Most K tiles one program prefetches (the ``static_range`` is unrolled)."""
+
+
+def prefetch_tiles(n: int, k: int, cfg: Config, elem_size: int, budget_bytes: int) -> int:
+    """K tiles after the first that each program of this launch prefetches into L2 before its
+    PDL wait (``PREFETCH``): ``budget_bytes`` (:func:`.pdl.prefetch_bytes`) split evenly over
+    the launch's ``cdiv(N, BLOCK_N) x split`` programs in whole ``BLOCK_N x BLOCK_K`` tiles,
+    at most the split's other K tiles and :data:`MAX_PREFETCH_TILES`; 0 for a budget of 0.
+    E.g. Qwen3-4B's o_proj at batch 4 (``N=2592, K=4096``, ``Config(128, 128, 4)``: 84 programs
+    of 8 K tiles, 32 KiB a tile) with 16 MiB: 6 tiles a program (16.5 MB of W's 21.2 MB; with the
+    first tile, loaded before the wait anyway, 7 of its 8)."""
+    if budget_bytes <= 0:
+        return 0
+    split, k_per = launch_split(k, cfg)
+    programs = triton.cdiv(n, cfg.block_n) * split
+    per_program = budget_bytes // (programs * cfg.block_n * cfg.block_k * elem_size)
+    return int(max(0, min(k_per // cfg.block_k - 1, per_program, MAX_PREFETCH_TILES)))
+
+
 def default_config(n: int, k: int) -> Config:
     """Untuned choice (CPU / interpreter, or before tuning): BLOCK_N 64, BLOCK_K 128, and enough
     splits for ~256 programs (two per H200 SM) while each split keeps >= 4 K tiles."""
@@ -266,10 +309,16 @@ def workspace(device: Any, n: int, split: int, block_m: int = BLOCK_M) -> tuple[
     return _WORKSPACES[key]
 
 
-def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) -> Any:
+def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None,
+                prefetch: int | None = None) -> Any:
     """``x W^T (+ bias)`` in one launch (module docstring). Shapes: ``x [M, K]``, ``w [N, K]``,
     ``bias [N]`` or ``None``; returns a new contiguous ``y [M, N]`` in x's dtype, rows padded
-    to :func:`block_m` inside the kernel. ``config``: default :func:`default_config`. Raises ``ValueError`` when :func:`supported` is false."""
+    to :func:`block_m` inside the kernel. ``config``: default :func:`default_config`.
+    ``prefetch``: K tiles each program prefetches into L2 before its PDL wait (``PREFETCH``;
+    only with PDL on); ``None`` (the engine's calls): :func:`prefetch_tiles` of
+    :func:`.pdl.prefetch_bytes`, 0 under the interpreter (it has no inline PTX; the tests pass
+    a count with ``_prefetch_l2`` replaced). Raises ``ValueError`` when :func:`supported` is
+    false."""
     import torch
     if not supported(x, w, bias):
         raise ValueError(f"skinny_gemm: unsupported operands x {tuple(x.shape)} {x.dtype} "
@@ -282,10 +331,14 @@ def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None) 
     bm = block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, cnt = workspace(x.device, n, split, bm) if split > 1 else (y, y)
+    gdc = pdl.launch_kwargs()
+    if prefetch is None:
+        budget = pdl.prefetch_bytes() if gdc["USE_GDC"] and not INTERPRETED else 0
+        prefetch = prefetch_tiles(n, k, cfg, w.element_size(), budget)
     _skinny_gemm[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y if bias is None else bias, y, ws, cnt, m, n, k, x.stride(0), w.stride(0),
         y.stride(0), k_per, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=bm,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRETED,
         BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_kwargs())
+        num_stages=cfg.num_stages, PREFETCH=prefetch if gdc["USE_GDC"] else 0, **gdc)
     return y

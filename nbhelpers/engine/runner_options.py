@@ -217,17 +217,22 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     prefill keeps ordinary launches); on the CPU, under ``TRITON_INTERPRET=1``, on older GPUs
     and with ``compile_decode`` (torch.compile's Triton wrapper takes no ``launch_pdl``) both
     ``"on"``, ``"early"`` and ``"auto"`` resolve to off without an error (:func:`resolve_pdl`).
-    ``"prefetch"`` (opt-in, not yet measured on the H200): ``"early"`` plus the weight prefetch
-    of ``pdl.py``'s last section: add+RMSNorm, act x up (and its LoRA consumer) and both paged
+    ``"prefetch"`` (opt-in: slower on the H200): ``"early"`` plus the weight prefetch of
+    ``pdl.py``'s last section: add+RMSNorm, act x up (and its LoRA consumer) and both paged
     decode stages let the next kernel launch at their start, and the skinny GEMM pulls the next
     K tiles of its weights into L2 before its wait (:attr:`pdl_prefetch_mib` per GEMM); same
-    tokens and logprobs as ``"early"``. It resolves to off where ``"early"`` does."""
+    tokens and logprobs as ``"early"``. It resolves to off where ``"early"`` does. H200 A/B
+    (step ``s16p``, 2026-12-03, fc11f32, one process per variant, 256 new tokens): batch 4 PEFT
+    fp32 adapters 3.31 ms (``"early"``) -> 3.40 ms (16 MiB; 3.34 at 8, 3.53 at 32, 3.32 with
+    the triggers alone), batch 32 bf16 adapters 4.09 -> 4.13, batch 4 no LoRA 3.05 -> 3.11
+    (``executed/phase3_flex/bench/ab_20261203T182613Z/table.md``)."""
     pdl_prefetch_mib: int = 16
     """With ``pdl="prefetch"``: the L2 budget of one skinny GEMM's prefetch before its wait, in
     MiB (int >= 0; 0 keeps the early launches without the prefetch), split over its programs
     (``kernels/skinny_gemm.py`` ``prefetch_tiles``). Why 16: about what HBM delivers (~4 TB/s) in
-    the ~2-6 us the kernels before a decode GEMM run, a third of the H200's 50 MB L2. Ignored
-    with any other ``pdl``."""
+    the ~2-6 us the kernels before a decode GEMM run, a third of the H200's 50 MB L2; the H200
+    A/B (:attr:`pdl`) found 8 the least bad and none faster than no prefetch. Ignored with any
+    other ``pdl``."""
     sample_kernel: str = "auto"
     """Decode sampling: ``"torch"`` (``engine/sampler.py`` ``sample``, compiled with the decode
     pieces when ``compile_layers``), ``"triton"`` (steps whose rows use no top-k/top-p,

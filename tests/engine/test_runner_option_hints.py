@@ -31,7 +31,7 @@ def test_other_bad_values_keep_their_message():
     with pytest.raises(ValueError) as err:
         RunnerOptions(pdl="Early")
     assert str(err.value) == ("RunnerOptions.pdl='Early': must be one of ('auto', 'off', 'on', "
-                              "'early').")
+                              "'early', 'prefetch').")
     with pytest.raises(ValueError, match=r"page_size=True: must be an int >= 1\.$"):
         RunnerOptions(page_size=True)  # an int option: no quoting hint
 

@@ -69,8 +69,8 @@ PDL attribute) and the launch keyword ``launch_pdl=True`` (``CUDAOptions.launch_
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, ``backends/nvidia/driver.py``).
 Neither exists in the interpreter, so :func:`scope` stays off under ``TRITON_INTERPRET=1``.
 
-Weight prefetch (``scope("prefetch")``, runner option ``pdl="prefetch"``, opt-in until an H200
-A/B keeps it). Why: at batch 4 each decode GEMM pays ~3.5 us beyond bytes / bandwidth (the
+Weight prefetch (``scope("prefetch")``, runner option ``pdl="prefetch"``; opt-in: it lost the
+H200 A/B, below). Why it was tried: at batch 4 each decode GEMM pays ~3.5 us beyond bytes / bandwidth (the
 tuner's cold timings on the H200, 2026-12-03: o_proj 8.9 us for 21 MB, qkv 11.6 us for 32 MB),
 while the small kernels between GEMMs (add+RMSNorm, act x up, the two attention stages) leave
 HBM idle. Two pieces: (1) ``EARLY_TRIGGER`` (launchers passing ``launch_kwargs(trigger=True)``:
@@ -88,6 +88,16 @@ scheduled; its ``griddepcontrol.wait`` still waits for this grid to complete and
 grid triggers only once all its programs are resident, so no program waits on one that cannot
 run. Prefetches read weights only (the rule above) and change no value: results are bit-identical
 to ``"early"``. Cost: waiting programs hold SM slots earlier.
+
+Measured (H200, fc11f32, 2026-12-03, step ``s16p``: ``scripts/bench_flex.py --rounds 2
+--max-new-tokens 256``, one process per variant, Qwen3-4B random bf16 weights;
+``executed/phase3_flex/bench/ab_20261203T182613Z/table.md``): decode step at batch 4 with PEFT
+fp32 adapters 3.31 ms under ``"early"``; the triggers alone 3.32; with the prefetch 3.34 (8
+MiB), 3.40 (16), 3.53 (32); batch 32 bf16 adapters 4.09 -> 4.13; batch 4 without LoRA 3.05 ->
+3.11. At 8 MiB the GEMMs' own time fell 0.05 ms a step while the step rose: the prefetched
+lines compete with the loads already in flight (``"early"`` loads each program's first W tile
+before the wait, so HBM is not idle in those windows) and larger budgets evict lines before the
+K loop reads them. Same tokens and logprobs as ``"early"`` on the H200 (GPU tests, same call).
 
 Tests: ``tests/engine/test_pdl.py`` (option resolution, the ``USE_GDC`` branches in the
 interpreter), ``tests/engine/test_pdl_early.py`` (``PREWAIT`` against its absence, bit for bit),

@@ -35,7 +35,8 @@ last section; :func:`prefetch_tiles`) each program also issues ``prefetch.global
 next ``PREFETCH`` K tiles of its slice (one per 128-byte line, inline PTX; out-of-range lines
 are pointed at W's first element) before the wait: HBM streams them into L2 while the previous
 kernel runs, and the loop after the wait reads them from there. Same loads, same arithmetic:
-the result is bit-identical to ``PREFETCH=0``.
+the result is bit-identical to ``PREFETCH=0``. Opt-in: on the H200 it made the decode step
+slower (3.31 -> 3.34-3.53 ms at Qwen3-4B batch 4; :mod:`.pdl` has the A/B).
 
 Why: cuBLAS reads cold decode weights at 1.9-3.8 TB/s for Qwen3-4B's o/qkv/down/gate_up shapes
 at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 2.66 ms for the

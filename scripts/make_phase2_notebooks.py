@@ -292,7 +292,7 @@ display(grpo_compare.gate_frame(cross))
 print(grpo_compare.failed_checks_text(cross))  # every failed check in full (the table is cut)"""
 
 CMP_GOAL = """goals = pd.DataFrame({
-    ", ".join(g): grpo_compare.perf_goal(grpo_compare.summary_frame(latest))
+    ", ".join(g): grpo_compare.perf_goal(grpo_compare.summary_frame(latest), g)
     for g, latest in groups.items()}).T
 display(goals)
 result = grpo_compare.result_by_shape(groups)
@@ -348,10 +348,13 @@ def compare() -> nbformat.NotebookNode:
           "printed in full under it."),
          CMP_CROSS)],
         sidecar=(("## The flex goal per shape, sidecar and checks\nPer group, newest run per "
-                  "backend: issue 6's ratios flex / vLLM (`met`: median step <= vLLM's at <= 1/5 "
-                  "of its peak memory; `None` when either backend has no numbers), the Result "
-                  "line (with the cross-run gate's failures in words), and this notebook's "
-                  "summary sidecar."), CMP_GOAL))
+                  "backend: the ratios flex / vLLM (median step, peak device memory; `None` "
+                  "when either backend has no numbers) against issue 13's goal (`step_goal`: "
+                  "0.8 at the Qwen3-4B reference shape, 0.7 at the realistic preset, none for "
+                  "other groups; `memory_limit_gib`: the group's hf_generate peak + 2 GiB; "
+                  "`met_issue13`) and issue 6's older one (`met`: median step <= vLLM's at <= "
+                  "1/5 of its peak memory), the Result line (with the cross-run gate's failures "
+                  "in words), and this notebook's summary sidecar."), CMP_GOAL))
 
 
 NOTEBOOKS = {"notebooks/phase2_grpo/20_grpo_equivalence.ipynb": equivalence,

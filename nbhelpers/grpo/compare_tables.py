@@ -179,12 +179,32 @@ def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str
     return out
 
 
-def perf_goal(summary) -> dict[str, Any]:
-    """Issue 6's goal from a :func:`summary_frame`: flex median step <= vLLM's, at <= 1/5 of
-    vLLM's peak memory. Values ``None`` when either backend has no numbers (missing, NaN, or a
-    failed run's row)."""
+STEP_GOALS = {("qwen3-4b", "g4 b4x1 256tok"): 0.8, ("qwen3-4b", "g8 b16x4 512tok"): 0.7}
+"""Issue 13's speed goals, flex median step / vLLM colocate's, per ``(model, shape label)``
+(:func:`nbhelpers.grpo.compare_shapes.shape_label`): <= 0.8x at the reference shape, <= 0.7x
+at the realistic preset (8 prompts x 8 generations, 512 new tokens); other groups have none."""
+MEMORY_MARGIN_GIB = 2.0
+"""Issue 13's memory goal: flex's peak <= the trainer-alone peak (the ``hf_generate`` row of the
+same group) + this many GiB."""
+
+
+def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, Any]:
+    """Flex against vLLM from a :func:`summary_frame`: ``step_ratio`` and ``memory_ratio``
+    (flex / vLLM median step and peak device memory) with issue 6's ``met`` (step <= vLLM's at
+    <= 1/5 of its peak memory), and issue 13's goal for ``group`` (``(device, model, shape
+    label)``, :func:`nbhelpers.grpo.compare_shapes.group_key`): ``step_goal`` (from
+    :data:`STEP_GOALS`, ``None`` for a group without one), ``memory_limit_gib`` (the group's
+    ``hf_generate`` peak + :data:`MEMORY_MARGIN_GIB`, ``None`` without that row) and
+    ``met_issue13`` (step ratio <= the goal and, where the limit is known, flex's peak <= it;
+    ``None`` without a goal). Values ``None`` when either backend has no numbers (missing,
+    NaN, or a failed run's row)."""
     from nbhelpers.stats import finite_or_none
-    none = {"step_ratio": None, "memory_ratio": None, "met": None}
+    goal = STEP_GOALS.get(tuple(group[1:])) if group is not None else None
+    ref = (finite_or_none(summary.loc["hf_generate", "peak_mem_device_gib"])
+           if "hf_generate" in summary.index else None)
+    limit = None if ref is None else ref + MEMORY_MARGIN_GIB
+    none = {"step_ratio": None, "memory_ratio": None, "met": None, "step_goal": goal,
+            "memory_limit_gib": limit, "met_issue13": None}
     if not {"flex", "vllm"} <= set(summary.index):
         return none
     cols = ("step_time_s_median", "peak_mem_device_gib")
@@ -192,7 +212,9 @@ def perf_goal(summary) -> dict[str, Any]:
     if None in f or None in v or 0.0 in v:
         return none
     step, mem = f[0] / v[0], f[1] / v[1]
-    return {"step_ratio": step, "memory_ratio": mem, "met": bool(step <= 1.0 and mem <= 0.2)}
+    met13 = None if goal is None else bool(step <= goal and (limit is None or f[1] <= limit))
+    return {"step_ratio": step, "memory_ratio": mem, "met": bool(step <= 1.0 and mem <= 0.2),
+            "step_goal": goal, "memory_limit_gib": limit, "met_issue13": met13}
 
 
 def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str) -> str:

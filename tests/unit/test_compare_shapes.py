@@ -159,7 +159,28 @@ def test_perf_goal_is_none_when_vllms_row_has_no_numbers():
     summary = pd.DataFrame({"step_time_s_median": [1.0, math.nan],
                             "peak_mem_device_gib": [2.0, math.nan]}, index=["flex", "vllm"])
     assert grpo_compare.perf_goal(summary) == {"step_ratio": None, "memory_ratio": None,
-                                               "met": None}
+                                               "met": None, "step_goal": None,
+                                               "memory_limit_gib": None, "met_issue13": None}
+
+
+def test_perf_goal_states_issue_13s_goal_per_shape():
+    """0.8x at the Qwen3-4B reference shape, 0.7x at the realistic preset, none elsewhere; the
+    memory limit is the group's hf_generate peak + 2 GiB where that row exists."""
+    summary = pd.DataFrame({"step_time_s_median": [1.367, 1.719, 21.1],
+                            "peak_mem_device_gib": [23.9, 64.2, 22.4]},
+                           index=["flex", "vllm", "hf_generate"])
+    ref = grpo_compare.perf_goal(summary, ("NVIDIA H200", "qwen3-4b", "g4 b4x1 256tok"))
+    assert ref["step_goal"] == 0.8 and ref["memory_limit_gib"] == pytest.approx(24.4)
+    assert ref["step_ratio"] == pytest.approx(0.7952, abs=1e-4) and ref["met_issue13"] is True
+    assert ref["met"] is False  # issue 6's 1/5-of-vLLM's-memory goal: 0.37
+    heavy = summary.assign(peak_mem_device_gib=[25.0, 64.2, 22.4])
+    assert grpo_compare.perf_goal(heavy, ("d", "qwen3-4b", "g4 b4x1 256tok"))["met_issue13"] \
+        is False  # 25.0 > 22.4 + 2
+    real = grpo_compare.perf_goal(summary.drop(index="hf_generate"),
+                                  ("d", "qwen3-4b", "g8 b16x4 512tok"))
+    assert (real["step_goal"], real["memory_limit_gib"], real["met_issue13"]) == (0.7, None, False)
+    other = grpo_compare.perf_goal(summary, ("d", "smollm2-135m-instruct", "g4 b4x1 256tok"))
+    assert other["step_goal"] is None and other["met_issue13"] is None
 
 
 def test_a_newer_failed_run_does_not_replace_an_older_good_one():

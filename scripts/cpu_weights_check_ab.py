@@ -25,7 +25,7 @@ import json
 import statistics
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
            "samples_s": samples, "median_s": {m: statistics.median(v) for m, v in samples.items()},
            "same_tokens": tokens["once"] == tokens["every_forward"],
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-           "git_sha": sha, "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+           "git_sha": sha, "utc": datetime.now(UTC).isoformat(timespec="seconds")}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: res[k] for k in ("median_s", "same_tokens", "torch_threads")}))

@@ -52,8 +52,8 @@ def variant(base, name: str, lora, log) -> tuple:
 def measure(policy, batch: int, rounds: int, profile: bool, device: str) -> dict:
     import torch
 
-    from nbhelpers.bench import flex_sweep as eb
     from nbhelpers.backends.flex import build_llm
+    from nbhelpers.bench import flex_sweep as eb
     from nbhelpers.config import SamplingParams
     n = 4
     heads = eb.random_prompt_ids(batch // n, 100, policy.config.vocab_size)

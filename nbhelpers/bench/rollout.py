@@ -19,6 +19,7 @@ Run: see notebooks/phase1_rollout/10_lora_rollout.ipynb.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -287,7 +288,7 @@ def result_line(table: Any) -> str:
     for lora, group in ok.groupby("lora"):
         best = group.loc[group["decode_tok_per_s"].idxmax()]
         vllm = best.get("pct_of_vllm")
-        share = ("no vLLM row in this run" if vllm is None or vllm != vllm
+        share = ("no vLLM row in this run" if vllm is None or math.isnan(vllm)
                  else f"{vllm:.0f} % of vLLM")  # NaN when vLLM did not run or failed
         parts.append(f"{'with' if lora else 'without'} LoRA, {best['backend']} is fastest at "
                      f"{best['decode_tok_per_s']:,.0f} tok/s ({best['pct_of_limit']:.1f} % of "

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from _tiny import random_prompts, tiny_model
 
+from nbhelpers.bench.flex_sweep import count_decode_ops
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
-from nbhelpers.bench.flex_sweep import count_decode_ops
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GRPO_LIKE = SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=3, ignore_eos=True, seed=1)

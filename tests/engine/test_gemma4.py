@@ -212,8 +212,8 @@ def test_kernel_probe_case_matches_dense_attention():
 
 
 def test_decode_limit_skips_the_per_layer_input_table_and_caps_sliding_reads():
-    from nbhelpers.bench.rollout import H200_COPY_BANDWIDTH_BYTES_PER_S
     from nbhelpers.bench.gemma4_report import decode_limit_tok_per_s
+    from nbhelpers.bench.rollout import H200_COPY_BANDWIDTH_BYTES_PER_S
     # tiny-gemma4: 6,483,424 params, of which the per-layer-input table is 49,152 x 4 x 16
     weights = (6_483_424 - 49_152 * 64) * 2
     # prompt 10, 10 new tokens: full layers read ctx 11..20 (mean 15.5), sliding ones min(ctx, 16)

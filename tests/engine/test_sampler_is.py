@@ -9,11 +9,10 @@ import math
 
 import pytest
 import torch
+from _tiny import random_prompts, tiny_model
 
 from nbhelpers.config import SamplingParams
 from nbhelpers.engine.sampler import filtered_probs, full_logprob, sample
-
-from _tiny import random_prompts, tiny_model
 
 B, V = 64, 512
 

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from nbhelpers import models
-from nbhelpers.bench import rollout as bench
 from nbhelpers.backends.base import Completion
+from nbhelpers.bench import rollout as bench
 from nbhelpers.bench.worker import count_round, lora_from_block, warmup_sampling
 from nbhelpers.config import LoraSpec, SamplingParams, Workload
 from nbhelpers.stats import validate_sidecar

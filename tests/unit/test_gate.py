@@ -182,8 +182,8 @@ def _run(reward=-7.5, error=None, wall=2.0, peak=1.0):
 
 
 def test_sidecars_round_trip_gate_and_perf_goal(tmp_path):
-    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.stats import read_sidecars
     runs = {"hf_generate": _run(wall=3.0), "flex": _run(wall=1.0, peak=1.0),
             "vllm": _run(wall=2.0, peak=10.0), "unsloth": _run(error="BackendNotInstalled: x")}
@@ -215,8 +215,8 @@ def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path
     """Two notebook runs (as on two device calls): vLLM alone, then hf_generate + flex; the
     cross-run gate puts vLLM against the hf_generate run and sees a KL gap the per-run gate
     could not."""
-    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import compare as grpo_compare
     from nbhelpers.stats import read_sidecars
     vllm = _run() | {"rows": rows(kl=0.01)}
     (tmp_path / "a").mkdir()

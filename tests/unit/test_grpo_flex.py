@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from nbhelpers.grpo import flex_rollout as grpo_flex
 from nbhelpers.backends.base import BackendNotInstalled
-from nbhelpers.grpo.compile_report import CompileWatch, check_compile_mode
 from nbhelpers.config import GRPOSettings, LoraSpec
-from nbhelpers.grpo.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
+from nbhelpers.grpo import flex_rollout as grpo_flex
 from nbhelpers.grpo import step_rows, train
-from nbhelpers.grpo.plans import plan_backend
+from nbhelpers.grpo.compile_report import CompileWatch, check_compile_mode
 from nbhelpers.grpo.flex_rollout import group_prompts, logprob_mismatch
+from nbhelpers.grpo.gate import MISMATCH_MEAN, GateFailed, assert_gate, check_run, thresholds_for
+from nbhelpers.grpo.plans import plan_backend
 
 
 # a step-varying reward so advantages (and the LoRA update) are non-zero on random weights

@@ -18,7 +18,7 @@ from nbhelpers.config import GRPOSettings, LoraSpec, SamplingParams
 from nbhelpers.grpo.flex_rollout import IS_KEYS, is_ratio, pad_rows, token_is_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from _tiny import random_prompts, tiny_model  # noqa: E402
+from _tiny import random_prompts, tiny_model
 
 T = 1.0
 

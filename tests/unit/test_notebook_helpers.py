@@ -1,7 +1,7 @@
 """nbhelpers.grpo.phase0_report: the phase 0 Result line flags steps without a learning signal."""
 
-from nbhelpers.grpo.result import GRPOResult
 from nbhelpers.grpo.phase0_report import result_line, zero_advantage_steps
+from nbhelpers.grpo.result import GRPOResult
 
 
 def _result(reward_stds: list[float]) -> GRPOResult:

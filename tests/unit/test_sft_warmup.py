@@ -3,8 +3,8 @@
 import pytest
 
 from nbhelpers import data
-from nbhelpers.grpo import sft_warmup
 from nbhelpers.config import GRPOSettings, LoraSpec
+from nbhelpers.grpo import sft_warmup
 
 
 def test_worked_solution_drops_annotations_and_final_line():

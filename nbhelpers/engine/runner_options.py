@@ -195,8 +195,8 @@ class RunnerOptions:
     shrink/expand, add+RMSNorm, act x up, q/k norm + RoPE + KV write, paged decode stages 1 and
     2; ``engine/kernels/pdl.py``): each may start while the kernel before it finishes, waits
     (``griddepcontrol.wait``) before touching what that kernel may write, and lets the next one
-    start after its main loop. ``"on"``, ``"off"``, ``"early"`` or ``"auto"`` (the default) =
-``"early"``: ``"on"`` plus the weights (LoRA B, RMSNorm and q/k-norm weights) of
+    start after its main loop. ``"on"``, ``"off"``, ``"early"``, ``"prefetch"`` (opt-in, below)
+    or ``"auto"`` (the default) = ``"early"``: ``"on"`` plus the weights (LoRA B, RMSNorm and q/k-norm weights) of
 ``lora_expand``, add+RMSNorm, q/k norm + RoPE and the gate_up consumer loaded before the wait
 (``PREWAIT``, ``pdl.py``'s kernel rules). H200 A/B (step ``n16d``, 2026-12-02,
 ``scripts/bench_flex.py``, one process per variant, 256 new tokens): batch 4 PEFT fp32 adapters
@@ -225,14 +225,15 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     (step ``s16p``, 2026-12-03, fc11f32, one process per variant, 256 new tokens): batch 4 PEFT
     fp32 adapters 3.31 ms (``"early"``) -> 3.40 ms (16 MiB; 3.34 at 8, 3.53 at 32, 3.32 with
     the triggers alone), batch 32 bf16 adapters 4.09 -> 4.13, batch 4 no LoRA 3.05 -> 3.11
-    (``executed/phase3_flex/bench/ab_20261203T182613Z/table.md``)."""
-    pdl_prefetch_mib: int = 16
+    (``executed/phase3_flex/bench/ab_20261203T182613Z/table.md``); no variant faster than
+    ``"early"``, 8 MiB and the triggers alone within the +-0.02 ms between processes."""
+    pdl_prefetch_mib: int = 8
     """With ``pdl="prefetch"``: the L2 budget of one skinny GEMM's prefetch before its wait, in
-    MiB (int >= 0; 0 keeps the early launches without the prefetch), split over its programs
-    (``kernels/skinny_gemm.py`` ``prefetch_tiles``). Why 16: about what HBM delivers (~4 TB/s) in
-    the ~2-6 us the kernels before a decode GEMM run, a third of the H200's 50 MB L2; the H200
-    A/B (:attr:`pdl`) found 8 the least bad and none faster than no prefetch. Ignored with any
-    other ``pdl``."""
+    MiB (an int in [0, 1024]; 0 keeps the early launches without the prefetch), split over its
+    programs (``kernels/skinny_gemm.py`` ``prefetch_tiles``). Why 8: the H200 A/B (:attr:`pdl`,
+    run with 16 as the default then) found 8 within noise of no prefetch and 16 and 32 slower;
+    ~8 MB is about what HBM delivers (~4 TB/s) in the ~2 us before a decode GEMM's wait. Ignored
+    with any other ``pdl``."""
     sample_kernel: str = "auto"
     """Decode sampling: ``"torch"`` (``engine/sampler.py`` ``sample``, compiled with the decode
     pieces when ``compile_layers``), ``"triton"`` (steps whose rows use no top-k/top-p,

@@ -45,13 +45,14 @@ def order(monkeypatch) -> list[str]:
 
 def test_option_and_budget_values():
     assert RunnerOptions(pdl="prefetch").pdl == "prefetch"
-    assert RunnerOptions().pdl_prefetch_mib == 16
+    assert RunnerOptions().pdl_prefetch_mib == 8  # the least slow budget of the H200 A/B
     assert RunnerOptions(pdl_prefetch_mib=0).pdl_prefetch_mib == 0
     for bad in (-1, 1.5, True, 2048, "16"):
         with pytest.raises(ValueError, match=r"pdl_prefetch_mib=.*int in \[0, 1024\]"):
             RunnerOptions(pdl_prefetch_mib=bad)
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="prefetch=.*int >= 0"), pdl.scope("prefetch", bad):
+        with pytest.raises(ValueError, match="budget_bytes=.*int >= 0"), \
+                pdl.scope("prefetch", bad):
             pass
 
 
@@ -171,37 +172,78 @@ def test_paged_decode_stages_trigger_first(order, kernel, splits):
         q, k, v, table, lens, dim ** -0.5, page, splits, kernel=kernel)], order)
 
 
-@INTERP
-def test_skinny_gemm_prefetches_the_next_tiles_of_each_slice(monkeypatch, order):
-    """``PREFETCH=P``: each program's prefetch addresses, gathered through a Python stand-in for
-    ``_prefetch_l2``, are the 128-byte lines of K tiles 1..P of its own slice (rows of its N tile
-    inside W, columns inside its split), the rest pointed at W's first element; the product is
-    bit-identical to ``PREFETCH=0`` and one wait / trigger per program as before."""
+def _fake_prefetch(monkeypatch, order: list[str]) -> list[list[int]]:
+    """``_prefetch_l2`` replaced by a Python stand-in that records each call's addresses (the
+    interpreter's int64 pointer tensor) and appends ``"prefetch"`` to ``order``."""
     seen: list[list[int]] = []
 
-    def fake(ptrs):  # the interpreter's pointer tensor: int64 addresses
+    def fake(ptrs):
         seen.append(ptrs.handle.data.reshape(-1).tolist())
+        order.append("prefetch")
     monkeypatch.setattr(sg, "_prefetch_l2", fake)
+    return seen
+
+
+@INTERP
+@pytest.mark.parametrize("pf", [2, 5], ids=["inside_the_split", "past_the_split"])
+def test_skinny_gemm_prefetches_the_next_tiles_of_each_slice(monkeypatch, order, pf):
+    """``PREFETCH=P``: the addresses of each prefetch call are the 128-byte lines of one K tile
+    of one program's slice (rows of its N tile inside W, columns inside its split), the rest
+    pointed at W's first element; each program prefetches tiles 1..P of its split (those that
+    exist: with 4 tiles a split, P=5 prefetches 3 and points the rest at W's start), all before
+    its wait; the product is bit-identical to no prefetch. Calls are matched to programs by
+    their addresses, not by the interpreter's program order."""
+    seen = _fake_prefetch(monkeypatch, order)
     torch.manual_seed(0)
     n, k, cfg = 80, 1024, sg.Config(32, 128, 2)  # 3 N tiles (the last partial) x 2 splits
     x, w = torch.randn(3, k), torch.randn(n, k)
     want = sg.skinny_gemm(x, w, None, cfg)
     with pdl.scope("prefetch"):
-        got = sg.skinny_gemm(x, w, None, cfg, prefetch=2)
+        got = sg.skinny_gemm(x, w, None, cfg, prefetch_k_tiles=pf)
     assert torch.equal(got, want)
     split, k_per = sg.launch_split(k, cfg)
+    tiles_per_split = k_per // cfg.block_k
     programs = -(-n // cfg.block_n) * split
-    assert _per_program(order) == [("wait", "launch")] * programs
-    assert len(seen) == programs * 2  # one call per prefetched tile
-    base, line = w.data_ptr(), 128 // w.element_size()
-    for i, addrs in enumerate(seen):
-        prog, t = divmod(i, 2)
-        tile, s = divmod(prog, split)  # programs run in (tile, split) order
-        rows = [r for r in range(tile * cfg.block_n, (tile + 1) * cfg.block_n)]
-        cols = range(s * k_per + (t + 1) * cfg.block_k, s * k_per + (t + 2) * cfg.block_k, line)
-        want_addrs = {base + (r * k + c) * w.element_size() if r < n else base
-                      for r in rows for c in cols}
-        assert set(addrs) == want_addrs, (prog, t)
+    # per program: its prefetches, then its wait, then its trigger
+    per_prog = "".join({"prefetch": "p", "wait": "w", "launch": "l"}[e] for e in order)
+    assert per_prog == ("p" * pf + "wl") * programs
+    base, es, line = w.data_ptr(), w.element_size(), 128 // w.element_size()
+    expected = {}  # (tile, split, t) -> the line addresses
+    for tile in range(-(-n // cfg.block_n)):
+        for sp in range(split):
+            for t in range(1, pf + 1):
+                lo = sp * k_per + t * cfg.block_k
+                cols = range(lo, lo + cfg.block_k, line)
+                expected[(tile, sp, t)] = {
+                    base + (r * k + c) * es if r < n and t < tiles_per_split else base
+                    for r in range(tile * cfg.block_n, (tile + 1) * cfg.block_n) for c in cols}
+    got_sets = [set(a) for a in seen]
+    assert len(got_sets) == len(expected)
+    for key, want_set in expected.items():
+        assert want_set in got_sets, key
+        got_sets.remove(want_set)
+
+
+def test_prefetch_arguments_are_checked():
+    """``prefetch_tiles`` refuses bad sizes and budgets; ``skinny_gemm`` refuses a tile count
+    outside [0, MAX_PREFETCH_TILES], a bool or float, and a prefetch with a K tile narrower than
+    one 128-byte line (the kernel would build an empty line range); such a config gets 0 from
+    the budget."""
+    cfg = sg.Config(64, 128, 1)
+    for kw in ({"n": 0}, {"k": -1}, {"elem_size": 0}, {"budget_bytes": -1},
+               {"budget_bytes": 1.5}, {"n": True}):
+        args = {"n": 64, "k": 512, "cfg": cfg, "elem_size": 2, "budget_bytes": 1 << 20, **kw}
+        with pytest.raises(ValueError, match=r"prefetch_tiles: .* must be an int >= "):
+            sg.prefetch_tiles(**args)
+    narrow = sg.Config(64, 32, 1)  # 32 bf16 = 64 B < one line
+    assert sg.prefetch_tiles(64, 512, narrow, 2, 1 << 30) == 0
+    assert sg.prefetch_tiles(64, 512, narrow, 4, 1 << 30) == sg.MAX_PREFETCH_TILES  # fp32: 128 B
+    x, w = torch.randn(2, 512, device=DEV), torch.randn(64, 512, device=DEV)
+    for bad in (-1, sg.MAX_PREFETCH_TILES + 1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"prefetch_k_tiles=.*K tiles, not bytes"):
+            sg.skinny_gemm(x, w, None, cfg, prefetch_k_tiles=bad)
+    with pytest.raises(ValueError, match=r"below one 128-byte line"):
+        sg.skinny_gemm(x.bfloat16(), w.bfloat16(), None, narrow, prefetch_k_tiles=1)
 
 
 # ------------------------------------------------------------------------------ sm_90 PTX
@@ -298,6 +340,73 @@ def test_engine_prefetch_matches_off_in_the_interpreter(monkeypatch, order, expa
         assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
 
 
+def _wide_peft(dtype, autocast: bool = True):
+    """A 2-layer Qwen3 wide enough to prefetch (hidden 256, intermediate 512: every decode GEMM
+    spans 2-4 K tiles of 128, so ``prefetch_tiles`` > 0; the 64-wide ``peft_tiny`` fits one
+    tile and never prefetches), PEFT LoRA r=4 on every projection, random A and B."""
+    from _kernels import TARGETS
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=512, eos_token_id=511,
+                      rope_theta=1e6, tie_word_embeddings=True)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    model = Qwen3ForCausalLM(cfg).to(dtype=dtype, device=DEV).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    return get_peft_model(model, lora, autocast_adapter_dtype=autocast).eval()
+
+
+def _launch_spy(monkeypatch) -> list[tuple]:
+    """Record ``(n, k, config, element size, USE_GDC, PREFETCH)`` of every skinny GEMM launch."""
+    rec: list[tuple] = []
+    real = sg._skinny_gemm
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*args, **kw):
+                cfg = sg.Config(kw["BLOCK_N"], kw["BLOCK_K"], grid[1])
+                rec.append((args[7], args[8], cfg, args[1].element_size(), kw["USE_GDC"],
+                            kw["PREFETCH"]))
+                return launch(*args, **kw)
+            return run
+    monkeypatch.setattr(sg, "_skinny_gemm", Spy())
+    return rec
+
+
+def _check_budget(launches: list[tuple], mib: int) -> None:
+    """Every PDL launch prefetched what ``prefetch_tiles`` gives for ``mib`` MiB (the option's
+    MiB reach the kernel as bytes), some of them > 0; non-PDL launches none."""
+    pdl_launches = [r for r in launches if r[4]]
+    assert pdl_launches and any(r[5] > 0 for r in pdl_launches)
+    for n, k, cfg, es, _, pf in pdl_launches:
+        assert pf == sg.prefetch_tiles(n, k, cfg, es, mib << 20), (n, k, cfg, pf)
+    assert all(r[5] == 0 for r in launches if not r[4])
+
+
+@INTERP
+def test_engine_prefetching_shapes_match_off_in_the_interpreter(monkeypatch, order):
+    """The engine with ``pdl="prefetch"`` on shapes that do prefetch (the runner's switch forced
+    on, PDL stubbed, ``_prefetch_l2`` a Python stand-in): greedy tokens and logprobs equal to
+    ``pdl="off"``; the budget reaches every decode GEMM as ``prefetch_tiles`` of its bytes."""
+    seen = _fake_prefetch(monkeypatch, order)
+    monkeypatch.setattr(sg, "INTERPRETER_PREFETCH", True)
+    model = _wide_peft(torch.float32)
+    prompts = random_prompts(2, 5, 9, seed=3)
+    want = LLM(model, pdl="off", **KERNEL_OPTS).generate(prompts, GREEDY)
+    assert not seen  # no prefetch without PDL
+    launches = _launch_spy(monkeypatch)
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    got = LLM(model, pdl="prefetch", pdl_prefetch_mib=4, **KERNEL_OPTS).generate(prompts, GREEDY)
+    assert seen
+    _check_budget(launches, 4)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -343,6 +452,34 @@ def test_gpu_prefetch_matches_early(monkeypatch, tmp_path, dtype, autocast, opts
         assert llm.runner.pdl_mode == mode
         outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
         assert llm.runner.timings["graph_captures"] > 0
+    for (t_p, lp_p), (t_e, lp_e) in zip(outs["prefetch"], outs["early"]):
+        assert t_p == t_e
+        torch.testing.assert_close(torch.tensor(lp_p), torch.tensor(lp_e), rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="PDL needs a CUDA GPU of compute capability >= 9 "
+                    "(H100/H200); run on the H200 host")
+@pytest.mark.parametrize("dtype,autocast,opts", [
+    (torch.float32, False, {}), (torch.bfloat16, True, {"lora_dtype": "adapter"})],
+    ids=["fp32", "bf16_fp32_adapters"])
+def test_gpu_engine_prefetches_and_matches_early(monkeypatch, tmp_path, dtype, autocast, opts):
+    """A Qwen3 wide enough to prefetch, under CUDA graphs: ``pdl="prefetch"`` launches its
+    decode GEMMs with ``PREFETCH`` > 0 (as ``prefetch_tiles`` gives for the budget) and gives
+    the greedy tokens and logprobs of ``"early"`` (within 1e-6)."""
+    monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
+    _force_skinny(monkeypatch)
+    model = _wide_peft(dtype, autocast)
+    prompts = random_prompts(3, 5, 12, seed=2)
+    outs, launches = {}, []
+    for mode in ("early", "prefetch"):
+        if mode == "prefetch":
+            launches = _launch_spy(monkeypatch)
+        llm = LLM(model, pdl=mode, pdl_prefetch_mib=2, **KERNEL_OPTS, **opts)
+        assert llm.runner.pdl_mode == mode
+        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+        assert llm.runner.timings["graph_captures"] > 0
+    _check_budget(launches, 2)
     for (t_p, lp_p), (t_e, lp_e) in zip(outs["prefetch"], outs["early"]):
         assert t_p == t_e
         torch.testing.assert_close(torch.tensor(lp_p), torch.tensor(lp_e), rtol=0, atol=1e-6)

@@ -94,15 +94,22 @@ Measured (H200, fc11f32, 2026-12-03, step ``s16p``: ``scripts/bench_flex.py --ro
 ``executed/phase3_flex/bench/ab_20261203T182613Z/table.md``): decode step at batch 4 with PEFT
 fp32 adapters 3.31 ms under ``"early"``; the triggers alone 3.32; with the prefetch 3.34 (8
 MiB), 3.40 (16), 3.53 (32); batch 32 bf16 adapters 4.09 -> 4.13; batch 4 without LoRA 3.05 ->
-3.11. At 8 MiB the GEMMs' own time fell 0.05 ms a step while the step rose: the prefetched
-lines compete with the loads already in flight (``"early"`` loads each program's first W tile
-before the wait, so HBM is not idle in those windows) and larger budgets evict lines before the
-K loop reads them. Same tokens and logprobs as ``"early"`` on the H200 (GPU tests, same call).
+3.11; with qkv moved off cuBLAS onto the PDL chain (16 MiB) 3.32. One process a variant: the 8
+MiB and triggers-only rows are within the +-0.02 ms seen between processes, 16 and 32 MiB are
+clearly slower. At 8 MiB the GEMMs' own time fell 0.05 ms a step while the step did not: our
+hypothesis (no L2 counters were measured) is that the prefetched lines compete with loads
+already in flight (``"early"`` loads each program's first W tile before the wait, so HBM is
+not idle in those windows) and that larger budgets evict lines before the K loop reads them.
+Same tokens and logprobs as ``"early"`` on the H200 for the triggers (engine GPU test, tiny
+model: its K fits one tile, so no prefetch) and for the prefetch at the kernel level
+(``test_gpu_skinny_gemm_prefetch_is_exact``); the engine test with prefetching shapes
+(``test_gpu_engine_prefetches_and_matches_early``) was added after that window.
 
 Tests: ``tests/engine/test_pdl.py`` (option resolution, the ``USE_GDC`` branches in the
 interpreter), ``tests/engine/test_pdl_early.py`` (``PREWAIT`` against its absence, bit for bit),
 ``tests/engine/test_pdl_builds.py`` (sm_90 PTX of every kernel, and on a GPU greedy parity of
-``pdl="on"`` against ``"off"`` and of ``"early"`` against ``"on"`` under CUDA graphs).
+``pdl="on"`` against ``"off"`` and of ``"early"`` against ``"on"`` under CUDA graphs),
+``tests/engine/test_pdl_prefetch.py`` (``"prefetch"``: options, interpreter, sm_90 PTX, GPU).
 """
 
 from __future__ import annotations
@@ -119,10 +126,11 @@ PDL_MODES = ("off", "on", "early", "prefetch")
 docstring's last section: the kernels before a GEMM let it launch at their start
 (``EARLY_TRIGGER``) and the skinny GEMM pulls more of its W slice into L2 before its wait."""
 
-PREFETCH_BYTES = 16 << 20
+PREFETCH_BYTES = 8 << 20
 """Default L2 budget of one skinny GEMM's prefetch before its wait, in bytes (runner option
-``pdl_prefetch_mib``): a fraction of the H200's 50 MB L2, about what HBM delivers in the
-~2-6 us the kernels before a decode GEMM run (~4 TB/s)."""
+``pdl_prefetch_mib``, 8 MiB): a fraction of the H200's 50 MB L2, about what HBM delivers in the
+~2-6 us the kernels before a decode GEMM run (~4 TB/s); the least slow budget of the H200 A/B
+below (16 and 32 MiB were slower)."""
 
 MIN_CAPABILITY = 9
 """Compute capability major version with PDL (Hopper, sm_90)."""
@@ -161,8 +169,8 @@ def supported(device: Any) -> bool:
 
 
 def active() -> bool:
-    """Whether launches now are PDL launches (inside :func:`scope` ``(True)``, ``("on")`` or
-    ``("early")``)."""
+    """Whether launches now are PDL launches (inside :func:`scope` ``(True)``, ``("on")``,
+    ``("early")`` or ``("prefetch")``)."""
     return _ON
 
 
@@ -179,27 +187,30 @@ def prefetch_bytes() -> int:
 
 
 @contextlib.contextmanager
-def scope(mode: bool | str, prefetch: int = PREFETCH_BYTES) -> Iterator[None]:
+def scope(mode: bool | str, budget_bytes: int = PREFETCH_BYTES) -> Iterator[None]:
     """Within this block the kernels above launch with PDL iff ``mode`` is ``True``, ``"on"``,
     ``"early"`` or ``"prefetch"`` (a resolved value: the caller checked :func:`supported`), the
     ``PREWAIT`` kernels load their weights before the wait iff it is ``"early"`` or
     ``"prefetch"``, and with ``"prefetch"`` the ``EARLY_TRIGGER`` kernels let the next kernel
-    launch at their start and the skinny GEMM prefetches up to ``prefetch`` bytes (int >= 0; 0:
-    the early triggers alone; :func:`prefetch_bytes`) of its weights into L2 before its wait; ``False`` / ``"off"``:
+    launch at their start and the skinny GEMM prefetches up to ``budget_bytes`` bytes (int >=
+    0; 0: the early triggers alone; :func:`prefetch_bytes`) of its weights into L2 before its
+    wait; ``False`` / ``"off"``:
     ordinary launches. Under the interpreter it stays off. Restores the previous state on exit
     (nesting is fine).
 
     Raises:
-        ValueError: a string that is not one of :data:`PDL_MODES`, or a negative ``prefetch``.
+        ValueError: a string that is not one of :data:`PDL_MODES`, or ``budget_bytes`` not an
+            int >= 0.
     """
     global _ON, _EARLY, _PREFETCH, _TRIGGER
     name = ("on" if mode else "off") if isinstance(mode, bool) else check_pdl(mode)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"pdl.scope: prefetch={prefetch!r} must be an int >= 0 (bytes).")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"pdl.scope: budget_bytes={budget_bytes!r} must be an int >= 0 (bytes "
+                         "of L2 prefetch per skinny GEMM).")
     on = name != "off" and not interpreted()
     old = (_ON, _EARLY, _PREFETCH, _TRIGGER)
     _ON, _EARLY, _TRIGGER = on, on and name in ("early", "prefetch"), on and name == "prefetch"
-    _PREFETCH = prefetch if _TRIGGER else 0
+    _PREFETCH = budget_bytes if _TRIGGER else 0
     try:
         yield
     finally:

@@ -44,7 +44,8 @@ at M=4 on the H200 (4.28 TB/s peak); a split-K Triton sweep was 2.42 ms against 
 (``BLOCK_M = 32``) 2.65 ms against cuBLAS's 2.79 ms (same tool, 2026-12-01), hence the opt-in
 32-row tile. The tuner (:mod:`.skinny_gemm_tune`) keeps cuBLAS where it wins.
 
-Tests: ``tests/engine/test_skinny_gemm.py``, ``tests/engine/test_skinny_gemm_rows32.py``.
+Tests: ``tests/engine/test_skinny_gemm.py``, ``tests/engine/test_skinny_gemm_rows32.py``;
+the prefetch: ``tests/engine/test_pdl_prefetch.py``.
 """
 
 from __future__ import annotations
@@ -269,17 +270,34 @@ def small_n_configs(n: int, k: int, num_sms: int = NUM_SMS) -> tuple[Config, ...
 
 MAX_PREFETCH_TILES = 8
 """Most K tiles one program prefetches (the ``static_range`` is unrolled)."""
+LINE_BYTES = 128
+"""One ``prefetch.global.L2`` per this many bytes of a W row (the L2 line); a K tile narrower
+than a line (``BLOCK_K x elem_size < 128``) is not prefetched."""
+INTERPRETER_PREFETCH = False
+"""Whether :func:`skinny_gemm` computes ``PREFETCH`` from the budget under the interpreter too.
+Off: the interpreter has no inline PTX, so ``_prefetch_l2`` cannot run there; the CPU tests set
+it with ``_prefetch_l2`` replaced by a Python stand-in (``tests/engine/test_pdl_prefetch.py``)."""
 
 
 def prefetch_tiles(n: int, k: int, cfg: Config, elem_size: int, budget_bytes: int) -> int:
     """K tiles after the first that each program of this launch prefetches into L2 before its
-    PDL wait (``PREFETCH``): ``budget_bytes`` (:func:`.pdl.prefetch_bytes`) split evenly over
-    the launch's ``cdiv(N, BLOCK_N) x split`` programs in whole ``BLOCK_N x BLOCK_K`` tiles,
-    at most the split's other K tiles and :data:`MAX_PREFETCH_TILES`; 0 for a budget of 0.
-    E.g. Qwen3-4B's o_proj at batch 4 (``N=2592, K=4096``, ``Config(128, 128, 4)``: 84 programs
-    of 8 K tiles, 32 KiB a tile) with 16 MiB: 6 tiles a program (16.5 MB of W's 21.2 MB; with the
-    first tile, loaded before the wait anyway, 7 of its 8)."""
-    if budget_bytes <= 0:
+    PDL wait (``PREFETCH``): ``budget_bytes`` (bytes, :func:`.pdl.prefetch_bytes`) split evenly
+    over the launch's ``cdiv(N, BLOCK_N) x split`` programs in whole ``BLOCK_N x BLOCK_K``
+    tiles, at most the split's other K tiles and :data:`MAX_PREFETCH_TILES`; 0 for a budget of
+    0 and for a K tile narrower than :data:`LINE_BYTES`. E.g. Qwen3-4B's o_proj at batch 4
+    (``N=2592, K=4096``, ``Config(128, 128, 4)``: 84 programs of 8 K tiles, 32 KiB a tile) with
+    16 MiB: 6 tiles a program (16.5 MB of W's 21.2 MB; with the first tile, loaded before the
+    wait anyway, 7 of its 8).
+
+    Raises:
+        ValueError: ``n``, ``k`` or ``elem_size`` not an int >= 1, or ``budget_bytes`` not an
+            int >= 0.
+    """
+    for name, v, lo in (("n", n, 1), ("k", k, 1), ("elem_size", elem_size, 1),
+                        ("budget_bytes", budget_bytes, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"prefetch_tiles: {name}={v!r} must be an int >= {lo}.")
+    if budget_bytes == 0 or cfg.block_k * elem_size < LINE_BYTES:
         return 0
     split, k_per = launch_split(k, cfg)
     programs = triton.cdiv(n, cfg.block_n) * split
@@ -311,15 +329,19 @@ def workspace(device: Any, n: int, split: int, block_m: int = BLOCK_M) -> tuple[
 
 
 def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None,
-                prefetch: int | None = None) -> Any:
+                prefetch_k_tiles: int | None = None) -> Any:
     """``x W^T (+ bias)`` in one launch (module docstring). Shapes: ``x [M, K]``, ``w [N, K]``,
     ``bias [N]`` or ``None``; returns a new contiguous ``y [M, N]`` in x's dtype, rows padded
     to :func:`block_m` inside the kernel. ``config``: default :func:`default_config`.
-    ``prefetch``: K tiles each program prefetches into L2 before its PDL wait (``PREFETCH``;
-    only with PDL on); ``None`` (the engine's calls): :func:`prefetch_tiles` of
-    :func:`.pdl.prefetch_bytes`, 0 under the interpreter (it has no inline PTX; the tests pass
-    a count with ``_prefetch_l2`` replaced). Raises ``ValueError`` when :func:`supported` is
-    false."""
+    ``prefetch_k_tiles``: K tiles (not bytes) each program prefetches into L2 before its PDL
+    wait (``PREFETCH``; only with PDL on, else ignored), an int in [0,
+    :data:`MAX_PREFETCH_TILES`]; ``None`` (the engine's calls): :func:`prefetch_tiles` of
+    :func:`.pdl.prefetch_bytes`, 0 under the interpreter unless :data:`INTERPRETER_PREFETCH`.
+
+    Raises:
+        ValueError: :func:`supported` is false, or ``prefetch_k_tiles`` is not an int in [0,
+            MAX_PREFETCH_TILES], or is > 0 with a K tile narrower than :data:`LINE_BYTES`.
+    """
     import torch
     if not supported(x, w, bias):
         raise ValueError(f"skinny_gemm: unsupported operands x {tuple(x.shape)} {x.dtype} "
@@ -328,13 +350,22 @@ def skinny_gemm(x: Any, w: Any, bias: Any = None, config: Config | None = None,
     m, k = x.shape
     n = w.shape[0]
     cfg = config or default_config(n, k)
+    prefetch = prefetch_k_tiles
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or not 0 <= prefetch <= MAX_PREFETCH_TILES
+                                 or (prefetch and cfg.block_k * w.element_size() < LINE_BYTES)):
+        raise ValueError(f"skinny_gemm: prefetch_k_tiles={prefetch!r} must be an int in [0, "
+                         f"{MAX_PREFETCH_TILES}] (K tiles, not bytes), and 0 when BLOCK_K x "
+                         f"element size ({cfg.block_k} x {w.element_size()} B) is below one "
+                         f"{LINE_BYTES}-byte line; or None for the engine's budget.")
     split, k_per = launch_split(k, cfg)
     bm = block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, cnt = workspace(x.device, n, split, bm) if split > 1 else (y, y)
     gdc = pdl.launch_kwargs()
     if prefetch is None:
-        budget = pdl.prefetch_bytes() if gdc["USE_GDC"] and not INTERPRETED else 0
+        budget = (pdl.prefetch_bytes()
+                  if gdc["USE_GDC"] and (INTERPRETER_PREFETCH or not INTERPRETED) else 0)
         prefetch = prefetch_tiles(n, k, cfg, w.element_size(), budget)
     _skinny_gemm[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y if bias is None else bias, y, ws, cnt, m, n, k, x.stride(0), w.stride(0),

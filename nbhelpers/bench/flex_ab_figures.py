@@ -38,13 +38,16 @@ def not_applied(side: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     its ``pdl_mode``, ``None`` reads ``"off"``). E.g. ``pdl="early"`` and
     ``sample_kernel="triton"`` run as off / torch on the CPU: that variant measured the default
     kernels there (fresh-user trial, 2026-12-02: its tok/s was 15 % off the default's, noise).
-    ``{}`` for sidecars from before ``resolved`` was recorded."""
+    ``pdl_prefetch_mib`` recorded as ``None`` reads ``"ignored (pdl is not 'prefetch')"`` (the
+    budget only applies to that mode). ``{}`` for sidecars from before ``resolved`` was
+    recorded."""
     ran = (side.get("breakdown") or {}).get("resolved") or {}
     out = {}
     for name, value in ((side.get("variant") or {}).get("options") or {}).items():
         key = "pdl_mode" if name == "pdl" else name
         got = ran.get(key, value)
-        got = "off" if got is None else got
+        if got is None:
+            got = ("ignored (pdl is not 'prefetch')" if name == "pdl_prefetch_mib" else "off")
         if value != "auto" and got != value:
             out[name] = (value, got)
     return out

@@ -110,14 +110,25 @@ def normalize_prompts(prompts: Any) -> list[list[int]]:
 
 def check_options(options: dict[str, Any]) -> None:
     """Raise ``TypeError`` for an ``LLM(**options)`` name that is no RunnerOptions field (the
-    message names the closest field and lists them all)."""
+    message names the closest fields, up to two, those containing the typed name or contained
+    in it first, and lists them all)."""
     known = option_names()
     if unknown := sorted(set(options) - known):
-        close = {u: difflib.get_close_matches(u, known | set(LLM_ARGS), n=1) for u in unknown}
-        hint = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        close = {u: _close(u, known | set(LLM_ARGS)) for u in unknown}
+        hint = "; ".join(f"{u!r}: did you mean {' or '.join(map(repr, c))}?"
+                         for u, c in close.items() if c)
         raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
                         f". Options: {', '.join(LLM_ARGS)} and the RunnerOptions fields "
                         f"{sorted(known)}.")
+
+
+def _close(name: str, names: set[str]) -> list[str]:
+    """Up to two suggestions for a mistyped option ``name``: fields that contain it or that it
+    contains (``pdl_prefetch`` -> ``pdl_prefetch_mib``), then difflib's closest."""
+    longer = sorted(n for n in names if len(name) >= 3 and name in n)
+    inside = longer + sorted(n for n in names if len(n) >= 3 and n in name and n not in longer)
+    fuzzy = difflib.get_close_matches(name, sorted(names), n=2)
+    return list(dict.fromkeys(inside + fuzzy))[:2]
 
 
 def check_limits(max_num_seqs: Any, max_prefill_tokens: Any) -> None:

@@ -88,6 +88,11 @@ def test_unknown_engine_option_names_the_close_match():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['page_sz'\].*did you mean "
                                         r"'page_size'"):
         LLM(tiny_model("llama"), page_sz=16)
+    # a name inside a field comes first (helper-9's probe, 2026-12-03: `pdl_prefetch=8` got
+    # only "did you mean 'l2_prefetch'?", another option)
+    with pytest.raises(TypeError, match=r"'pdl_prefetch': did you mean 'pdl_prefetch_mib' or "
+                                        r"'pdl'\?"):
+        LLM(tiny_model("llama"), pdl_prefetch=8)
 
 
 def test_an_empty_prompt_says_so():

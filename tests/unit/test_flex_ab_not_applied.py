@@ -33,3 +33,13 @@ def test_the_ab_table_marks_such_a_variant_and_leaves_the_others():
                      _side("early", {"pdl": "early", "sample_kernel": "triton"}, tok=996.0)])
     assert rows[2].startswith("| tiny none b2 | default | 1179 | 1.50 |")
     assert rows[3].startswith("| tiny none b2 | early (ran pdl=off, sample_kernel=torch) | 996 |")
+
+
+def test_a_prefetch_budget_without_the_prefetch_mode_reads_ignored():
+    """``pdl_prefetch_mib`` alone is recorded as ``None`` (helper-9's probe, 2026-12-03: the
+    table read ``ran pdl_prefetch_mib=off``); with ``pdl="prefetch"`` resolved it applied."""
+    cpu = dict(CPU_RESOLVED, pdl_prefetch_mib=None)
+    assert not_applied(_side("b8", {"pdl_prefetch_mib": 8}, cpu)) == {
+        "pdl_prefetch_mib": (8, "ignored (pdl is not 'prefetch')")}
+    gpu = dict(CPU_RESOLVED, pdl=True, pdl_mode="prefetch", pdl_prefetch_mib=8)
+    assert not_applied(_side("b8", {"pdl": "prefetch", "pdl_prefetch_mib": 8}, gpu)) == {}

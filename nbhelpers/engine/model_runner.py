@@ -104,7 +104,8 @@ class ModelRunner:
         self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, self.kernels_ok),  # decode GEMMs
                                    opt.skinny_gemm_max_rows, opt.skinny_gemm_cublas)
         self.pdl_mode = resolve_pdl_mode(opt, next(iter(model.parameters())).device)
-        self.pdl = self.pdl_mode != "off"  # decode kernels PDL-launched ("on" or "early")
+        self.pdl = self.pdl_mode != "off"  # decode kernels PDL-launched ("on", "early"...)
+        self.pdl_budget = opt.pdl_prefetch_mib << 20  # bytes; used by pdl="prefetch" only
         self.model.set_skinny_gemm(self.skinny if self.skinny.enabled else None)
         self.l2 = self.model.l2 = L2Prefetch(resolve_l2_prefetch(opt, self.model.device),
                                              self.model.device)  # o_proj weights into L2
@@ -348,8 +349,8 @@ class ModelRunner:
         # decode GEMMs (skinny_gemm option; prefill: cuBLAS); PDL launches (pdl option): the
         # same body runs warm-up, capture and eager steps, so graph and eager launch alike;
         # l2_prefetch option: o_proj weights into L2 on a side stream (decode only)
-        prefetch = self.opt.pdl_prefetch_mib << 20  # bytes; used by pdl="prefetch" only
-        with self.skinny.decoding(), pdl.scope(self.pdl_mode, prefetch), self.l2.decoding():
+        with self.skinny.decoding(), pdl.scope(self.pdl_mode, self.pdl_budget), \
+                self.l2.decoding():
             tok, lp = compute(st.tokens, st.pos, st.block_table, st.is_pad, st.temperature,
                               st.min_p, st.top_k, st.top_p, st.seeds, st.gen_idx, use_sort)
         st.out_tok.index_copy_(1, st.col, tok.unsqueeze(1))

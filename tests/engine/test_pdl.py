@@ -100,6 +100,29 @@ KERNEL_OPTS = {"page_size": 64, "num_pages": 8, "max_model_len": 64, "skinny_gem
                "lora_expand": "triton"}
 
 
+def greedy_per_mode(model, modes, options, before=None) -> dict:
+    """``{mode: [(token_ids, logprobs), ...]}``: :data:`GREEDY` over three random prompts by a
+    fresh ``LLM(model, pdl=mode, **options)`` per mode (the GPU parity tests: each asserts the
+    runner resolved ``mode`` and captured a decode graph); ``before(mode)`` runs first (spies)."""
+    prompts, outs = random_prompts(3, 5, 12, seed=2), {}
+    for mode in modes:
+        if before is not None:
+            before(mode)
+        llm = LLM(model, pdl=mode, **options)
+        assert llm.runner.pdl_mode == mode
+        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+        assert llm.runner.timings["graph_captures"] > 0
+    return outs
+
+
+def assert_same_greedy(got, want) -> None:
+    """Same greedy tokens, logprobs within 1e-6 (``greedy_per_mode`` rows)."""
+    for (t_got, lp_got), (t_want, lp_want) in zip(got, want):
+        assert t_got == t_want
+        torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), rtol=0,
+                                   atol=1e-6)
+
+
 @pytest.mark.skipif(DEV != "cpu", reason="the CPU no-op; CUDA: test_pdl_builds.py "
                     "test_gpu_pdl_on_matches_off")
 def test_on_is_a_no_op_on_the_cpu(monkeypatch):

@@ -18,7 +18,14 @@ pytest.importorskip("triton", reason="the PDL kernels need the triton package")
 
 from _kernels import assert_compiles_for_sm90, peft_tiny
 from _tiny import random_prompts
-from test_pdl import GREEDY, KERNEL_OPTS, _force_skinny, _spy
+from test_pdl import (
+    GREEDY,
+    KERNEL_OPTS,
+    _force_skinny,
+    _spy,
+    assert_same_greedy,
+    greedy_per_mode,
+)
 
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import pdl
@@ -232,23 +239,15 @@ def test_gpu_pdl_early_matches_on(monkeypatch, tmp_path, case, expand):
     dtype, autocast, opts, _ = GPU_CASES[case]
     monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
     _force_skinny(monkeypatch)
-    model = peft_tiny(dtype, autocast)
-    prompts = random_prompts(3, 5, 12, seed=2)
-    outs, prewait = {}, []
-    for mode in ("on", "early"):
-        if mode == "early":
-            prewait = _prewait_spy(monkeypatch)
-        llm = LLM(model, pdl=mode, **{**KERNEL_OPTS, "lora_expand": expand}, **opts)
-        assert llm.runner.pdl_mode == mode
-        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
-        assert llm.runner.timings["graph_captures"] > 0
-    assert any(prewait) and not all(prewait)  # decode early, prefill not
+    prewait = {}  # mode -> PREWAIT of each launch asking for it, from that mode's run on
+    outs = greedy_per_mode(peft_tiny(dtype, autocast), ("on", "early"),
+                           {**KERNEL_OPTS, "lora_expand": expand, **opts},
+                           lambda mode: prewait.setdefault(mode, _prewait_spy(monkeypatch)))
+    assert any(prewait["early"]) and not all(prewait["early"])  # decode early, prefill not
     # identical for fp32 and bf16: the H200 (n16a, 2026-12-02) gave bf16 logprobs up to 1.9e-3
     # apart while qk_rope_cache contracted its RoPE sums into an fma whose fused product
     # followed the load order (qk_rope_cache.FP_FUSION; the PTX: test_pdl_early_ptx.py)
-    for (t_e, lp_e), (t_on, lp_on) in zip(outs["early"], outs["on"]):
-        assert t_e == t_on
-        torch.testing.assert_close(torch.tensor(lp_e), torch.tensor(lp_on), rtol=0, atol=1e-6)
+    assert_same_greedy(outs["early"], outs["on"])
     mods = (lora_expand, lora_act_mul, fused_norm, qk_rope_cache)
     for name in EARLY_KERNELS[expand]:
         kernel = next(getattr(m, name) for m in mods if hasattr(m, name))

@@ -48,19 +48,23 @@ def test_option_accepts_early_and_bad_values_list_it():
 
 
 def test_resolution_of_early(monkeypatch):
-    """``"early"`` -> ``"early"`` where ``"on"`` is on (Hopper, no interpreter, no
-    ``compile_decode``), else ``"off"``; ``"auto"`` is ``"early"`` there (the default since the
-    H200 A/B and GPU suite of 2026-12-02, step ``n17a``)."""
-    assert resolve_pdl_mode(RunnerOptions(pdl="early"), torch.device("cpu")) == "off"
+    """``"early"`` (and the opt-in ``"prefetch"``, ``test_pdl_prefetch.py``) resolve to
+    themselves where ``"on"`` is on (Hopper, no interpreter, no ``compile_decode``), else
+    ``"off"``; ``"auto"`` is ``"early"`` there (the default since the H200 A/B and GPU suite of
+    2026-12-02, step ``n17a``)."""
+    for mode in ("early", "prefetch"):
+        assert resolve_pdl_mode(RunnerOptions(pdl=mode), torch.device("cpu")) == "off"
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
-    want = {"early": "early", "on": "on", "auto": "early", "off": "off"}
+    want = {"early": "early", "on": "on", "auto": "early", "off": "off", "prefetch": "prefetch"}
     for mode, got in want.items():
         assert resolve_pdl_mode(RunnerOptions(pdl=mode), CUDA) == got, mode
-    assert resolve_pdl_mode(RunnerOptions(pdl="early", compile_decode=True), CUDA) == "off"
+    for mode in ("early", "prefetch"):
+        assert resolve_pdl_mode(RunnerOptions(pdl=mode, compile_decode=True), CUDA) == "off"
     assert resolve_pdl_mode(RunnerOptions(compile_decode=True), CUDA) == "off"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
-    assert resolve_pdl_mode(RunnerOptions(pdl="early"), CUDA) == "off"
+    for mode in ("early", "prefetch"):
+        assert resolve_pdl_mode(RunnerOptions(pdl=mode), CUDA) == "off"
 
 
 def test_scope_early_adds_prewait_only_where_asked(monkeypatch):

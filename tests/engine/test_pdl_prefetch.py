@@ -1,5 +1,5 @@
 """``pdl="prefetch"`` (``engine/kernels/pdl.py``, last section): the option, its budget
-``pdl_prefetch_mib`` and their resolution; the launch kwargs (``EARLY_TRIGGER``, the skinny GEMM's
+``pdl_prefetch_mib`` (their resolution: ``test_pdl_early.py``); the launch kwargs (``EARLY_TRIGGER``, the skinny GEMM's
 ``PREFETCH`` tiles); in Triton's interpreter with the PDL instructions stubbed, every
 ``EARLY_TRIGGER`` kernel lets its dependents launch before its wait with bit-identical outputs,
 and the skinny GEMM's prefetch addresses are exactly the next tiles of each program's W slice;
@@ -16,13 +16,19 @@ pytest.importorskip("triton", reason="the PDL kernels need the triton package")
 
 from _kernels import DEV, assert_compiles_for_sm90, peft_tiny
 from _tiny import random_prompts
-from test_pdl import CUDA, GREEDY, KERNEL_OPTS, _force_skinny, _spy
+from test_pdl import (
+    GREEDY,
+    KERNEL_OPTS,
+    _force_skinny,
+    _spy,
+    assert_same_greedy,
+    greedy_per_mode,
+)
 
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels import skinny_gemm as sg
 from nbhelpers.engine.runner_options import RunnerOptions
-from nbhelpers.engine.runner_resolve import resolve_pdl_mode
 
 INTERP = pytest.mark.skipif(DEV != "cpu", reason="runs the EARLY_TRIGGER / PREFETCH branches in "
                             "the interpreter; CUDA: test_gpu_prefetch_matches_early (H200 suite)")
@@ -54,19 +60,6 @@ def test_option_and_budget_values():
         with pytest.raises(ValueError, match="budget_bytes=.*int >= 0"), \
                 pdl.scope("prefetch", bad):
             pass
-
-
-def test_resolution_of_prefetch(monkeypatch):
-    """``"prefetch"`` resolves where ``"early"`` does (Hopper, no interpreter, no
-    ``compile_decode``), else off; ``"auto"`` stays ``"early"``."""
-    assert resolve_pdl_mode(RunnerOptions(pdl="prefetch"), torch.device("cpu")) == "off"
-    monkeypatch.setattr(pdl, "interpreted", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
-    assert resolve_pdl_mode(RunnerOptions(pdl="prefetch"), CUDA) == "prefetch"
-    assert resolve_pdl_mode(RunnerOptions(), CUDA) == "early"
-    assert resolve_pdl_mode(RunnerOptions(pdl="prefetch", compile_decode=True), CUDA) == "off"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
-    assert resolve_pdl_mode(RunnerOptions(pdl="prefetch"), CUDA) == "off"
 
 
 def test_scope_prefetch_sets_trigger_and_budget(monkeypatch):
@@ -444,17 +437,9 @@ def test_gpu_prefetch_matches_early(monkeypatch, tmp_path, dtype, autocast, opts
     and launch timing differ)."""
     monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
     _force_skinny(monkeypatch)
-    model = peft_tiny(dtype, autocast)
-    prompts = random_prompts(3, 5, 12, seed=2)
-    outs = {}
-    for mode in ("early", "prefetch"):
-        llm = LLM(model, pdl=mode, **{**KERNEL_OPTS, "lora_expand": expand}, **opts)
-        assert llm.runner.pdl_mode == mode
-        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
-        assert llm.runner.timings["graph_captures"] > 0
-    for (t_p, lp_p), (t_e, lp_e) in zip(outs["prefetch"], outs["early"]):
-        assert t_p == t_e
-        torch.testing.assert_close(torch.tensor(lp_p), torch.tensor(lp_e), rtol=0, atol=1e-6)
+    outs = greedy_per_mode(peft_tiny(dtype, autocast), ("early", "prefetch"),
+                           {**KERNEL_OPTS, "lora_expand": expand, **opts})
+    assert_same_greedy(outs["prefetch"], outs["early"])
 
 
 @pytest.mark.gpu
@@ -469,17 +454,9 @@ def test_gpu_engine_prefetches_and_matches_early(monkeypatch, tmp_path, dtype, a
     the greedy tokens and logprobs of ``"early"`` (within 1e-6)."""
     monkeypatch.setenv("NBHELPERS_CACHE_DIR", str(tmp_path))
     _force_skinny(monkeypatch)
-    model = _wide_peft(dtype, autocast)
-    prompts = random_prompts(3, 5, 12, seed=2)
-    outs, launches = {}, []
-    for mode in ("early", "prefetch"):
-        if mode == "prefetch":
-            launches = _launch_spy(monkeypatch)
-        llm = LLM(model, pdl=mode, pdl_prefetch_mib=2, **KERNEL_OPTS, **opts)
-        assert llm.runner.pdl_mode == mode
-        outs[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
-        assert llm.runner.timings["graph_captures"] > 0
-    _check_budget(launches, 2)
-    for (t_p, lp_p), (t_e, lp_e) in zip(outs["prefetch"], outs["early"]):
-        assert t_p == t_e
-        torch.testing.assert_close(torch.tensor(lp_p), torch.tensor(lp_e), rtol=0, atol=1e-6)
+    launches = {}  # mode -> the skinny launches from that mode's run on
+    outs = greedy_per_mode(_wide_peft(dtype, autocast), ("early", "prefetch"),
+                           {**KERNEL_OPTS, "pdl_prefetch_mib": 2, **opts},
+                           lambda mode: launches.setdefault(mode, _launch_spy(monkeypatch)))
+    _check_budget(launches["prefetch"], 2)
+    assert_same_greedy(outs["prefetch"], outs["early"])

@@ -194,9 +194,8 @@ def scope(mode: bool | str, budget_bytes: int = PREFETCH_BYTES) -> Iterator[None
     ``"prefetch"``, and with ``"prefetch"`` the ``EARLY_TRIGGER`` kernels let the next kernel
     launch at their start and the skinny GEMM prefetches up to ``budget_bytes`` bytes (int >=
     0; 0: the early triggers alone; :func:`prefetch_bytes`) of its weights into L2 before its
-    wait; ``False`` / ``"off"``:
-    ordinary launches. Under the interpreter it stays off. Restores the previous state on exit
-    (nesting is fine).
+    wait; ``False`` / ``"off"``: ordinary launches. Under the interpreter it stays off.
+    Restores the previous state on exit (nesting is fine).
 
     Raises:
         ValueError: a string that is not one of :data:`PDL_MODES`, or ``budget_bytes`` not an

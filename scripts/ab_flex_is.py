@@ -112,7 +112,7 @@ def train_options(params: dict[str, Any], output_dir: str) -> dict[str, Any]:
     from nbhelpers.grpo import compare, train
     opts = {n: p.default for n, p in inspect.signature(train).parameters.items()
             if p.kind is p.KEYWORD_ONLY}
-    same = ("dataset", "n_questions", "compile_mode", "vllm_sleep_mode",
+    same = ("dataset", "n_questions", "compile_mode", "attn_implementation", "vllm_sleep_mode",
             "vllm_gpu_memory_utilization", "format_warmup_steps")
     return opts | {k: params[k] for k in same} | {
         "backend": "flex", "output_dir": output_dir, "progress": False,

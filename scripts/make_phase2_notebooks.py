@@ -61,6 +61,7 @@ seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
 compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no-cudagraphs
 compile_dynamic: str = "auto"  # auto (ours: torch's default) | on (the reference's) | off
+attn_implementation: str = "auto"  # policy: auto (sdpa) | sdpa | eager | flash_attention_4 (hf_cb: paged|<it>)
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
 flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs while training
@@ -89,7 +90,7 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     list(backends), model, settings, dataset=dataset, n_questions=n_questions,
     skip_first=skip_first, compile_mode=compile_mode,
     compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
-    vllm_sleep_mode=vllm_sleep_mode,
+    attn_implementation=attn_implementation, vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
     format_warmup_steps=format_warmup_steps, progress=False,
@@ -151,7 +152,7 @@ def rerun(backends, max_steps):
         backends, model, replace(settings, max_steps=max_steps), dataset=dataset,
         n_questions=n_questions, skip_first=skip_first, compile_mode=compile_mode,
         compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
-        vllm_sleep_mode=vllm_sleep_mode,
+        attn_implementation=attn_implementation, vllm_sleep_mode=vllm_sleep_mode,
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
         flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
                                                flex_compile_attention),

@@ -4,7 +4,9 @@ newest run of each backend across device calls (``29_compare``).
 Contract: :func:`backend_sidecar` / :func:`write_sidecars` write schema-v1 sidecars of phase
 ``phase2`` (``<stem>__<backend>.json`` beside the summary at ``sidecar_path``; the same paths as
 the partial records of :mod:`~nbhelpers.grpo.compare_records`, which they replace);
-:func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"``;
+:func:`runs_from_sidecars` returns ``(runs, gates)`` keyed ``"<backend>@<run_id>"`` (a run
+whose policy attention was not the default one: ``"<backend> (<attn>)@<run_id>"``,
+:func:`backend_label`);
 :func:`filter_device` keeps one device's runs; :func:`load_runs` reads a folder's runs for
 ``29_compare`` (and the runner's pre-launch check), refusing a folder without any; :func:`gate_latest` gates the newest run of each
 backend against the reference within one (device, model, shape) group
@@ -126,8 +128,24 @@ def _jsonable(obj: Any) -> Any:
     return obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
 
 
+DEFAULT_ATTN = "sdpa"
+"""The attention a phase-2 policy is loaded with under ``attn_implementation="auto"``
+(transformers' default for the lab's models); sidecars from before ``grpo_config`` recorded
+``attn_implementation`` ran it."""
+
+
+def backend_label(backend: str, config: dict[str, Any] | None) -> str:
+    """``backend``, or ``"<backend> (<attn>)"`` when the run's policy was loaded with another
+    attention than :data:`DEFAULT_ATTN` (``grpo_config["attn_implementation"]``), so that
+    ``29_compare`` keeps it apart from that backend's default run (its own newest run, row and
+    gate) within one (device, model, shape) group."""
+    attn = (config or {}).get("attn_implementation")
+    return backend if attn in (None, DEFAULT_ATTN) else f"{backend} ({attn})"
+
+
 def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
-    """``(runs, gates)`` keyed ``"<backend>@<run_id>"`` from phase-2 per-backend sidecars.
+    """``(runs, gates)`` keyed ``"<backend label>@<run_id>"`` (:func:`backend_label`) from
+    phase-2 per-backend sidecars.
 
     A run holds what :mod:`~nbhelpers.grpo.compare_shapes` reads its shape from (``config``,
     ``request``, ``workload``, ``lora``) and where it came from: ``sidecar`` (the file name,
@@ -138,7 +156,7 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
         if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
             continue  # notebook summaries and the runner's failure sidecars are not backend runs
         run_id = str(side["run_id"]).removesuffix(f"_{side['backend']}")
-        key = f"{side['backend']}@{run_id}"
+        key = f"{backend_label(side['backend'], side.get('grpo_config'))}@{run_id}"
         runs[key] = {"rows": side.get("grpo_steps") or [], "summary": side.get("grpo_summary"),
                      "wall_s": side.get("grpo_wall_s"), "error": side.get("error"),
                      "config": side.get("grpo_config"), "model": side.get("model"),

@@ -14,6 +14,11 @@ every backend's rollout into TRL's ``generate_s`` metric.
 * ``unsloth``: Unsloth ``FastLanguageModel(fast_inference=False)`` + its patched TRL trainer.
 * ``flex``: our engine on the policy's own tensors through TRL's ``rollout_func``
   (:mod:`nbhelpers.grpo.flex_rollout`).
+
+The policy's attention (``train(attn_implementation=...)``, :func:`check_attn_implementation`)
+is the trainer model's, for its loss and logprob forwards: ``hf_generate`` also generates with
+it, ``hf_cb`` with ``paged|<it>`` (transformers 5.17 ``ContinuousBatchingManager.
+switch_to_cb_friendly_attn``), ``vllm`` and ``flex`` with their engines' own.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ WARMUP_FOLDER_BACKENDS = ("vllm",)
 colocate ``LLM(model=model.name_or_path)``): after the format warm-up :func:`train` saves the
 warmed weights, adapter merged in, as an HF folder and points the policy at it
 (:func:`nbhelpers.grpo.sft_warmup.save_merged_folder`, :func:`point_policy_at`)."""
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_4")
+"""``train(attn_implementation=...)`` words: the policy model's attention (``auto`` or ``None``:
+transformers' default, ``sdpa`` for the phase-2 models)."""
+ATTN_BACKENDS = ("hf_generate", "hf_cb", "flex", "vllm")
+"""Backends whose policy :func:`load_policy` loads with :func:`nbhelpers.models.load_model`, so
+they honour an ``attn_implementation`` (Unsloth's ``FastLanguageModel`` picks its own)."""
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Set (if unset) before ``import vllm``: the settings vLLM 0.26.0 ran with on the H200
 (DESIGN.md "The H200 machine"; FlashInfer's sampler is not in the bundle)."""
@@ -86,8 +97,11 @@ def vllm_max_model_length(settings: GRPOSettings) -> int:
 
 def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool = False,
                  vllm_gpu_memory_utilization: float = 0.3,
-                 flex_options: dict[str, Any] | None = None) -> BackendPlan:
-    """The :class:`BackendPlan` of ``backend`` (engine imports checked here, before loading).
+                 flex_options: dict[str, Any] | None = None,
+                 attn_implementation: str | None = None) -> BackendPlan:
+    """The :class:`BackendPlan` of ``backend`` (engine imports checked here, before loading);
+    ``attn_implementation`` (checked by :func:`check_attn_implementation`) adds a note of what
+    generates with it.
 
     Raises:
         ValueError: unknown backend.
@@ -101,6 +115,8 @@ def plan_backend(backend: str, settings: GRPOSettings, *, vllm_sleep_mode: bool 
                           f"{backend!r}.")
     if flex_options and backend != "flex":
         plan.notes.append(f"flex_options apply to backend='flex' only: ignored for {backend!r}.")
+    if attn_implementation is not None:
+        plan.notes.append(_attn_note(backend, attn_implementation))
     if backend == "vllm":
         for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
@@ -148,18 +164,83 @@ def prefill_pad_for(max_prompt_length: int, unit: int = 128) -> int:
     return max(unit, -(-max_prompt_length // unit) * unit)
 
 
-def load_policy(backend: str, model_name: str, settings: GRPOSettings,
-                on_gpu: bool) -> tuple[Any, Any, Any]:
+def _attn_note(backend: str, attn: str) -> str:
+    gen = {"hf_generate": f"generates with it too ({attn})",
+           "hf_cb": f"continuous batching generates with paged|{attn}"}
+    return (f"attn_implementation={attn!r}: the trainer model's attention (loss and logprob "
+            f"forwards); {backend} {gen.get(backend, 'generates with its own engine attention')}.")
+
+
+def check_attn_implementation(attn: str | None, backend: str,
+                              on_gpu: bool | None = None) -> str | None:
+    """What :func:`load_policy` passes to transformers for ``attn`` (``train``'s keyword):
+    ``None`` for ``None`` / ``"auto"`` (transformers' default), else ``attn``, checked before
+    anything loads; ``on_gpu`` (``None``: ask torch) matters for ``flash_attention_4`` only,
+    which also registers the FA4 names where transformers lacks them
+    (:func:`nbhelpers.shims.flash_attn4.apply`; a no-op on transformers 5.17).
+
+    Raises:
+        ValueError: ``attn`` not one of :data:`ATTN_IMPLEMENTATIONS` (or None), an unknown
+            backend, a word other than ``auto`` for a backend outside :data:`ATTN_BACKENDS`
+            (``unsloth``), or ``flash_attention_4`` without CUDA (FA4 installed).
+        BackendNotInstalled: ``flash_attention_4`` without flash-attn-4 (names the ``fa4``
+            extra).
+    """
+    if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={attn!r}: use one of {ATTN_IMPLEMENTATIONS} "
+                         "(None = 'auto': transformers' default).")
+    check_backend(backend)
+    if attn in (None, "auto"):
+        return None
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attn_implementation={attn!r} with backend={backend!r}: {backend} "
+                         f"loads its own model class and attention; attn_implementation applies "
+                         f"to backends {ATTN_BACKENDS}; pass 'auto' (or None) for {backend!r}.")
+    if attn == "flash_attention_4":
+        _require_fa4(backend, on_gpu)
+    return attn
+
+
+def _require_fa4(backend: str, on_gpu: bool | None) -> None:
+    from nbhelpers.backends.base import BackendNotInstalled
+    from nbhelpers.grpo.setup import is_cuda
+    from nbhelpers.shims import flash_attn4
+    if not flash_attn4.fa4_installed():
+        raise BackendNotInstalled(f"{backend} (flash_attention_4)", "fa4")
+    if not (is_cuda() if on_gpu is None else on_gpu):
+        raise ValueError("attn_implementation='flash_attention_4': FlashAttention-4 has CUDA "
+                         "kernels only and torch sees no CUDA device here; use 'sdpa' (or "
+                         "'auto') on this host.")
+    flash_attn4.apply()
+
+
+def loaded_attn(model: Any) -> str | None:
+    """The attention ``model`` was loaded with (``config._attn_implementation``; a PEFT model
+    answers for its base), ``None`` when it does not say."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def load_policy(backend: str, model_name: str, settings: GRPOSettings, on_gpu: bool, *,
+                attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, peft_config or None)`` as ``backend`` needs them.
 
     ``unsloth`` returns its own PEFT model (``peft_config`` None); ``vllm`` points the model's
     ``name_or_path`` at an HF folder with weights (TRL's colocate ``LLM`` loads it).
+    ``attn_implementation`` (:func:`check_attn_implementation`'s result) goes to
+    :func:`nbhelpers.models.load_model`; ``None``: transformers' default.
+
+    Raises:
+        ValueError: an ``attn_implementation`` with ``unsloth`` (it loads its own class).
     """
     from nbhelpers import models
     if backend == "unsloth":
+        if attn_implementation is not None:
+            raise ValueError(f"attn_implementation={attn_implementation!r}: backend 'unsloth' "
+                             f"picks its own attention; use one of {ATTN_BACKENDS}.")
         return _load_unsloth(model_name, settings, on_gpu)
     model, tok = models.load_model(model_name, dtype="bfloat16" if on_gpu else "float32",
-                                   device="cuda" if on_gpu else "cpu", seed=settings.seed)
+                                   device="cuda" if on_gpu else "cpu", seed=settings.seed,
+                                   attn_implementation=attn_implementation)
     if backend == "vllm":
         point_policy_at(model, models.model_folder(model_name, with_weights=True,
                                                    device="cuda" if on_gpu else "cpu"))

@@ -65,8 +65,10 @@ from nbhelpers.grpo.plans import (
     WARMUP_BACKENDS,
     WARMUP_FOLDER_BACKENDS,
     BackendPlan,
+    check_attn_implementation,
     instrument_generation,
     load_policy,
+    loaded_attn,
     plan_backend,
     point_policy_at,
 )
@@ -82,7 +84,8 @@ WARMUP_ADAPTERS = ("continue", "merge")
 def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
           progress: bool = True, skip_first: int = 3, compile_mode: str = "none",
-          compile_dynamic: bool | None = None, vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
+          compile_dynamic: bool | None = None, attn_implementation: str | None = None,
+          vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
           callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
@@ -97,7 +100,15 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     ``GRPOResult.summary``'s medians. ``compile_mode``: :data:`nbhelpers.grpo.compile_report.
     COMPILE_MODES`; ``compile_dynamic``: ``torch.compile(dynamic=)`` (``None``, the default:
     torch's own, static then dynamic after a recompile; the reference's ``--compile_dynamic`` is
-    ``True``), in the compile report. The vLLM options and ``flex_options``
+    ``True``), in the compile report. ``attn_implementation``: the policy model's attention,
+    one of :data:`~nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS` (``None`` / ``"auto"``, the
+    default: transformers' own, ``sdpa`` for the phase-2 models; ``"sdpa"``, ``"eager"``,
+    ``"flash_attention_4"``: CUDA and the ``fa4`` extra), for backends
+    :data:`~nbhelpers.grpo.plans.ATTN_BACKENDS` (every one but ``unsloth``, which loads its own
+    model class: refused); it is the trainer's forwards' attention, and ``hf_generate``
+    generates with it, ``hf_cb`` with ``paged|<it>``, ``vllm`` / ``flex`` with their own (a
+    note in ``GRPOResult.config["notes"]``); the attention the policy was loaded with is
+    ``GRPOResult.config["attn_implementation"]``. The vLLM options and ``flex_options``
     (:class:`~nbhelpers.grpo.flex_rollout.FlexRollout` fields) apply to their backend only (a note
     in ``GRPOResult.config["notes"]`` otherwise). ``reward_funcs`` default to the reference's four;
     ``callbacks`` are extra trainer callbacks; ``config_overrides`` extra ``GRPOConfig`` fields.
@@ -109,20 +120,24 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     Raises:
         ValueError: unknown backend (or a rollout-only one) / dataset / compile mode or
             ``compile_dynamic`` word /
-            ``warmup_adapter``, no prompt fits, or a format warm-up with a backend outside
+            ``warmup_adapter``, an ``attn_implementation`` not in ``ATTN_IMPLEMENTATIONS``, or
+            not ``auto`` with ``unsloth``, or ``flash_attention_4`` on a host without CUDA,
+            no prompt fits, or a format warm-up with a backend outside
             ``WARMUP_BACKENDS`` (``unsloth``) or with ``n_questions`` > 60 (its questions would
             overlap),
             ``skip_first`` < 0 (all checked before any step runs).
         TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`, or a keyword
             that is neither one of train's nor a ``GRPOConfig`` field
             (:func:`check_config_overrides`, before anything loads).
-        BackendNotInstalled: the backend's engine is missing (message names the extra).
+        BackendNotInstalled: the backend's engine is missing, or ``flash_attention_4``'s
+            (flash-attn-4) is (message names the extra; raised before anything loads).
         nbhelpers.models.ModelAssetsMissing: the model's assets are not fetched
             (``python -m nbhelpers fetch NAME``).
     """
     if not isinstance(settings, GRPOSettings):
         raise TypeError(f"settings={settings!r}: pass nbhelpers.config.GRPOSettings(...).")
     check_config_overrides(config_overrides)
+    check_attn_implementation(attn_implementation, backend)  # before anything loads or launches
     opts = {k: v for k, v in locals().items()
             if k not in ("model_name", "settings", "config_overrides")}
     if num_processes != 1 or vllm_mode != "colocate":
@@ -183,13 +198,16 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     dynamic = compile_report.compile_dynamic_flag(opts.get("compile_dynamic"))
     _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"],
                   opts["skip_first"])
+    attn = check_attn_implementation(opts.get("attn_implementation"), opts["backend"])
     plan = plan_backend(opts["backend"], settings, vllm_sleep_mode=opts["vllm_sleep_mode"],
                         vllm_gpu_memory_utilization=opts["vllm_gpu_memory_utilization"],
-                        flex_options=dict(opts["flex_options"] or {}))
+                        flex_options=dict(opts["flex_options"] or {}), attn_implementation=attn)
     if hooks is not None:
         hooks.plan(plan)
     model, tok, peft, train_ds, ds_stats = _load_inputs(plan, model_name, settings,
-                                                         opts["dataset"], opts["n_questions"])
+                                                         opts["dataset"], opts["n_questions"],
+                                                         attn)
+    loaded = loaded_attn(model)  # what transformers resolved (auto: sdpa for most models)
     model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
                                     opts["output_dir"], opts["progress"], opts["reward_funcs"],
@@ -201,7 +219,8 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
-             "warmup_adapter": opts["warmup_adapter"] if warm else None}
+             "warmup_adapter": opts["warmup_adapter"] if warm else None,
+             "attn_implementation": loaded}
     return _result(model_name, plan, trainer, parts, settings, ds_stats, wall_s,
                    opts["skip_first"], extra, warm)
 
@@ -265,11 +284,13 @@ def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -
 
 
 def _load_inputs(plan: BackendPlan, model_name: str, settings: GRPOSettings, dataset: str,
-                 n_questions: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+                 n_questions: int, attn_implementation: str | None = None
+                 ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run."""
     from nbhelpers import data
     from nbhelpers.grpo import setup
-    model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda())
+    model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda(),
+                                   attn_implementation=attn_implementation)
     data.apply_reference_chat_template(tok)
     train_ds, ds_stats = build_dataset(dataset, tok, n_questions, settings.max_prompt_length,
                                        settings.seed)

@@ -10,7 +10,9 @@ qwen3-4b`` ran a random 4.0 B-parameter model for 356 s on 2 cores and was recor
   :data:`CPU_PARAMS_LIMIT` parameters (the H200 workloads: qwen3-4b, llama-3.2-3b,
   gemma-4-e2b) needs CUDA here.
 - Phase 1's and phase 2's ``backends`` ``vllm`` / ``unsloth`` (phase 1: their variants and
-  ``hf_cb_fa4`` too) need CUDA here (:func:`check_cuda_backends`).
+  ``hf_cb_fa4`` too) need CUDA here (:func:`check_cuda_backends`); phase 2's
+  ``attn_implementation`` ``flash_attention_4`` needs CUDA and FlashAttention-4 here
+  (:func:`check_attn_host`).
 - ``29_compare``'s ``sidecar_dir`` holds phase-2 runs and its ``device`` matches one of them;
   ``19_compare``'s ``executed_dir`` holds phase-1 backend sidecars (:func:`check_compare_sidecars`).
 - Phase 3's ``engine_options`` (flat :class:`~nbhelpers.engine.runner_options.RunnerOptions`
@@ -181,6 +183,28 @@ def check_cuda_backends(params: dict[str, Any], where: Callable[[str], str],
                          f"none on this host: {fix}, or run on a CUDA host with --profile h200.")
 
 
+def check_attn_host(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    """Phase 2's ``attn_implementation`` of :data:`nbhelpers.shims.flash_attn4.FA4_NAMES` needs
+    a CUDA GPU and flash-attn-4 here (without them every backend's row fails after launch with
+    ``BackendNotInstalled``, as phase 1's ``hf_cb_fa4`` does on a CPU host). Raises
+    :class:`UserInputError` naming the fix."""
+    from nbhelpers.shims.flash_attn4 import FA4_NAMES, fa4_installed
+    attn = params.get("attn_implementation")
+    if attn not in FA4_NAMES:
+        return
+    if not cuda_available():
+        raise UserInputError(f"{where('attn_implementation')}: attn_implementation={attn!r} "
+                             "needs a CUDA GPU (FlashAttention-4 kernels) and torch sees none on "
+                             "this host: use -p attn_implementation auto (or sdpa), or run on a "
+                             "CUDA host with --profile h200.")
+    if not fa4_installed():
+        raise UserInputError(f"{where('attn_implementation')}: attn_implementation={attn!r} "
+                             "needs flash-attn-4, not importable here: stage the fa4 bundle "
+                             "(nbhelpers/bundles/sets.py; PYTHONPATH=/tmp/fa4_site:/tmp/fa4_site/"
+                             "nvidia_cutlass_dsl/dsl_packages) or pip install -e '.[fa4]', or "
+                             "use -p attn_implementation auto.")
+
+
 def check_compare_sidecars(params: dict[str, Any], notebook: Path, repo: Path,
                            where: Callable[[str], str]) -> None:
     """A compare notebook's sidecars, read as it reads them (from ``repo``: the kernel's working
@@ -221,13 +245,16 @@ def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str],
     notebook (the runner's :func:`~nbhelpers.run.runner.plan_jobs`), not where a device call is
     only planned (``scripts/device/run_step.py --dry-run`` checks h200 configs on the CPU);
     33's variants and LoRA modes too (:func:`check_flex_plan_params`), phase 1's flex
-    options (:func:`check_flex_backend_options`), phase 1's and phase 2's CUDA-only backends
+    options (:func:`check_flex_backend_options`), phase 2's FA4 attention
+    (:func:`check_attn_host`), phase 1's and phase 2's CUDA-only backends
     (:func:`check_cuda_backends`) and model size, and, given its ``notebook`` and the ``repo``
     it runs in, 19_compare's and 29_compare's sidecars (:func:`check_compare_sidecars`; not
     when ``sidecars_pending``: the same run executes the notebooks that write them first).
     Raises :class:`UserInputError` naming the parameter and the fix."""
     if phase == "phase1":
         check_flex_backend_options(params, where)
+    if phase == "phase2":
+        check_attn_host(params, where)
     if phase in ("phase1", "phase2"):
         check_cuda_backends(params, where, phase)
         _check_size(params, where, phase)

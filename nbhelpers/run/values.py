@@ -15,7 +15,9 @@ id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` 
 phase (each once), phase 1's ``engine_options`` keyed by backends of the run
 (:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up,
 a format warm-up only with backends that run it (``nbhelpers.grpo.plans.WARMUP_BACKENDS``: every
-GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), ``compile_mode`` /
+GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
+``attn_implementation`` one of ``nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS`` and, unless
+``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
 ``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
 ``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
 (:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
@@ -229,6 +231,28 @@ def _check_warmup_backends(params: dict[str, Any], notebook: Path, where: Where)
             "or pass -p format_warmup_steps 0.")
 
 
+def _check_attn(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    """Phase 2's ``attn_implementation``: one of its words, and a word other than ``auto`` only
+    with backends whose HF policy it sets (:data:`nbhelpers.grpo.plans.ATTN_BACKENDS`: not
+    ``unsloth``, whose row would fail after the others ran). Whether this host can run
+    ``flash_attention_4`` is :func:`nbhelpers.run.host_checks.check_attn_host`'s."""
+    attn, backends = params.get("attn_implementation"), params.get("backends")
+    if phase_of(notebook) != "phase2" or not isinstance(attn, str):
+        return
+    from nbhelpers.grpo.plans import ATTN_BACKENDS, ATTN_IMPLEMENTATIONS
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise UserInputError(f"{where('attn_implementation')}: attn_implementation={attn!r}: "
+                             f"use one of {ATTN_IMPLEMENTATIONS}.")
+    bad = [b for b in backends if b not in ATTN_BACKENDS] if isinstance(backends, list) else []
+    if attn != "auto" and bad:
+        keep = [b for b in backends if b in ATTN_BACKENDS]
+        fix = f"-p backends '[{', '.join(keep)}]'" if keep else f"backends of {ATTN_BACKENDS}"
+        raise UserInputError(
+            f"{where('backends')}, {where('attn_implementation')}: backends {bad} with "
+            f"attn_implementation={attn!r}: {bad} load their own model class and attention; "
+            f"drop {bad} ({fix}) or pass -p attn_implementation auto.")
+
+
 def _check_engine_options(params: dict[str, Any], sources: dict[str, str], notebook: Path,
                           where: Where) -> None:
     """Phase 1's ``engine_options`` maps a backend to its options (``{backend: {option:
@@ -308,6 +332,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_questions(params, where)
     _check_backends(params, notebook, where)
     _check_warmup_backends(params, notebook, where)
+    _check_attn(params, notebook, where)
     _check_engine_options(params, sources, notebook, where)
     _check_compile(params, where)
     _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])

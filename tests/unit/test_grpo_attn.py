@@ -135,7 +135,9 @@ def test_train_passes_the_attention_to_models_load(load_calls, tmp_path, backend
                                                    loaded):
     with pytest.raises(Loaded):
         _train(tmp_path, backend=backend, attn_implementation=attn)
-    assert load_calls == [{"dtype": "float32", "device": "cpu", "seed": SETTINGS.seed,
+    on_gpu = setup.is_cuda()  # the policy loads in bf16 on a CUDA host (load_policy)
+    assert load_calls == [{"dtype": "bfloat16" if on_gpu else "float32",
+                           "device": "cuda" if on_gpu else "cpu", "seed": SETTINGS.seed,
                            "attn_implementation": loaded}]
 
 

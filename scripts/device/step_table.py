@@ -557,6 +557,22 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                  "tests/engine/test_prefill_fa4_engine.py --tb=short"}, 90, 150, 0),
         (N33, {"variants": "[{name: flex_prefill, options: {}}, {name: fa4_prefill, options: "
                            "{prefill_attention: fa4}}]", "lora_modes": "[none]"}, 300, 420, 0)]),
+    # session 16, second window: the n14b tests its first window's 375 s cap cut off or that
+    # failed (fixed in 63c393f), with the phase 2 staging (trl, notebooks, tokenizers, GSM8K);
+    # then FA4's rows of issue 13 part 3 after f4a: phase 1 hf_cb with paged|flash_attention_4
+    # (LoRA only) and phase 2 hf_cb with the policy loaded with flash_attention_4 (6 steps:
+    # hf_cb took ~20 s a step at this shape on 2026-11-30).
+    "t16": (["trl", "notebooks"], ["tok", "gsm8k"], [
+        (SUITE, {"args": "--paths tests/engine/test_pdl_prefetch.py,tests/unit/test_grpo_attn.py,"
+                 "tests/unit/test_ab_flex_is.py,tests/unit/test_bench_flex_args.py,"
+                 "tests/unit/test_host_checks.py,tests/unit/test_bad_input_phase1_host.py,"
+                 "tests/unit/test_bad_input_phase2_host.py,tests/unit/test_run.py,"
+                 "tests/unit/test_bad_input.py,tests/unit/test_grpo_partial.py,"
+                 "tests/unit/test_interrupted_record.py --tb=short"}, 150, 240, 0)]),
+    "f4c": ([], ["fa41"], [
+        (P1, {"backends": "[hf_cb_fa4]", "without_lora": "false"}, 130, 200, 0),
+        (P2, {"backends": "[hf_cb]", "attn_implementation": "flash_attention_4",
+              "max_steps": "6"}, 170, 240, 0)]),
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),

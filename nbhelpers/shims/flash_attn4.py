@@ -13,6 +13,20 @@ What: ``apply()`` is a no-op when both names are registered (our pin). Otherwise
 (``cu_seq_lens_q/k``, ``max_length_q/k``, with the ``max_seqlen_q/k`` aliases). Paged KV reads
 (``block_table``) are not supported by this fallback: CB's varlen path passes contiguous K/V.
 
+Second patch, :func:`fix_paged_varlen_call` (applied by :func:`apply` whenever FA4 is installed):
+transformers 5.17's ``integrations/flash_paged.py`` ``paged_attention_forward`` (the
+``paged|flash_attention_*`` prefill/varlen path of continuous batching) calls
+``flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_seqlen_q, max_seqlen_k, ...)``
+positionally, FA2/FA3's order. flash-attn-4 4.0.0b36's ``flash_attn.cute.flash_attn_varlen_func``
+has ``qv`` as its 4th parameter, so ``cu_seq_lens_q`` lands in ``qv`` and the int
+``max_seqlen_q`` in ``cu_seqlens_k``: every request failed with "'int' object has no attribute
+'shape'" (``assert cu_seqlens_k.shape == ...`` in ``_flash_attn_fwd``), on the H200 on
+2026-12-03 (``executed/phase1_rollout/10_lora_rollout/20261203T221010Z_h200_f297e02*``, phase 1
+``hf_cb_fa4``). The patch wraps the varlen function that transformers' paged import returns for an
+FA4 implementation in one that passes those four by keyword. Removal condition: transformers
+passes them by keyword, or FA4 moves ``qv`` after them (the wrapper is skipped then: it checks
+the signature).
+
 Install: ``pip install -e '.[fa4]'`` (research/gpu_stack.md section 4: keep FA4 in its own site
 dir; cutlass-dsl needs ``site.addsitedir``). Removal condition: when the oldest supported
 transformers has native FA4 (already true for 5.17.0).
@@ -91,10 +105,69 @@ def apply(interface: Any = None) -> bool:
     """
     if interface is None:
         from transformers import AttentionInterface as interface
+    if fa4_installed():
+        fix_paged_varlen_call()
     if native(interface._global_mapping):
         return False
     if not fa4_installed():
         raise ImportError("flash_attention_4 needs flash-attn-4: pip install -e '.[fa4]'.")
     for name in FA4_NAMES:
         interface.register(name, fa4_attention_forward)
+    return True
+
+
+PAGED_VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+"""What transformers' paged path passes positionally after ``q, k, v`` (module docstring)."""
+
+
+def positional_order_differs(fn: Any) -> bool:
+    """True when ``fn``'s 4th to 7th parameters are not :data:`PAGED_VARLEN_ARGS` in that order
+    (FA4 b36: ``qv`` 4th). False when the signature cannot be read (leave ``fn`` alone)."""
+    import inspect
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return tuple(names[3:7]) != PAGED_VARLEN_ARGS and set(PAGED_VARLEN_ARGS) <= set(names)
+
+
+def keyword_varlen(fn: Any) -> Any:
+    """``fn`` called as transformers' paged path calls FA2/FA3 (``q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k`` positionally, the rest by keyword), passing the
+    four after ``v`` by keyword. Shapes and return value: ``fn``'s."""
+    import functools
+
+    @functools.wraps(fn)
+    def varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+               max_seqlen_q: Any = None, max_seqlen_k: Any = None, **kwargs: Any) -> Any:
+        return fn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kwargs)
+    varlen.nbh_keyword_varlen = True
+    return varlen
+
+
+def fix_paged_varlen_call(flash_paged: Any = None) -> bool:
+    """Patch ``flash_paged.lazy_import_paged_flash_attention`` (default: transformers'
+    ``transformers.integrations.flash_paged``) so that for a ``flash_attention_4`` implementation
+    it returns :func:`keyword_varlen` of the varlen function when :func:`positional_order_differs`
+    (module docstring). Idempotent; returns True when it patched now, False when already patched
+    or the module has no such function (another transformers layout: nothing to fix)."""
+    if flash_paged is None:
+        try:
+            from transformers.integrations import flash_paged
+        except ImportError:
+            return False
+    orig = getattr(flash_paged, "lazy_import_paged_flash_attention", None)
+    if orig is None or getattr(orig, "nbh_fa4_fix", False):
+        return False
+
+    def lazy_import_paged_flash_attention(implementation: Any, *args: Any, **kwargs: Any):
+        varlen, kvcache = orig(implementation, *args, **kwargs)
+        if (varlen is not None and "flash_attention_4" in str(implementation)
+                and not getattr(varlen, "nbh_keyword_varlen", False)
+                and positional_order_differs(varlen)):
+            varlen = keyword_varlen(varlen)
+        return varlen, kvcache
+    lazy_import_paged_flash_attention.nbh_fa4_fix = True
+    flash_paged.lazy_import_paged_flash_attention = lazy_import_paged_flash_attention
     return True

@@ -569,7 +569,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                  "tests/unit/test_bad_input_phase2_host.py,tests/unit/test_run.py,"
                  "tests/unit/test_bad_input.py,tests/unit/test_grpo_partial.py,"
                  "tests/unit/test_interrupted_record.py --tb=short"}, 150, 240, 0)]),
+    "s16s": (["trl", "notebooks"], ["tok", "gsm8k"], []),
     "f4c": ([], ["fa41"], [
+        (SUITE, {"args": "--paths tests/unit/test_shims_flash_attn4.py,tests/unit/test_backends.py,"
+                 "tests/engine/test_prefill_fa4.py,tests/engine/test_prefill_fa4_engine.py "
+                 "--tb=short"}, 60, 120, 0),
         (P1, {"backends": "[hf_cb_fa4]", "without_lora": "false"}, 130, 200, 0),
         (P2, {"backends": "[hf_cb]", "attn_implementation": "flash_attention_4",
               "max_steps": "6"}, 170, 240, 0)]),

@@ -196,6 +196,34 @@ def test_cuda_graphs_give_the_same_greedy_tokens():
     assert outs[0] == outs[1] == outs[2]
 
 
+def _fa4_ready() -> bool:
+    from nbhelpers.shims import flash_attn4
+    return torch.cuda.is_available() and flash_attn4.fa4_installed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU and flash-attn-4 (the fa4 bundle "
+                    "staged on the H200: scripts/device/step_table.py f4a/f4c)")
+def test_gpu_hf_cb_fa4_generates_what_sdpa_does():
+    """hf_cb with paged|flash_attention_4 (through nbhelpers.shims.flash_attn4's fix of
+    transformers 5.17's positional varlen call) completes every request with the greedy
+    tokens of paged|sdpa on a tiny bf16 Qwen3 (the H200 run of 2026-12-03 failed every request
+    before the fix)."""
+    spec = ModelSpec("tiny-qwen3", kind="random", dtype="bfloat16")
+    outs = {}
+    for attn in ("paged|sdpa", "paged|flash_attention_4"):
+        b = get_backend("hf_cb")
+        b.load(spec, None, **{**b.default_options, "attn_implementation": attn})
+        outs[attn] = [c.token_ids for c in b.generate(PROMPTS, GREEDY)]
+        b.close()
+    assert all(len(t) == GREEDY.max_new_tokens for t in outs["paged|flash_attention_4"])
+    # bf16 kernels may round differently: the first tokens must agree, and most of the rest
+    fa4, sdpa = outs["paged|flash_attention_4"], outs["paged|sdpa"]
+    assert [t[:3] for t in fa4] == [t[:3] for t in sdpa], outs
+    same = sum(a == b for x, y in zip(fa4, sdpa) for a, b in zip(x, y))
+    assert same >= 0.8 * sum(map(len, sdpa)), outs
+
+
 def test_hf_cb_reuses_its_manager_until_sampling_changes(loaded):
     b = loaded["hf_cb"]
     b.generate(PROMPTS, GREEDY)

@@ -82,3 +82,78 @@ def test_dense_padding_mask_is_refused(fake_fa4):
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="padding mask"):
         shim.fa4_attention_forward(None, q, q, q, torch.tensor([[0, 1, 1]]))
+
+
+def _fa4_b36_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None, softmax_scale=None, causal=False, window_size=(None, None)):
+    """flash-attn-4 4.0.0b36's parameter order (``qv`` 4th), checking what FA4 checks."""
+    assert qv is None, "cu_seq_lens_q landed in qv"
+    assert cu_seqlens_k.shape == (cu_seqlens_q.shape[0],)  # FA4: (batch_size + 1,)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal)
+
+
+class _Cache:
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        # [1, H_kv, S, D] -> [S, H_kv, D], as PagedAttentionCache.update returns them
+        return key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+
+
+def _paged_forward(monkeypatch, flash_paged):
+    """transformers' own paged_attention_forward over two packed sequences (3 and 5 tokens),
+    with the FA4-ordered fake as the varlen function its paged import returns."""
+    monkeypatch.setattr(flash_paged, "lazy_import_paged_flash_attention",
+                        lambda impl, *a, **k: (_fa4_b36_varlen, None))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    cu = torch.tensor([0, 3, 8])
+    module = types.SimpleNamespace(config=types.SimpleNamespace(
+        _attn_implementation="paged|flash_attention_4"), scaling=0.25, layer_idx=0)
+
+    def run():
+        out, _ = flash_paged.paged_attention_forward(
+            module, q, k, v, None, _Cache(), cu, cu, 5, 5, None, read_index=None,
+            write_index=None)
+        return out
+    want = torch.cat([_sdpa_bthd(q.transpose(1, 2)[:, a:b], k.transpose(1, 2)[:, a:b],
+                                 v.transpose(1, 2)[:, a:b], 0.25)[0]
+                      for a, b in ((0, 3), (3, 8))])
+    return run, want
+
+
+def test_transformers_paged_call_breaks_on_fa4_order_and_the_fix_repairs_it(monkeypatch):
+    """The H200 failure of 2026-12-03 reproduced on the CPU through transformers' own
+    paged_attention_forward: unpatched, cu_seq_lens_q lands in FA4's qv; patched, the output is
+    SDPA's per sequence."""
+    from transformers.integrations import flash_paged
+    run, want = _paged_forward(monkeypatch, flash_paged)
+    with pytest.raises(AssertionError, match="landed in qv"):
+        run()
+    assert shim.fix_paged_varlen_call(flash_paged) is True
+    assert shim.fix_paged_varlen_call(flash_paged) is False  # idempotent
+    torch.testing.assert_close(run(), want)
+
+
+def test_fix_leaves_other_implementations_and_fa2_order_alone(monkeypatch):
+    from transformers.integrations import flash_paged
+    calls = []
+    monkeypatch.setattr(flash_paged, "lazy_import_paged_flash_attention",
+                        lambda impl, *a, **k: calls.append(impl) or (
+                            _fa4_b36_varlen if impl.endswith("4") else _varlen, "kv"))
+    shim.fix_paged_varlen_call(flash_paged)
+    fa3, kv = flash_paged.lazy_import_paged_flash_attention("paged|flash_attention_3")
+    fa4, _ = flash_paged.lazy_import_paged_flash_attention("paged|flash_attention_4")
+    assert fa3 is _varlen and kv == "kv"  # not FA4: as transformers returned it
+    assert fa4 is not _fa4_b36_varlen and fa4.__wrapped__ is _fa4_b36_varlen
+    assert calls == ["paged|flash_attention_3", "paged|flash_attention_4"]
+    assert not shim.positional_order_differs(_varlen)  # FA2/FA3 order: nothing to wrap
+    assert shim.positional_order_differs(_fa4_b36_varlen)
+    assert not shim.positional_order_differs(print)  # no readable signature: left alone
+
+
+def test_apply_patches_the_paged_call_when_fa4_is_installed(monkeypatch, fake_fa4):
+    from transformers.integrations import flash_paged
+    monkeypatch.setattr(flash_paged, "lazy_import_paged_flash_attention",
+                        lambda impl, *a, **k: (_fa4_b36_varlen, None))
+    assert shim.apply() is False  # native registry: nothing registered ...
+    assert flash_paged.lazy_import_paged_flash_attention.nbh_fa4_fix  # ... but the call fixed

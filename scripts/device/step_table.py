@@ -569,7 +569,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                  "tests/unit/test_bad_input_phase2_host.py,tests/unit/test_run.py,"
                  "tests/unit/test_bad_input.py,tests/unit/test_grpo_partial.py,"
                  "tests/unit/test_interrupted_record.py --tb=short"}, 150, 240, 0)]),
+    # NB: t16 ran on a fresh machine without the SmolLM2 GGUF (m2a/m2b/n14a stage it): its 13
+    # failures were ModelAssetsMissing. Stage the three GGUF parts first when reusing it.
     "s16s": (["trl", "notebooks"], ["tok", "gsm8k"], []),
+    # next session, after s16s + f4a: the FA4 CB probe (graphs off / on vs sdpa), then f4c again
+    "f4p": ([], ["fa41"], [
+        ("scripts/device/fa4_probe.py", {"args": ""}, 90, 150, 0)]),
     "f4c": ([], ["fa41"], [
         (SUITE, {"args": "--paths tests/unit/test_shims_flash_attn4.py,tests/unit/test_backends.py,"
                  "tests/engine/test_prefill_fa4.py,tests/engine/test_prefill_fa4_engine.py "

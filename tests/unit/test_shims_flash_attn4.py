@@ -151,8 +151,11 @@ def test_fix_leaves_other_implementations_and_fa2_order_alone(monkeypatch):
     assert not shim.positional_order_differs(print)  # no readable signature: left alone
 
 
-def test_apply_patches_the_paged_call_when_fa4_is_installed(monkeypatch, fake_fa4):
+def test_apply_patches_the_paged_call_when_fa4_is_installed(monkeypatch):
+    # no fake flash_attn module here: on the H200 the real FA4 is on the path, and transformers
+    # imports flash_attn's spec while loading flash_paged (a fake module has no __spec__)
     from transformers.integrations import flash_paged
+    monkeypatch.setattr(shim, "fa4_installed", lambda: True)
     monkeypatch.setattr(flash_paged, "lazy_import_paged_flash_attention",
                         lambda impl, *a, **k: (_fa4_b36_varlen, None))
     assert shim.apply() is False  # native registry: nothing registered ...

@@ -150,8 +150,10 @@ def fix_paged_varlen_call(flash_paged: Any = None) -> bool:
     """Patch ``flash_paged.lazy_import_paged_flash_attention`` (default: transformers'
     ``transformers.integrations.flash_paged``) so that for a ``flash_attention_4`` implementation
     it returns :func:`keyword_varlen` of the varlen function when :func:`positional_order_differs`
-    (module docstring). Idempotent; returns True when it patched now, False when already patched
-    or the module has no such function (another transformers layout: nothing to fix)."""
+    (module docstring). The paged path asks in every layer of every forward: the signature is
+    read and the wrapper built once per varlen function, the same wrapper returned after.
+    Idempotent; returns True when it patched now, False when already patched or the module has
+    no such function (another transformers layout: nothing to fix)."""
     if flash_paged is None:
         try:
             from transformers.integrations import flash_paged
@@ -160,13 +162,22 @@ def fix_paged_varlen_call(flash_paged: Any = None) -> bool:
     orig = getattr(flash_paged, "lazy_import_paged_flash_attention", None)
     if orig is None or getattr(orig, "nbh_fa4_fix", False):
         return False
+    chosen: dict[Any, Any] = {}  # varlen function -> what to return for it (wrapper or itself)
+
+    def for_fa4(varlen: Any) -> Any:
+        if getattr(varlen, "nbh_keyword_varlen", False) or not positional_order_differs(varlen):
+            return varlen
+        return keyword_varlen(varlen)
 
     def lazy_import_paged_flash_attention(implementation: Any, *args: Any, **kwargs: Any):
         varlen, kvcache = orig(implementation, *args, **kwargs)
-        if (varlen is not None and "flash_attention_4" in str(implementation)
-                and not getattr(varlen, "nbh_keyword_varlen", False)
-                and positional_order_differs(varlen)):
-            varlen = keyword_varlen(varlen)
+        if varlen is not None and "flash_attention_4" in str(implementation):
+            try:
+                if varlen not in chosen:
+                    chosen[varlen] = for_fa4(varlen)
+                varlen = chosen[varlen]
+            except TypeError:  # unhashable callable: decide on every call
+                varlen = for_fa4(varlen)
         return varlen, kvcache
     lazy_import_paged_flash_attention.nbh_fa4_fix = True
     flash_paged.lazy_import_paged_flash_attention = lazy_import_paged_flash_attention

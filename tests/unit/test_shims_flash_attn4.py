@@ -160,3 +160,19 @@ def test_apply_patches_the_paged_call_when_fa4_is_installed(monkeypatch):
                         lambda impl, *a, **k: (_fa4_b36_varlen, None))
     assert shim.apply() is False  # native registry: nothing registered ...
     assert flash_paged.lazy_import_paged_flash_attention.nbh_fa4_fix  # ... but the call fixed
+
+
+def test_the_fixed_lookup_wraps_once_not_in_every_layer_call(monkeypatch):
+    """transformers' paged path asks for the varlen function in every layer of every forward:
+    the fix reads FA4's signature and builds its wrapper once per function, then hands back the
+    same wrapper (no per-call inspect.signature / new function on the decode hot path)."""
+    module = types.SimpleNamespace(
+        lazy_import_paged_flash_attention=lambda impl, *a, **k: (_fa4_b36_varlen, None))
+    reads = []
+    real = shim.positional_order_differs
+    monkeypatch.setattr(shim, "positional_order_differs", lambda fn: reads.append(fn) or real(fn))
+    assert shim.fix_paged_varlen_call(module) is True
+    first = [module.lazy_import_paged_flash_attention("paged|flash_attention_4")[0]
+             for _ in range(5)]
+    assert all(f is first[0] for f in first) and first[0].__wrapped__ is _fa4_b36_varlen
+    assert reads == [_fa4_b36_varlen]

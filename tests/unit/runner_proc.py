@@ -28,7 +28,13 @@ def start_phase0(root: Path, config: str, pid_file: Path, stdout: Any,
     runner)."""
     (root / "configs").mkdir(exist_ok=True)
     (root / f"configs/{config}.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
-    code = ("import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
+    # SIGINT at its default (KeyboardInterrupt), as in a terminal: a process started while
+    # SIGINT is ignored inherits SIG_IGN and Python then installs no handler, so the runner
+    # never saw the tests' Ctrl-C. Seen 2026-12-03 in a clean-clone run: an xdist worker had
+    # SIGINT ignored (/proc/<pid>/status SigIgn bit 2; something the worker ran earlier set
+    # it), its two interrupt tests hung at their 600 s caps; they passed in isolation.
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "import sys; from pathlib import Path; from nbhelpers.__main__ import main; "
             f"from nbhelpers.run import runner as run; run.REPO = Path({str(root)!r}); "
             "sys.exit(main(['run', 'phase0']))")
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=child_env(),

@@ -437,7 +437,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (SUITE, {"args": "--paths tests/engine --tb=short --durations=30"}, 380, 560, 0)]),
     "n14b": ([], [], [
         (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "
-                 "--durations=30"}, 250, 400, 0)]),
+                 "--durations=30"}, 380, 560, 0)]),  # session 16: 380 s, stopped at 375
     "n15a": ([], [], [
         (BENCH, {"args": N15A_BENCH}, 360, 480, 0)]),
     "n15b": ([], [], [

@@ -21,6 +21,16 @@ def require(module: str, backend: str, extra: str) -> Any:
         raise BackendNotInstalled(backend, extra, err) from err
 
 
+def require_fa4(backend: str) -> None:
+    """Raise :class:`BackendNotInstalled` (``backend`` names who asked, the ``fa4`` extra the
+    fix) unless flash-attn-4 is importable; else register the FA4 attention names and fix
+    transformers' paged call (:func:`nbhelpers.shims.flash_attn4.apply`)."""
+    from nbhelpers.shims import flash_attn4
+    if not flash_attn4.fa4_installed():
+        raise BackendNotInstalled(backend, "fa4")
+    flash_attn4.apply()
+
+
 def validate_prompts(prompts: list[list[int]]) -> None:
     """Raise ``ValueError`` unless ``prompts`` is a non-empty list of non-empty int-id lists."""
     if not isinstance(prompts, (list, tuple)) or not prompts:

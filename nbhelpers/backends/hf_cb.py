@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbhelpers.backends import _common
-from nbhelpers.backends.base import BackendNotInstalled, Completion
+from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 from nbhelpers.engine.llm_checks import check_generate_kwargs
 
@@ -80,11 +80,7 @@ def check_attn(attn: str) -> None:
     if attn not in ATTN_CHOICES:
         raise ValueError(f"hf_cb attn_implementation={attn!r}: use one of {ATTN_CHOICES}.")
     if attn.endswith("flash_attention_4"):
-        from nbhelpers.shims import flash_attn4
-
-        if not flash_attn4.fa4_installed():
-            raise BackendNotInstalled("hf_cb (paged|flash_attention_4)", "fa4")
-        flash_attn4.apply()
+        _common.require_fa4("hf_cb (paged|flash_attention_4)")
 
 
 class HFCBBackend:

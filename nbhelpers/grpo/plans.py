@@ -202,16 +202,14 @@ def check_attn_implementation(attn: str | None, backend: str,
 
 
 def _require_fa4(backend: str, on_gpu: bool | None) -> None:
-    from nbhelpers.backends.base import BackendNotInstalled
+    from nbhelpers.backends import _common
     from nbhelpers.grpo.setup import is_cuda
     from nbhelpers.shims import flash_attn4
-    if not flash_attn4.fa4_installed():
-        raise BackendNotInstalled(f"{backend} (flash_attention_4)", "fa4")
-    if not (is_cuda() if on_gpu is None else on_gpu):
+    if not (is_cuda() if on_gpu is None else on_gpu) and flash_attn4.fa4_installed():
         raise ValueError("attn_implementation='flash_attention_4': FlashAttention-4 has CUDA "
                          "kernels only and torch sees no CUDA device here; use 'sdpa' (or "
                          "'auto') on this host.")
-    flash_attn4.apply()
+    _common.require_fa4(f"{backend} (flash_attention_4)")  # missing FA4: names the extra
 
 
 def loaded_attn(model: Any) -> str | None:

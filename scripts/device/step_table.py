@@ -347,6 +347,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # refused it (session 13: its count runs a little above du's); m2n stages those wheels
     "m2b": ([], ["gguf1"], []),
     "m2n": (["notebooks"], ["tok", "gsm8k"], []),
+    # GGUF part 2 alone (session 17: n14b needs the whole GGUF; n14a used to stage part 2)
+    "m2g": ([], ["gguf2"], []),
     "m2c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),

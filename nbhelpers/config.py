@@ -283,7 +283,8 @@ class GRPOSettings:
         ValueError: a count below its minimum (``num_generations`` >= 2, the others >= 1);
             ``learning_rate`` not finite and > 0; ``beta`` or ``weight_decay`` not finite and
             >= 0; ``warmup_ratio`` not in [0, 1]; ``seed`` not in [0, 2**32) (what
-            ``transformers.set_seed`` takes: numpy's seed range); the sampling fields as
+            ``transformers.set_seed`` takes: numpy's seed range); ``pad_to_multiple_of`` < 0;
+            the sampling fields as
             :class:`SamplingParams` checks them. NaN fails every range check.
     """
 
@@ -306,9 +307,19 @@ class GRPOSettings:
     logging_steps: int = 1
     gradient_checkpointing: bool = False
     lora: LoraSpec = field(default_factory=LoraSpec)
+    pad_to_multiple_of: int = 0
+    """TRL's ``GRPOConfig.pad_to_multiple_of``: prompt and completion ids (and their masks) padded
+    to a multiple of this many tokens before the trainer's forwards; 0 = off (TRL's ``None``, the
+    reference). For ``compile_mode`` runs: every new sequence length is a new shape to the compiled
+    trainer (on the H200, 2026-12-03, ``compile_mode="default"``: step 1 took 252 s for two
+    compiles, grad and no-grad, and step 2 recompiled for 344 -> 345 tokens), so bucketing the
+    lengths bounds the recompiles; padded positions are masked, the loss is unchanged."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        _require(self.pad_to_multiple_of >= 0, f"GRPOSettings.pad_to_multiple_of="
+                 f"{self.pad_to_multiple_of}: must be >= 0 (0 = no padding; 64 buckets lengths "
+                 "for compile_mode runs).")
         _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
                  f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",

@@ -43,6 +43,7 @@ SHAPE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "dataset": (("request", "dataset"),),
     "format_warmup_steps": (("request", "format_warmup_steps"), ("warmup", "steps")),
     "gradient_checkpointing": (("settings", "gradient_checkpointing"),),
+    "pad_to_multiple_of": (("config", "pad_to_multiple_of"), ("settings", "pad_to_multiple_of")),
     "beta": (("config", "beta"), ("settings", "beta")),
     "learning_rate": (("config", "learning_rate"), ("settings", "learning_rate")),
     "lora_rank": (("lora", "rank"), ("settings_lora", "rank")),
@@ -60,8 +61,8 @@ sidecar ``grpo_config``), ``settings`` / ``request`` (``grpo_request``, recorded
 
 REFERENCE: dict[str, Any] = {
     "max_prompt_length": 256, "dataset": "gsm8k", "format_warmup_steps": 0,
-    "gradient_checkpointing": False, "beta": 0.04, "learning_rate": 5e-6, "lora_rank": 32,
-    "lora_alpha": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.1}
+    "gradient_checkpointing": False, "pad_to_multiple_of": 0, "beta": 0.04,
+    "learning_rate": 5e-6, "lora_rank": 32, "lora_alpha": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.1}
 """The reference setup (DESIGN.md "Reference workloads"; every ``configs/20_*.yaml`` so far);
 :func:`shape_label` names only the fields that differ from it. ``top_k`` 0 = disabled."""
 
@@ -71,12 +72,14 @@ FALLBACK: dict[str, Any] = {"num_generations": UNKNOWN, "per_device_train_batch_
 """What an older sidecar that records a field nowhere is taken to have run: the value every
 phase-2 config and the notebook's default had before the field was recorded (gradient
 accumulation, gradient checkpointing: not notebook parameters before 2026-12-02, i.e. 1 and
-off; prompt length 256 and dataset gsm8k: recorded only since 2026-12-01 (``grpo_request``),
+off; ``pad_to_multiple_of``: not a parameter before 2026-12-04, i.e. 0 (TRL's None, no
+padding); prompt length 256 and dataset gsm8k: recorded only since 2026-12-01 (``grpo_request``),
 every config had them since 2026-11-30; format warm-up: none before it existed). The three
 workload counts have no such value: ``?`` (no sidecar in the archive lacks them: ``workload``
 holds them even for runs that failed before training)."""
 
-LABEL_NAMES = {"max_prompt_length": "prompt", "dataset": "", "format_warmup_steps": "warmup",
+LABEL_NAMES = {"max_prompt_length": "prompt", "pad_to_multiple_of": "pad", "dataset": "",
+               "format_warmup_steps": "warmup",
                "beta": "beta", "learning_rate": "lr", "lora_rank": "r", "lora_alpha": "alpha",
                "temperature": "T", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
 

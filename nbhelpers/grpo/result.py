@@ -16,9 +16,11 @@ _CONFIG_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "n
                 "generation_batch_size", "max_completion_length", "learning_rate", "beta",
                 "temperature", "top_p", "top_k", "min_p", "seed", "max_steps", "bf16", "use_cpu",
                 "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+                "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+                "pad_to_multiple_of")
 """GRPOConfig fields a sidecar's ``grpo_config`` records (the IS ones since 2026-12-03: TRL's
-correction decides how much a vLLM or flex row's loss is scaled, ``gate.grad_gap_sentence``)."""
+correction decides how much a vLLM or flex row's loss is scaled, ``gate.grad_gap_sentence``;
+``pad_to_multiple_of`` since 2026-12-04)."""
 
 
 

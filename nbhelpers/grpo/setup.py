@@ -94,6 +94,7 @@ def build_config(settings: GRPOSettings, output_dir: str | os.PathLike, **overri
         "top_k": vllm_top_k_to_transformers(settings.top_k), "min_p": settings.min_p or None,
         "seed": settings.seed, "logging_steps": settings.logging_steps,
         "gradient_checkpointing": settings.gradient_checkpointing,
+        "pad_to_multiple_of": settings.pad_to_multiple_of or None,
         "use_cpu": not on_gpu, "bf16": on_gpu, "report_to": "none", "save_strategy": "no",
         "optim": "adamw_torch"}
     kwargs.update(overrides)

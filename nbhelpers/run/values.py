@@ -59,7 +59,7 @@ def _same(*names: str) -> dict[str, str]:
 
 _GRPO = (FieldMap(GRPOSettings, _same(
              "max_steps", "num_generations", "per_device_train_batch_size", "max_prompt_length",
-             "max_completion_length", "learning_rate", "beta", "seed")),
+             "max_completion_length", "learning_rate", "beta", "seed", "pad_to_multiple_of")),
          FieldMap(LoraSpec, {"lora_rank": "rank", "lora_alpha": "alpha"}))
 _WORKLOAD = _same("prompt_tokens", "max_new_tokens", "rounds", "warmup_rounds")
 CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {

@@ -1,0 +1,93 @@
+"""Phase 2's ``pad_to_multiple_of`` (TRL's ``GRPOConfig`` field through ``GRPOSettings``): checked,
+passed to TRL, recorded, part of the comparison shape, and a real run with it trains the same.
+
+Why it exists: on the H200 (2026-12-03) a ``compile_mode="default"`` run recompiled the trainer for
+every new sequence length (344 -> 345 tokens at step 2, after two compiles at step 1), so bucketing
+the lengths is what bounds the recompiles (``GRPOSettings.pad_to_multiple_of``'s docstring).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbhelpers.config import GRPOSettings, LoraSpec
+
+REPO = Path(__file__).resolve().parents[2]
+NB20 = REPO / "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
+
+
+def test_negative_padding_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of=-1: must be >= 0 \(0 = no padding"):
+        GRPOSettings(pad_to_multiple_of=-1)
+    assert GRPOSettings().pad_to_multiple_of == 0
+
+
+def test_build_config_passes_it_to_trl_and_zero_is_trls_none(tmp_path):
+    pytest.importorskip("trl")
+    from nbhelpers.grpo.setup import build_config
+    assert build_config(GRPOSettings(), tmp_path).pad_to_multiple_of is None
+    assert build_config(GRPOSettings(pad_to_multiple_of=64), tmp_path).pad_to_multiple_of == 64
+
+
+def test_the_runner_refuses_a_bad_value_before_launch():
+    from nbhelpers.run.params import UserInputError, plan_parameters
+    with pytest.raises(UserInputError, match=r"pad_to_multiple_of.*>= 0"):
+        plan_parameters([NB20], "cpu", {"pad_to_multiple_of": -8}, REPO)
+    plan_parameters([NB20], "cpu", {"pad_to_multiple_of": 64}, REPO)  # accepted
+
+
+def test_shape_label_names_padding_and_older_sidecars_read_as_none():
+    from nbhelpers.grpo.compare_shapes import run_shape, shape_label
+    padded = {"config": {"pad_to_multiple_of": 64, "num_generations": 4,
+                         "per_device_train_batch_size": 4, "max_completion_length": 256},
+              "request": {"settings": {"pad_to_multiple_of": 64}}}
+    older = {"config": {"num_generations": 4, "per_device_train_batch_size": 4,
+                        "max_completion_length": 256}}
+    trl_none = {"config": dict(older["config"], pad_to_multiple_of=None),
+                "request": {"settings": {"pad_to_multiple_of": 0}}}
+    assert run_shape(padded)["pad_to_multiple_of"] == 64
+    assert "pad64" in shape_label(run_shape(padded)).split()
+    for run in (older, trl_none):
+        assert run_shape(run)["pad_to_multiple_of"] == 0
+        assert "pad" not in shape_label(run_shape(run))
+
+
+def _reward(prompts=None, completions=(), **kwargs):
+    return [float(str(c).count("e")) for c in completions]
+
+
+def _train(backend: str, pad: int):
+    from nbhelpers.grpo import step_rows, train
+    torch.set_num_threads(1)
+    settings = GRPOSettings(max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                            max_completion_length=8, learning_rate=2e-2, warmup_ratio=0.0,
+                            lr_scheduler_type="constant", min_p=0.1, beta=0.04,
+                            lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")),
+                            pad_to_multiple_of=pad)
+    res = train("tiny-llama", settings, backend=backend, n_questions=4, progress=False,
+                output_dir=tempfile.mkdtemp(prefix="pad_"), skip_first=0,
+                reward_funcs=[_reward])
+    return res, step_rows(res)
+
+
+@pytest.mark.parametrize("backend", ["hf_generate", "flex"])
+def test_a_padded_run_trains_as_the_unpadded_one(backend):
+    """Same seed, same tokens: padded positions are masked, so loss, KL and grad norm agree to fp32
+    noise (measured here: |d grad_norm| ~1e-8 for hf_generate), and flex's importance-sampling
+    ratio stays at 1 (its per-token quantities are padded by TRL with the ids)."""
+    pytest.importorskip("trl")
+    plain, rows0 = _train(backend, 0)
+    padded, rows64 = _train(backend, 64)
+    assert padded.config["pad_to_multiple_of"] == 64 and plain.config["pad_to_multiple_of"] is None
+    assert [r["step"] for r in rows64] == [1, 2]
+    for a, b in zip(rows0, rows64):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    if backend == "flex":
+        for r in rows64:
+            assert r["is_token_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+            assert r["is_token_outside_0.9_1.1"] == 0.0

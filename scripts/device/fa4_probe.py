@@ -1,55 +1,118 @@
-"""Probe: hf_cb with ``paged|flash_attention_4`` on Qwen3-4B (random bf16 weights), CUDA graphs
-off then on, against ``paged|sdpa``; prints per configuration whether every request finished and
-how many greedy tokens match sdpa's.
+"""Probe: hf_cb with ``paged|flash_attention_4`` on Qwen3-4B (random bf16 weights) against
+``paged|sdpa``, CUDA graphs off and on, at a small greedy shape and at phase 1's workload W.
 
 Why: on the H200 (2026-12-03, ``executed/phase1_rollout/10_lora_rollout/20261203T221743Z_h200_
-48b88b7*``) phase 1's ``hf_cb_fa4`` (32 prompts x 150 tokens, 512 new, LoRA r32, CUDA graphs on)
-died with "probability tensor contains either inf, nan or element < 0" in the sampler after
-FA4's varlen kernel ran, while phase 2's hf_cb with the same FA4 set (4 sequences, TRL's CB
-config) finished 6 steps. This separates the two suspects: CUDA graph capture of the CuTe DSL
-kernel (its log warns that ``aux_data`` cannot be a JitArgument) vs the kernel's output itself.
+48b88b7*``) phase 1's ``hf_cb_fa4`` (workload W: 32 prompts of ~150 tokens, 512 new tokens, LoRA
+r32 adapter, GRPO sampling, CUDA graphs on) died with "probability tensor contains either inf,
+nan or element < 0" in the sampler after FA4's varlen kernel ran, while phase 2's hf_cb with the
+same FA4 set (4 sequences) finished 6 steps. The first version of this probe (session 17, step
+``f4p``, ``executed/phase1_rollout/fa4_probe/20261203T234703Z_h200_fdcc5b8.f4p.log``) ran only
+the small greedy shape without LoRA: FA4 finished with graphs off and on, 95 and 59 of 512 greedy
+tokens equal to sdpa's. Greedy decoding cannot see NaN logits (argmax returns an index), and that
+run had no sdpa-vs-sdpa baseline for random weights, so it decided nothing. This version:
 
-Run on the device with the fa4 and notebooks sets staged (``scripts/device/step_table.py`` f4a,
-then step ``f4p``): ``python3 scripts/device/fa4_probe.py`` (~60-90 s). Needs CUDA, FA4 and the
-Qwen3 tokenizer (``python -m nbhelpers fetch``); exits 1 on a configuration that failed.
+- adds ``paged|sdpa`` with graphs on as the baseline: how many greedy tokens two correct
+  attentions share on random weights;
+- counts non-finite values in the LM head's output with a forward hook (eager forwards only: a
+  CUDA graph replay runs no Python hook; the count says how many eager calls it saw);
+- runs workload W as phase 1 does (the canonical LoRA adapter, GRPO sampling, the same prompts):
+  a NaN there raises in the sampler, which the probe reports per configuration.
+
+Run on the device with the fa4, notebooks and tokenizer sets staged (``scripts/device/
+step_table.py``: f4a, then step ``f4p``): ``python3 scripts/device/fa4_probe.py [--shapes
+small,w]`` (~2-3 min for both). Needs CUDA, FA4 and the Qwen3 tokenizer (``python -m nbhelpers
+fetch``). Prints one line per (shape, attention, graphs); exits 1 if any configuration failed.
 """
 from __future__ import annotations
 
 import sys
 import time
 import traceback
+from typing import Any
+
+CONFIGS = (("paged|sdpa", False), ("paged|sdpa", True), ("paged|flash_attention_4", False),
+           ("paged|flash_attention_4", True))
+"""(attention, CUDA graphs) per run; the first is every shape's token reference."""
 
 
-def main() -> int:
+class NonFinite:
+    """Forward hook on the LM head: eager calls seen and calls with a non-finite logit."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.bad = 0
+
+    def __call__(self, module: Any, args: Any, out: Any) -> None:
+        import torch
+        self.calls += 1
+        if not bool(torch.isfinite(out).all()):
+            self.bad += 1
+
+
+def _shape(name: str) -> tuple[list[list[int]], Any, Any]:
+    """``(prompts, sampling, lora)`` of the small greedy shape or of workload W."""
+    from nbhelpers.config import WORKLOAD_W, LoraSpec, SamplingParams
+    if name == "small":
+        prompts = [[100 + i + j for j in range(150)] for i in range(8)]
+        return prompts, SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True), None
+    from nbhelpers.bench.rollout import prepare_prompts
+    return (prepare_prompts("qwen3-4b", WORKLOAD_W), WORKLOAD_W.sampling_params(),
+            LoraSpec(rank=32, alpha=64))
+
+
+def run_shape(name: str) -> int:
+    """Every configuration of :data:`CONFIGS` at shape ``name``; returns the failures."""
     from nbhelpers.backends import get_backend
-    from nbhelpers.config import ModelSpec, SamplingParams
+    from nbhelpers.config import ModelSpec
     spec = ModelSpec("qwen3-4b", kind="random", dtype="bfloat16")
-    prompts = [[100 + i + j for j in range(150)] for i in range(8)]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
-    tokens, bad = {}, 0
-    for attn, graphs in (("paged|sdpa", False), ("paged|flash_attention_4", False),
-                         ("paged|flash_attention_4", True)):
+    prompts, sampling, lora = _shape(name)
+    adapter = None
+    if lora is not None:
+        from nbhelpers.adapters import canonical_adapter
+        adapter = str(canonical_adapter("qwen3-4b", lora))
+    ref, bad = None, 0
+    for attn, graphs in CONFIGS:
         b = get_backend("hf_cb")
+        hook = NonFinite()
         t0 = time.perf_counter()
+        head = f"[{name}] {attn} graphs={graphs}:"
         try:
-            b.load(spec, None, **{**b.default_options, "attn_implementation": attn,
-                                  "use_cuda_graph": graphs})
-            tokens[attn, graphs] = [o.token_ids for o in b.generate(prompts, greedy)]
-            ref = tokens.get(("paged|sdpa", False), [])
-            same = sum(x == y for a, r in zip(tokens[attn, graphs], ref) for x, y in zip(a, r))
-            print(f"{attn} graphs={graphs}: ok, lengths {[len(t) for t in tokens[attn, graphs]]}"
-                  f", {same} of {sum(map(len, ref))} greedy tokens equal sdpa's, "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            opts = {**b.default_options, "attn_implementation": attn, "use_cuda_graph": graphs}
+            if adapter:
+                opts["adapter_path"] = adapter
+            b.load(spec, lora, **opts)
+            b.model.get_output_embeddings().register_forward_hook(hook)
+            b.size_for_workload(prompts, sampling)
+            toks = [o.token_ids for o in b.generate(prompts, sampling)]
+            ref = toks if ref is None else ref
+            same = sum(x == y for a, r in zip(toks, ref) for x, y in zip(a, r))
+            lens = sorted({len(t) for t in toks})
+            print(f"{head} ok, lengths {lens}, {same} of {sum(map(len, ref))} tokens equal the "
+                  f"first configuration's, LM head: {hook.bad} of {hook.calls} eager calls with a "
+                  f"non-finite logit, {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as err:  # noqa: BLE001 (a probe: report every configuration)
             bad += 1
-            print(f"{attn} graphs={graphs}: FAILED {err!r:.400}", flush=True)
+            print(f"{head} FAILED {err!r:.400} (LM head: {hook.bad} of {hook.calls} eager calls "
+                  f"non-finite), {time.perf_counter() - t0:.1f} s", flush=True)
             traceback.print_exc()
         finally:
             b.close()
-    return 1 if bad else 0
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="small,w",
+                    help="comma list of small (8 x 150 tokens, 64 greedy, no LoRA) and w "
+                         "(phase 1's workload W with LoRA r32 and GRPO sampling)")
+    args = ap.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - {"small", "w"})
+    if unknown or not shapes:
+        ap.error(f"--shapes {args.shapes!r}: use small, w or small,w")
+    return 1 if sum(run_shape(s) for s in shapes) else 0
 
 
 if __name__ == "__main__":
-    import argparse
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     sys.exit(main())

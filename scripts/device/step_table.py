@@ -522,6 +522,28 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[flex]", "compile_mode": "default"}, 240, 330, 0),
         (P2, {"backends": "[flex]", "compile_mode": "default", "compile_dynamic": "'on'"}, 200,
          260, 0)]),
+    # session 17's c13a stopped at its caps (flex, default mode: step 1 took 252 s, two compiles,
+    # grad and no-grad; step 2 recompiled for 344 -> 345 tokens; compile_dynamic on: no step in
+    # 230 s). Next: one call each, lengths bucketed (pad_to_multiple_of 256 = the prompt limit:
+    # every prompt pads to 256, every completion is 256), fewer steps; interrupted runs keep their
+    # logged steps (the per-step progress file).
+    "c17a": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "default", "pad_to_multiple_of": "256",
+              "max_steps": "6"}, 400, 560, 0)]),
+    "c17d": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "default", "compile_dynamic": "'on'",
+              "max_steps": "4"}, 450, 560, 0)]),
+    "c17h": ([], ["gsm8k"], [
+        (P2, {"backends": "[hf_generate]", "compile_mode": "default", "pad_to_multiple_of": "256",
+              "max_steps": "4"}, 450, 560, 0)]),
+    "c17m": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs",
+              "pad_to_multiple_of": "256", "max_steps": "4"}, 480, 560, 0)]),
+    # hf_generate at the realistic preset, 6 steps (session 17's rh1: ~60 s a step, 7 of 10 steps
+    # in its 550 s cap)
+    "rh6": ([], [], [
+        (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]", "max_steps": "6"}, 480,
+         565, 0)]),
     "c13m": ([], ["gsm8k"], [
         (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs"}, 420, 570, 0)]),
     "c13h": ([], ["gsm8k"], [
@@ -574,9 +596,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # NB: t16 ran on a fresh machine without the SmolLM2 GGUF (m2a/m2b/n14a stage it): its 13
     # failures were ModelAssetsMissing. Stage the three GGUF parts first when reusing it.
     "s16s": (["trl", "notebooks"], ["tok", "gsm8k"], []),
-    # next session, after s16s + f4a: the FA4 CB probe (graphs off / on vs sdpa), then f4c again
+    # the FA4 CB probe (after f4a, with the tokenizers staged): sdpa and FA4, graphs off / on, at
+    # the small greedy shape (session 17: 52 s) and at phase 1's workload W with LoRA and sampling
     "f4p": ([], ["fa41"], [
-        ("scripts/device/fa4_probe.py", {"args": ""}, 90, 150, 0)]),
+        ("scripts/device/fa4_probe.py", {"args": "--shapes small,w"}, 200, 300, 0)]),
     "f4c": ([], ["fa41"], [
         (SUITE, {"args": "--paths tests/unit/test_shims_flash_attn4.py,tests/unit/test_backends.py,"
                  "tests/engine/test_prefill_fa4.py,tests/engine/test_prefill_fa4_engine.py "

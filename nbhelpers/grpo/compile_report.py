@@ -19,7 +19,12 @@ not their forward, so compiling changes only the trainer side for it.
 counters (``torch._dynamo.utils.counters``: graph breaks with their reasons, unique graphs, frames)
 and the recompiles (records of the ``torch._dynamo.guards.__recompiles`` logger, enabled with
 ``torch._logging.set_logs(recompiles=True)``; the first lines of each reason are kept).
-:meth:`CompileWatch.report` returns a JSON-ready dict. The counts cover everything dynamo compiled
+:meth:`CompileWatch.report` returns a JSON-ready dict; :meth:`CompileWatch.snapshot` the same
+counts so far, read live inside the block (the per-step progress lines of
+:class:`nbhelpers.grpo.progress.ProgressWriter`). Both carry ``compile_s``: seconds dynamo spent
+compiling frames inside the block (``torch._dynamo.utils.compilation_time_metrics``
+``"_compile.compile_inner"``, the backend's compile included; ``None`` where this torch lacks
+that record). The counts cover everything dynamo compiled
 inside the block: with the flex backend that includes the engine's own ``flex_attention`` wrapper
 (its recompiles name ``_flex_attention_hop_wrapper``). Seen on the CPU (tiny Llama, TRL 1.15.0,
 torch 2.13) when the whole LM was compiled: ``default`` mode gave 4 graph breaks, all
@@ -45,6 +50,19 @@ COMPILE_DYNAMIC = {"auto": None, "on": True, "off": False}
 torch's: static shapes, dynamic after the first recompile), ``on`` (the reference's
 ``--compile_dynamic`` default, Unsloth's GRPO notebook), ``off`` (static: one graph per shape)."""
 _RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"
+_COMPILE_TIME_KEY = "_compile.compile_inner"
+"""``compilation_time_metrics`` entry timing one dynamo frame compile (torch 2.4 .. 2.13)."""
+
+
+def compile_seconds() -> float | None:
+    """Seconds this process spent in dynamo frame compiles so far (``_compile.compile_inner`` of
+    ``torch._dynamo.utils.compilation_time_metrics``, summed; 0.0 before any); ``None`` when this
+    torch has no such record."""
+    import torch._dynamo.utils as dyn
+    metrics = getattr(dyn, "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return None
+    return float(sum(metrics.get(_COMPILE_TIME_KEY, ())))
 
 
 def check_compile_mode(mode: str | None) -> str:
@@ -118,11 +136,14 @@ class CompileWatch:
         self._handler = _Collect()
         self._before: dict[str, Counter] = {}
         self._after: dict[str, Counter] = {}
+        self._seconds: list[float | None] = [None, None]  # compile_seconds() at enter, at exit
+        self._entered = False
 
     def __enter__(self) -> Self:
         import torch
         import torch._dynamo.utils as dyn
         self._before = {k: Counter(v) for k, v in dyn.counters.items()}
+        self._seconds, self._entered = [compile_seconds(), None], True
         torch._logging.set_logs(recompiles=True)
         logger = logging.getLogger(_RECOMPILE_LOGGER)
         logger.addHandler(self._handler)
@@ -132,23 +153,45 @@ class CompileWatch:
         import torch
         import torch._dynamo.utils as dyn
         self._after = {k: Counter(v) for k, v in dyn.counters.items()}
+        self._seconds[1] = compile_seconds()
         logging.getLogger(_RECOMPILE_LOGGER).removeHandler(self._handler)
         torch._logging.set_logs(recompiles=False)
 
-    def _delta(self, group: str) -> Counter:
-        after, before = self._after.get(group, Counter()), self._before.get(group, Counter())
-        return Counter({k: after[k] - before.get(k, 0) for k in after
-                        if after[k] - before.get(k, 0) > 0})
+    def _delta(self, group: str, after: dict[str, Counter]) -> Counter:
+        after_g, before = after.get(group, Counter()), self._before.get(group, Counter())
+        return Counter({k: after_g[k] - before.get(k, 0) for k in after_g
+                        if after_g[k] - before.get(k, 0) > 0})
 
     def report(self) -> dict[str, Any]:
-        """``{compile_mode, compile_dynamic, graph_breaks, graph_break_reasons, recompiles, recompile_reasons,
-        unique_graphs, frames_total, frames_ok}`` for the watched block (counts, ints)."""
-        breaks, stats, frames = (self._delta(g) for g in ("graph_break", "stats", "frames"))
+        """``{compile_mode, compile_dynamic, graph_breaks, graph_break_reasons, recompiles,
+        recompile_reasons, unique_graphs, frames_total, frames_ok, compile_s}`` for the watched
+        block (counts, ints; ``compile_s`` seconds or ``None``, module docstring)."""
+        return self._counts(self._after, self._seconds[1])
+
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`report`'s keys for the block so far, read live from dynamo's counters while
+        the ``with`` block runs (cheap: no device sync, a dict copy and a sum).
+
+        Raises:
+            RuntimeError: the ``with`` block was never entered.
+        """
+        if not self._entered:
+            raise RuntimeError("CompileWatch.snapshot: enter the `with` block first.")
+        import torch._dynamo.utils as dyn
+        return self._counts(dyn.counters, compile_seconds())
+
+    def _counts(self, after: Any, seconds: float | None) -> dict[str, Any]:
+        breaks, stats, frames = (self._delta(g, after) for g in ("graph_break", "stats", "frames"))
         reasons = Counter(self._handler.messages)
+        before = self._seconds[0]
+        spent = None if seconds is None or before is None else round(seconds - before, 3)
+        if spent == 0.0 and frames.get("total", 0):
+            spent = None  # frames compiled but no time recorded: this torch names it otherwise
         return {"compile_mode": self.mode, "compile_dynamic": self.dynamic,
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common(self.max_reasons)),
                 "recompiles": len(self._handler.messages),
                 "recompile_reasons": dict(reasons.most_common(self.max_reasons)),
                 "unique_graphs": stats.get("unique_graphs", 0),
-                "frames_total": frames.get("total", 0), "frames_ok": frames.get("ok", 0)}
+                "frames_total": frames.get("total", 0), "frames_ok": frames.get("ok", 0),
+                "compile_s": spent}

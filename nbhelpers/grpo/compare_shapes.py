@@ -12,7 +12,7 @@ num_generations, per_device_train_batch_size x gradient_accumulation_steps,
 max_completion_length; then only the fields that differ from :data:`REFERENCE`, e.g.
 ``warmup60``); :func:`latest_per_backend` (one group) / :func:`latest_per_group`;
 :func:`vllm_ratio`, :func:`ratio_text` (the ratio, or why there is none) and
-:func:`speed_frame` (the per-shape speed table, failed runs marked); :func:`sources` (a
+:func:`speed_frame` (the per-shape speed table, failed and interrupted runs marked); :func:`sources` (a
 group's sidecar files and dates, for captions); :func:`runs_frame` (one row per run with its
 group); :func:`flex_vs_vllm`, :func:`result_by_shape`, :func:`headline_by_shape` (the ratio per
 group, stated, not judged). pandas is imported inside.
@@ -25,6 +25,8 @@ print(shape_label(REFERENCE | {'num_generations': 8, 'per_device_train_batch_siz
 from __future__ import annotations
 
 from typing import Any
+
+from nbhelpers.grpo.compare_tables import interrupted_label, status_word
 
 UNKNOWN = "?"
 
@@ -142,7 +144,8 @@ def group_runs(runs: dict[str, dict[str, Any]]) -> dict[tuple[str, str, str], di
 
 def _newest(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per backend the newest run that did not fail (no ``error``), else the newest failed one
-    (it then shows as failed): a newer failed run never hides an older good one."""
+    (it then shows as failed): a newer failed run never hides an older good one. An interrupted
+    run has an ``error`` too: it never hides a finished run."""
     out: dict[str, tuple[bool, str, dict[str, Any]]] = {}
     for key, run in runs.items():
         backend, _, run_id = key.partition("@")
@@ -181,13 +184,19 @@ def _step_s(run: dict[str, Any] | None) -> float | None:
     return finite_or_none(((run or {}).get("summary") or {}).get("step_time_s_median"))
 
 
+def _done_step_s(run: dict[str, Any] | None) -> float | None:
+    """A finished run's median step; ``None`` for a failed or interrupted one (an interrupted
+    run's median covers part of a run: shown, never compared)."""
+    return None if error_line(run) else _step_s(run)
+
+
 def vllm_ratio(latest: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """``{backend: median step / vLLM's median step}`` over one group's ``{backend: run}``;
-    ``None`` for every backend when the group has no ``vllm`` run or it has no step time, and
-    for a backend without one."""
-    ref = _step_s(latest.get("vllm"))
+    ``None`` for every backend when the group has no ``vllm`` run or it has no step time (or
+    failed, or was interrupted), and for a backend without one."""
+    ref = _done_step_s(latest.get("vllm"))
     return {b: (s / ref if ref and s is not None else None)
-            for b, s in ((b, _step_s(r)) for b, r in latest.items())}
+            for b, s in ((b, _done_step_s(r)) for b, r in latest.items())}
 
 
 def error_line(run: dict[str, Any] | None) -> str | None:
@@ -212,7 +221,9 @@ def _no_ratio_reason(latest: dict[str, dict[str, Any]]) -> str:
             why.append(f"no {label} run in this group")
             continue
         name = " ".join([f"{label} run", *[str(run[k]) for k in ("run_id",) if run.get(k)]])
-        if error_line(run):
+        if interrupted_label(run):
+            why.append(f"{name} {interrupted_label(run)}: not a finished run")
+        elif error_line(run):
             why.append(f"{name} failed: {error_line(run)}")
         elif _step_s(run) is None:
             why.append(f"{name} has no step time")
@@ -244,7 +255,9 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
     run never logged the key), ``peak_mem_device_gib``, the IS columns of
     :func:`~nbhelpers.grpo.compare_tables.is_frame`, ``step_vs_vllm`` (:func:`vllm_ratio`,
     from the vLLM row of the same group; NaN when it has none), ``status`` (``ok`` | ``failed``:
-    a failed run's numbers are missing, not zero) and ``error`` (its first line, else None).
+    a failed run's numbers are missing, not zero | ``interrupted after N steps (of M)``: the
+    numbers are over the steps it logged, and ``step_vs_vllm`` is NaN: a part of a run is never
+    compared) and ``error`` (its first line, else None).
     Every number column is float: a value no run logged is NaN (a whole-``None`` column, such as
     ``time/*`` on records from before 2026-12-02, would otherwise be ``object`` and break
     arithmetic and bar plots)."""
@@ -262,7 +275,7 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
                          "peak_mem_device_gib": (run.get("summary") or {}).get(
                              "peak_mem_device_gib"),
                          **is_table.loc[backend].to_dict(), "step_vs_vllm": ratio[backend],
-                         "status": "failed" if error_line(run) else "ok",
+                         "status": status_word(run),
                          "error": error_line(run)})
     frame = pd.DataFrame(rows)
     numbers = [c for c in frame.columns if c not in _SPEED_TEXT]
@@ -301,8 +314,9 @@ def result_by_shape(groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]
         what = (f"flex/vLLM median step {ratio:.3f}" if ratio is not None
                 else f"no flex/vLLM ratio: {_no_ratio_reason(latest)}" if failed
                 else "no flex/vLLM pair")
-        steps = ", ".join(f"{b} {_step_s(r):.3f} s" for b, r in latest.items()
-                          if _step_s(r) is not None)
+        steps = ", ".join(f"{b} {_step_s(r):.3f} s" + (f" ({interrupted_label(r)})"
+                                                         if interrupted_label(r) else "")
+                          for b, r in latest.items() if _step_s(r) is not None)
         parts.append(f"{gpu}, {model}, {shape}: {what} ({steps or 'no step times'})")
     return "; ".join(parts)
 

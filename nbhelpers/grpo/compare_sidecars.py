@@ -77,6 +77,10 @@ def load_runs(sidecar_dir: str | Path, device: str = "", cwd: Path | None = None
 
 PARTIAL_NOTE = ("written when this backend finished, before the notebook did (no gate yet); the "
                 "notebook's final write replaces this file")
+INTERRUPTED_NOTE = ("written when this backend was stopped before it finished (the notebook "
+                    "interrupted, e.g. at a device call's time cap, or its process died): the "
+                    "rows are the steps it logged (<stem>__<backend>.progress.jsonl), the "
+                    "summary their medians; not a finished run, never gated as one")
 
 
 def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
@@ -85,8 +89,12 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                     reused: dict[str, Any] | None = None) -> dict[str, Any]:
     """Schema-v1 sidecar of one backend's GRPO run; ``rounds`` = post-warm-up steps.
 
-    ``status``: ``ok`` | ``failed`` (the run's ``error``); ``partial``: written as the backend
-    finished, before the notebook did (:func:`nbhelpers.grpo.compare_records.write_partial`);
+    ``status``: ``ok`` | ``failed`` (the run's ``error``) | ``interrupted`` (the run has
+    ``interrupted``, :func:`nbhelpers.grpo.progress.interrupted_run`: the block is kept as
+    ``interrupted`` ``{n_steps, max_steps, cause, last_step_utc}``, its ``error`` says
+    ``interrupted after N logged steps``); ``partial``: written as the backend
+    finished (or stopped), before the notebook did
+    (:func:`nbhelpers.grpo.compare_records.write_partial`);
     ``grpo_request``: what defines the run for reuse (``run["request"]``); ``reused_runs``: the
     runs of earlier sidecars this run was gated beside (``{backend: reused_from}``).
     """
@@ -101,10 +109,13 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                 "prompt_tokens_mean": None, "max_new_tokens": settings.max_completion_length,
                 "ignore_eos": False, "sampling": settings.sampling_params().to_dict()}
     gate_d = gate if gate is None or isinstance(gate, dict) else gate.as_dict()
-    record = {"status": "failed" if run.get("error") else "ok", "partial": partial,
-              "grpo_request": run.get("request"), "reused_runs": reused or {}}
+    stopped = run.get("interrupted")
+    record = {"status": "interrupted" if stopped else "failed" if run.get("error") else "ok",
+              "partial": partial, "grpo_request": run.get("request"), "reused_runs": reused or {}}
+    if stopped:
+        record["interrupted"] = stopped
     if partial:
-        record["partial_note"] = PARTIAL_NOTE
+        record["partial_note"] = INTERRUPTED_NOTE if stopped else PARTIAL_NOTE
     return make_sidecar(
         phase=PHASE, backend=name, model=model_info, lora=asdict(settings.lora),
         workload=workload, rounds=rounds, error=run.get("error"), run_id=run_id,
@@ -117,7 +128,7 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                "headline": {"step_time_s_median": s.get("step_time_s_median"),
                             "peak_mem_gib": s.get("peak_mem_device_gib"),
                             "gate": gate_word({name: gate_d}, name) if gate_d else None}
-               | ({"record": "partial"} if partial else {})})
+               | ({"record": "interrupted" if stopped else "partial"} if partial else {})})
 
 
 def _jsonable(obj: Any) -> Any:
@@ -150,7 +161,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
     A run holds what :mod:`~nbhelpers.grpo.compare_shapes` reads its shape from (``config``,
     ``request``, ``workload``, ``lora``) and where it came from: ``sidecar`` (the file name,
     when :func:`nbhelpers.stats.read_sidecars` gave ``_path``), ``utc`` (``env.utc``) and
-    ``run_id`` (the notebook run's UTC stamp, as in the key)."""
+    ``run_id`` (the notebook run's UTC stamp, as in the key); ``interrupted`` (``None``, or
+    the block of a run stopped before it finished: :func:`backend_sidecar`)."""
     runs, gates = {}, {}
     for side in sidecars:
         if side.get("phase") != PHASE or side.get("backend") == "all" or "grpo_steps" not in side:
@@ -163,7 +175,8 @@ def runs_from_sidecars(sidecars: list[dict[str, Any]]) -> tuple[dict[str, dict],
                      "request": side.get("grpo_request"), "workload": side.get("workload"),
                      "lora": side.get("lora"), "gpu": (side.get("env") or {}).get("gpu") or "cpu",
                      "sidecar": Path(side["_path"]).name if side.get("_path") else None,
-                     "utc": (side.get("env") or {}).get("utc"), "run_id": run_id}
+                     "utc": (side.get("env") or {}).get("utc"), "run_id": run_id,
+                     "interrupted": side.get("interrupted")}
         if side.get("gate"):
             gates[key] = side["gate"]
     return runs, gates

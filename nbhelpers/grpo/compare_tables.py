@@ -3,7 +3,9 @@
 :func:`nbhelpers.grpo.compare_sidecars.runs_from_sidecars`).
 
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
-reward, KL, gate word, error; the source of a reused run, :func:`source_word`), :func:`steps_long` (tidy per-step frame; :func:`not_logged_reason`: why a metric has no
+reward, KL, gate word, error; the source of a reused run, :func:`source_word`; a run stopped
+before it finished, :func:`interrupted_label`, keeps the medians of the steps it logged and
+is labelled ``interrupted after N steps`` in ``status``), :func:`steps_long` (tidy per-step frame; :func:`not_logged_reason`: why a metric has no
 curve), :func:`gate_frame` (one
 row per gate check; :func:`failed_checks` / :func:`failed_checks_text` / :func:`gate_headline`: the
 failed ones in full), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
@@ -28,6 +30,22 @@ def source_word(run: dict[str, Any]) -> str:
     return f"reused: {src['path'].rsplit('/', 1)[-1]} ({src.get('utc')}{note})"
 
 
+def interrupted_label(run: dict[str, Any] | None) -> str | None:
+    """``interrupted after N steps (of M)`` for a run stopped before it finished (its
+    ``interrupted`` block, :func:`nbhelpers.grpo.progress.interrupted_run`); ``None`` for any
+    other run."""
+    stopped = (run or {}).get("interrupted")
+    if not stopped:
+        return None
+    return (f"interrupted after {stopped.get('n_steps')} steps (of "
+            f"{stopped.get('max_steps')})")
+
+
+def status_word(run: dict[str, Any] | None) -> str:
+    """``ok`` | ``failed`` | :func:`interrupted_label`'s label."""
+    return interrupted_label(run) or ("failed" if (run or {}).get("error") else "ok")
+
+
 def reused_caption(runs: dict[str, dict[str, Any]]) -> str | None:
     """A figure caption naming where each backend's curve comes from (``backend: this run`` /
     ``backend: reused: <file> (<UTC>)``, :func:`source_word`) when any run was reused from an
@@ -39,7 +57,9 @@ def reused_caption(runs: dict[str, dict[str, Any]]) -> str | None:
 
 def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None = None):
     """One row per backend: wall, median step / generation time, peak memory, gate, error; and
-    ``source`` (:func:`source_word`) when a run was reused from an earlier sidecar."""
+    ``source`` (:func:`source_word`) when a run was reused from an earlier sidecar, ``status``
+    (:func:`status_word`) when a run was interrupted: its numbers are over the steps it logged
+    (its summary), its ``gate`` ``interrupted`` (never ``pass``)."""
     import pandas as pd
 
     from nbhelpers.stats import median
@@ -59,6 +79,11 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
     if any(run.get("reused_from") for run in runs.values()):
         for row, run in zip(rows, runs.values()):
             row["source"] = source_word(run)
+    if any(interrupted_label(run) for run in runs.values()):
+        for row, run in zip(rows, runs.values()):
+            row["status"] = status_word(run)
+            if interrupted_label(run) and row["gate"] in (None, "not staged"):
+                row["gate"] = "interrupted"
     return pd.DataFrame(rows).set_index("backend")
 
 
@@ -94,14 +119,18 @@ def _max(vals: list[Any]) -> float | None:
 
 
 def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
-    """``pass`` | ``FAIL`` | ``not staged`` (every check skipped) for ``gates[name]``; ``None``
-    when the backend was not gated."""
+    """``pass`` | ``FAIL`` | ``not staged`` (every check skipped) | ``interrupted`` (skipped: the
+    run was stopped before it finished, :func:`nbhelpers.grpo.gate.is_interrupted`) for
+    ``gates[name]``; ``None`` when the backend was not gated."""
     if not gates or name not in gates:
         return None
+    from nbhelpers.grpo.gate import is_interrupted
     g = gates[name]
     g = g if isinstance(g, dict) else g.as_dict()
     if g.get("error"):
-        return "not staged" if all(c["status"] == "skip" for c in g["checks"]) else "FAIL"
+        if not all(c["status"] == "skip" for c in g["checks"]):
+            return "FAIL"
+        return "interrupted" if is_interrupted(g["error"]) else "not staged"
     return "pass" if g["passed"] else "FAIL"
 
 
@@ -168,14 +197,18 @@ def gate_headline(gates: dict[str, Any]) -> dict[str, str]:
 
 
 def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, Any]:
-    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``, and
-    ``<backend>_source`` (:func:`source_word`) for a run reused from an earlier sidecar."""
+    """``{<backend>_step_s, <backend>_peak_gib, <backend>_gate}`` for ``executed/INDEX.md``,
+    ``<backend>_source`` (:func:`source_word`) for a run reused from an earlier sidecar, and
+    ``<backend>_status`` (:func:`interrupted_label`) for an interrupted run (its step time is
+    over the steps it logged)."""
     out: dict[str, Any] = {}
     for name, row in summary_frame(runs, gates).iterrows():
         out |= {f"{name}_step_s": row["step_time_s_median"],
                 f"{name}_peak_gib": row["peak_mem_device_gib"], f"{name}_gate": row["gate"]}
         if runs[name].get("reused_from"):
             out[f"{name}_source"] = source_word(runs[name])
+        if interrupted_label(runs[name]):
+            out[f"{name}_status"] = interrupted_label(runs[name])
     return out
 
 
@@ -197,9 +230,10 @@ def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, A
     ``hf_generate`` peak + :data:`MEMORY_MARGIN_GIB`, ``None`` without that row) and
     ``met_issue13`` (step ratio <= the goal and, where the limit is known, flex's peak <= it;
     ``None`` without a goal). Values ``None`` when either backend has no numbers (missing,
-    NaN, or a failed run's row)."""
+    NaN, or a failed or interrupted run's row: its numbers cover part of a run)."""
     from nbhelpers.stats import finite_or_none
     goal = STEP_GOALS.get(tuple(group[1:])) if group is not None else None
+    summary = summary[summary["error"].isna()] if "error" in summary else summary
     ref = (finite_or_none(summary.loc["hf_generate", "peak_mem_device_gib"])
            if "hf_generate" in summary.index else None)
     limit = None if ref is None else ref + MEMORY_MARGIN_GIB
@@ -218,10 +252,17 @@ def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, A
 
 
 def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: str) -> str:
-    """The notebook's "Result:" sentence, computed from the runs."""
+    """The notebook's "Result:" sentence, computed from the runs (an interrupted run:
+    ``<backend>: interrupted after N steps (of M), median step X s over its steps, gate
+    <word>``)."""
+    from nbhelpers.stats import finite_or_none
     parts = []
     for name, row in summary_frame(runs, gates).iterrows():
-        if row["error"]:
+        label, step = interrupted_label(runs[name]), finite_or_none(row["step_time_s_median"])
+        if label:
+            shown = "no step time" if step is None else f"median step {step:.2f} s over its steps"
+            parts.append(f"{name}: {label}, {shown}, gate {row['gate']}")
+        elif row["error"]:
             parts.append(f"{name}: {row['gate']} ({str(row['error'])[:80]})")
         else:
             parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "

@@ -43,7 +43,11 @@ each ``pass`` / ``fail`` / ``skip`` with a one-line detail:
 :func:`check_runs` gates several backends against one reference; :func:`assert_gate` raises
 :class:`GateFailed` listing every failed check (the notebook's last cell calls it). A run that
 errored is a failure unless its error is a missing engine (``BackendNotInstalled``): that backend
-could not be staged, which the report states and the gate does not hide.
+could not be staged, which the report states and the gate does not hide; or unless it was
+stopped from outside before it finished (:func:`is_interrupted`: a device call's time cap or a
+user's stop; :mod:`nbhelpers.grpo.progress`): that run is not finished, so its one check
+``ran`` is ``skip`` saying so (its steps are shown, not gated). A run whose process died on its
+own (``ChildExit: interrupted after ...``) still fails ``ran``.
 
 Run: ``pytest tests/unit/test_gate.py``.
 """
@@ -329,6 +333,20 @@ def is_not_staged(error: str | None) -> bool:
     return bool(error) and error.startswith("BackendNotInstalled")
 
 
+INTERRUPTED = "interrupted after"
+"""How an unfinished run's ``error`` text starts after its ``"<cause type>: "``
+(:func:`nbhelpers.grpo.progress.interrupted_run`)."""
+STOP_CAUSES = ("KeyboardInterrupt", "SystemExit", "SIGTERM", "SIGINT")
+"""Cause types of a run stopped from outside (the notebook interrupted, the child signalled)."""
+
+
+def is_interrupted(error: str | None) -> bool:
+    """True for a run stopped from outside before it finished (``"<one of STOP_CAUSES>:
+    interrupted after N logged steps ..."``): not a failure, not a finished run."""
+    kind, _, text = str(error or "").partition(": ")
+    return kind in STOP_CAUSES and text.startswith(INTERRUPTED)
+
+
 def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thresholds,
                reference_run: dict[str, Any] | None = None) -> dict[str, GateResult]:
     """Gate every backend of ``runs`` (``{backend: {"rows": [...], "error": str | None}}``).
@@ -345,7 +363,8 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
     out = {}
     for name, run in runs.items():
         if run.get("error"):
-            status = "skip" if is_not_staged(run["error"]) else "fail"
+            status = ("skip" if is_not_staged(run["error"]) or is_interrupted(run["error"])
+                      else "fail")
             out[name] = GateResult(name, [Check("ran", status, run["error"])], run["error"])
             continue
         out[name] = check_run(name, run["rows"], thresholds,
@@ -355,12 +374,17 @@ def check_runs(runs: dict[str, dict[str, Any]], reference: str, thresholds: Thre
         why = (f"reference backend {reference!r} is not in this run (runs: {sorted(runs)}); "
                "29_compare gates the latest runs together" if ref is None else
                f"reference backend {reference!r} "
-               f"{'is not staged' if is_not_staged(ref['error']) else 'failed'} "
+               f"{_ref_word(ref['error'])} "
                f"({str(ref['error'])[:80]}): nothing to compare against")
         for c in out[name].checks:
             if c.name in cross:
                 c.status, c.detail = "skip", why
     return out
+
+
+def _ref_word(error: str) -> str:
+    return ("is not staged" if is_not_staged(error) else
+            "did not finish" if is_interrupted(error) else "failed")
 
 
 def assert_gate(results: dict[str, GateResult]) -> None:

@@ -7,7 +7,24 @@ rows, :func:`~nbhelpers.grpo.result.step_rows`), ``summary``, ``config``, ``wall
 ``completions`` (a sample), ``error`` (``"<ExceptionType>: message"`` or None). A failed backend
 keeps its row with the error. Each finished backend is written to disk at once and earlier
 runs can be reused instead of trained (:mod:`~nbhelpers.grpo.compare_records`: ``sidecar_path``,
-``reuse_runs``). :func:`backend_sidecar` makes one schema-v1 sidecar per backend
+``reuse_runs``).
+
+Partial sidecars. With a ``sidecar_path`` each backend's child also streams one JSON line per
+logged step to ``<stem>__<backend>.progress.jsonl`` beside it (:mod:`~nbhelpers.grpo.progress`:
+the step's row, peak allocated GiB so far, UTC, the compile counts so far). A backend that
+finishes is written as ``<stem>__<backend>.json`` (``partial: true``, ``status`` ``ok`` |
+``failed``). A backend that does not finish keeps the steps it logged: when the notebook is
+stopped while it trains (a ``KeyboardInterrupt`` / ``SystemExit`` in this process: a device
+call's time cap, a user's stop) the child is stopped, its progress file is read and the same
+sidecar is written with ``status: "interrupted"``, ``interrupted`` ``{n_steps, max_steps,
+cause}`` and ``error`` ``"KeyboardInterrupt: interrupted after N logged steps (of max_steps
+M); ..."`` (the rows are those steps, the summary their medians), then the interrupt goes on up;
+a child that dies on its own (killed, crashed) gets the same record (cause ``ChildExit`` with
+its exit code, or ``SIGTERM`` / ``SIGINT``) and the next backend runs. ``29_compare`` shows
+such a run's numbers labelled ``interrupted after N steps`` and never counts it as a finished
+run (:func:`nbhelpers.grpo.gate.check_runs`: not gated when stopped from outside; ranked below
+every finished run). A backend stopped before its first log line has no progress file and no
+record (nothing was produced). :func:`backend_sidecar` makes one schema-v1 sidecar per backend
 (phase ``phase2``) with the gate result and the IS report (:func:`is_summary`) beside it; :func:`summary_frame` and :func:`steps_long`
 are the notebook's tables. ``29_compare`` reads the sidecars back with :func:`runs_from_sidecars`.
 The tables live in :mod:`~nbhelpers.grpo.compare_tables`, the sidecars and the cross-run gate in
@@ -23,8 +40,11 @@ max_completion_length=8), n_questions=4)['flex']['summary'])"``.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_mod
+import signal
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +115,17 @@ one comparison then starts from the same base policy with a fresh adapter."""
 RUN_KEYS = ("rows", "summary", "config", "wall_s", "completions", "error")
 
 
+POLL_S = 2.0
+"""Seconds between the parent's checks that the child is alive while it waits for its result."""
+STOP_GRACE_S = 5.0
+"""Seconds a child gets to exit after SIGTERM (the parent was interrupted) before SIGKILL; short:
+the runner that stopped the notebook SIGKILLs it all 20 s after its stop signal
+(:func:`nbhelpers.run.execute.stop_jobs`), and the interrupted record is written after this."""
+
+
 def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
-           kwargs: dict[str, Any], cpu_threads: int) -> None:
+           kwargs: dict[str, Any], cpu_threads: int, progress_path: str = "",
+           progress_request: dict[str, Any] | None = None) -> None:
     try:
         import torch
         if cpu_threads and not torch.cuda.is_available():
@@ -104,6 +133,12 @@ def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
         from nbhelpers.grpo import step_rows, train
         kwargs.setdefault("output_dir", tempfile.mkdtemp(prefix=f"grpo_{backend}_"))
         kwargs.setdefault("warmup_adapter", WARMUP_ADAPTER)
+        single = kwargs.get("num_processes", 1) == 1 and kwargs.get("vllm_mode",
+                                                                     "colocate") == "colocate"
+        if progress_path and single:  # ranks' processes take no callbacks (distributed.launch)
+            from nbhelpers.grpo.progress import ProgressWriter
+            kwargs["callbacks"] = [*kwargs.get("callbacks", ()),
+                                   ProgressWriter(progress_path, backend, progress_request)]
         res = train(model, settings, backend=backend, **kwargs)
         queue.put({"rows": step_rows(res), "summary": res.summary, "config": res.config,
                    "wall_s": res.wall_s, "completions": res.completions[:8], "error": None})
@@ -112,25 +147,71 @@ def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
 
 
 def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_threads: int = 0,
+                 progress_path: str | Path = "", progress_request: dict[str, Any] | None = None,
                  **train_kwargs: Any) -> dict[str, Any]:
     """One :func:`~nbhelpers.grpo.train` run in a spawned process (see module doc).
 
     ``cpu_threads`` > 0 sets ``torch.set_num_threads`` in the child on CPU hosts (tiny GEMMs on
-    few shared cores run faster on one thread). Never raises for a failed run: ``error`` says why.
+    few shared cores run faster on one thread). ``progress_path`` (non-empty): the child streams
+    its per-step progress file there (:class:`~nbhelpers.grpo.progress.ProgressWriter`, with
+    ``progress_request`` in its start line; single-process runs only). Returns the run dict
+    (module doc) with ``traceback`` and ``child_died`` (``None``, or ``{"exit_code": int}`` when
+    the child died without reporting, ``error`` then ``"ChildExit: ..."``).
+
+    Never raises for a failed run: ``error`` says why. An interrupt in this process
+    (``KeyboardInterrupt`` / ``SystemExit`` while it waits) stops the child (SIGTERM, then
+    SIGKILL after :data:`STOP_GRACE_S`) and is raised on.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, backend, model, settings, train_kwargs,
-                                            cpu_threads))
+                                            cpu_threads, str(progress_path or ""),
+                                            progress_request))
     proc.start()
     try:
-        out = queue.get()
-    except (EOFError, OSError) as err:
-        out = {"error": f"{type(err).__name__}: child died ({err})"}
+        out = _wait(queue, proc)
+    except BaseException:
+        _stop(proc)
+        raise
     proc.join()
     if proc.exitcode not in (0, None) and out.get("error") is None:
         out["error"] = f"ChildExit: exit code {proc.exitcode}"
-    return {k: out.get(k) for k in RUN_KEYS} | {"traceback": out.get("traceback")}
+    return {k: out.get(k) for k in RUN_KEYS} | {"traceback": out.get("traceback"),
+                                                "child_died": out.get("child_died")}
+
+
+def _wait(queue: Any, proc: Any) -> dict[str, Any]:
+    """The child's result; a child that died without one gives ``child_died`` (a plain
+    ``queue.get()`` would wait forever: this process holds the queue's write end too)."""
+    while True:
+        try:
+            return queue.get(timeout=POLL_S)
+        except queue_mod.Empty:
+            if proc.is_alive():
+                continue
+        try:  # a child that put its result just before exiting
+            return queue.get(timeout=POLL_S)
+        except queue_mod.Empty:
+            proc.join()
+            return {"error": f"ChildExit: the child died (exit code {proc.exitcode}) before it "
+                             "reported", "child_died": {"exit_code": proc.exitcode}}
+
+
+def _stop(proc: Any) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(STOP_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _death_cause(exit_code: int | None) -> str:
+    """``"<type>: <text>"`` for a child that died: ``SIGTERM`` / ``SIGINT`` (stopped from
+    outside), else ``ChildExit`` with the exit code."""
+    stops = {-signal.SIGTERM: "SIGTERM", -signal.SIGINT: "SIGINT"}
+    kind = stops.get(exit_code, "ChildExit")
+    return f"{kind}: the training process died (exit code {exit_code}) before it reported"
 
 
 def flex_options(sleep_between_rollouts: bool = False,
@@ -164,7 +245,9 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings, *,
 
     ``sidecar_path`` (non-empty): each backend's run is written as it finishes
     (:func:`~nbhelpers.grpo.compare_records.write_partial`, ``<stem>__<backend>.json``), so a
-    notebook killed later keeps it. ``reuse_runs`` ``{backend: sidecar path}``: those backends
+    notebook killed later keeps it; while it trains its child streams
+    ``<stem>__<backend>.progress.jsonl``, and a backend that is interrupted or whose child dies
+    keeps the steps it logged in that sidecar (``status: "interrupted"``, module doc). ``reuse_runs`` ``{backend: sidecar path}``: those backends
     are read from earlier sidecars (:func:`~nbhelpers.grpo.compare_records.load_reused`: same
     request, model and device) instead of trained, in ``backends``' order, the ones not in
     ``backends`` first; each is labelled ``reused_from``. ``model_info``: the sidecars' model
@@ -175,6 +258,8 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings, *,
         ValueError: empty or repeated backends, an unknown backend name, an unwritable
             ``sidecar_path`` folder, or a reused sidecar that is missing, failed or does not
             match this run (the message names the field).
+        KeyboardInterrupt, SystemExit: this process was interrupted while a backend trained;
+            raised on after that backend's interrupted sidecar is written (module doc).
     """
     from nbhelpers.grpo.setup import check_backend
     if not backends or len(set(backends)) != len(backends):
@@ -195,8 +280,49 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings, *,
         if b in reused:
             runs[b] = reused[b]
             continue
-        runs[b] = run_isolated(b, model, settings, **kwargs) | {
-            "request": records.run_request(model, settings, kwargs)}
-        if sidecar_path:
-            records.write_partial(b, runs[b], settings, model_info, sidecar_path)
+        runs[b] = _run_one(b, model, settings, kwargs, sidecar_path, model_info)
     return runs
+
+
+def _run_one(backend: str, model: str, settings: GRPOSettings, kwargs: dict[str, Any],
+             sidecar_path: str | Path, model_info: dict[str, Any] | None) -> dict[str, Any]:
+    """One backend of :func:`run_backends`: trained, its partial (or interrupted) sidecar
+    written when there is a ``sidecar_path``."""
+    from nbhelpers.grpo.progress import progress_path
+    request = records.run_request(model, settings, kwargs)
+    progress = progress_path(sidecar_path, backend) if sidecar_path else None
+    if progress is not None:
+        progress.unlink(missing_ok=True)  # an older run's lines are not this run's
+        # what the interrupted record needs, imported now: after a stop signal the runner
+        # leaves seconds, not a cold transformers import (progress.py imports it)
+        import nbhelpers.grpo.callbacks
+        import nbhelpers.grpo.phase0_report  # noqa: F401
+    try:
+        run = run_isolated(backend, model, settings, progress_path=progress or "",
+                           progress_request=request, **kwargs) | {"request": request}
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if progress is not None:
+            _keep_interrupted(backend, progress, f"{type(stop).__name__}: the notebook was "
+                              f"stopped while {backend} trained (a time cap or a user's "
+                              "interrupt)", settings, request, model_info, sidecar_path)
+        raise
+    if progress is not None and run.get("child_died"):
+        cause = _death_cause(run["child_died"].get("exit_code"))
+        run = records.load_interrupted(progress, cause, settings, request) or run
+    if sidecar_path:
+        records.write_partial(backend, run, settings, model_info, sidecar_path)
+    return run
+
+
+def _keep_interrupted(backend: str, progress: Path, cause: str, settings: GRPOSettings,
+                      request: dict[str, Any], model_info: dict[str, Any] | None,
+                      sidecar_path: str | Path) -> None:
+    """Write the interrupted backend's sidecar from its progress file; never raises (the
+    interrupt that led here must go on up)."""
+    try:
+        run = records.load_interrupted(progress, cause, settings, request)
+        if run is not None:
+            records.write_partial(backend, run, settings, model_info, sidecar_path)
+    except Exception as err:  # noqa: BLE001 - warn, and let the interrupt propagate
+        warnings.warn(f"{backend}: interrupted record not written from {progress} "
+                      f"({type(err).__name__}: {err}).", stacklevel=2)

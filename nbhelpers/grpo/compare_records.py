@@ -6,7 +6,10 @@ Contract: :func:`run_request` is what defines a run for reuse (model, every
 :data:`REQUEST_KWARGS`); :func:`nbhelpers.grpo.compare.run_backends` puts it in each run and calls
 :func:`write_partial` as soon as a backend finishes: ``<stem>__<backend>.json`` beside
 ``sidecar_path`` (the final per-backend sidecar's path and schema, with ``partial: true``,
-``status`` ``ok`` | ``failed``, no gate yet), so a notebook killed later keeps it; the notebook's
+``status`` ``ok`` | ``failed``, no gate yet), so a notebook killed later keeps it; a backend
+that did not finish (the notebook interrupted, its child dead) is written there too from its
+progress file (:func:`load_interrupted`: ``status`` ``interrupted``, the steps it logged); the
+notebook's
 final :func:`~nbhelpers.grpo.compare_sidecars.write_sidecars` writes the same paths with
 ``partial: false`` and so replaces them. :func:`load_reused` reads ``{backend: sidecar path}``
 (a per-backend sidecar, partial or final, or the run's summary sidecar beside it), checks the
@@ -46,9 +49,10 @@ def run_request(model: str, settings: GRPOSettings, train_kwargs: dict[str, Any]
 
 def write_partial(name: str, run: dict[str, Any], settings: GRPOSettings,
                   model_info: dict[str, Any], sidecar_path: str | Path) -> Path | None:
-    """Write backend ``name``'s finished run to ``<stem>__<name>.json`` beside ``sidecar_path``
-    (module doc). Returns the path; ``None`` with a warning when it cannot be written (the run
-    itself stays in memory for the notebook's final write)."""
+    """Write backend ``name``'s run (finished, failed, or interrupted: :func:`load_interrupted`)
+    to ``<stem>__<name>.json`` beside ``sidecar_path`` (module doc). Returns the path; ``None``
+    with a warning when it cannot be written (the run itself stays in memory for the notebook's
+    final write)."""
     from nbhelpers.grpo.compare_sidecars import backend_sidecar
     from nbhelpers.stats import utc_stamp, write_sidecar
     path = Path(sidecar_path)
@@ -60,6 +64,22 @@ def write_partial(name: str, run: dict[str, Any], settings: GRPOSettings,
         warnings.warn(f"{name}: partial sidecar not written beside {path} ({err}); the run is "
                       "kept in memory for the final write.", stacklevel=2)
         return None
+
+
+def load_interrupted(progress_file: str | Path, cause: str, settings: GRPOSettings,
+                     request: dict[str, Any]) -> dict[str, Any] | None:
+    """The run dict of a backend that did not finish, from its progress file
+    (:func:`nbhelpers.grpo.progress.interrupted_run`: the rows it logged, ``error`` ``"<cause
+    type>: interrupted after N logged steps (of max_steps M); <cause text>; ..."``,
+    ``interrupted``); ``None`` when there is no progress file (the child never reached its
+    first step). ``cause``: ``"<type>: <text>"``; ``request``: :func:`run_request`'s (its
+    ``skip_first`` sets the summary's warm-up)."""
+    from nbhelpers.grpo.progress import interrupted_run, read_progress
+    progress = read_progress(progress_file)
+    if progress is None:
+        return None
+    return interrupted_run(progress, cause, settings.max_steps, request,
+                           int(request.get("skip_first", REQUEST_KWARGS["skip_first"])))
 
 
 def check_writable(sidecar_path: str | Path) -> None:

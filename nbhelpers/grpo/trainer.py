@@ -111,7 +111,11 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     ``GRPOResult.config["attn_implementation"]``. The vLLM options and ``flex_options``
     (:class:`~nbhelpers.grpo.flex_rollout.FlexRollout` fields) apply to their backend only (a note
     in ``GRPOResult.config["notes"]`` otherwise). ``reward_funcs`` default to the reference's four;
-    ``callbacks`` are extra trainer callbacks; ``config_overrides`` extra ``GRPOConfig`` fields.
+    ``callbacks`` are extra trainer callbacks (one with a ``bind_run(*, stats, watch, config,
+    max_steps)`` method gets the run's
+    :class:`~nbhelpers.grpo.callbacks.StatisticsCallback`, compile watch, config and step count
+    before step 1: :class:`~nbhelpers.grpo.progress.ProgressWriter`); ``config_overrides`` extra
+    ``GRPOConfig`` fields.
     ``format_warmup_steps`` / ``warmup_adapter``: the format warm-up (module docstring).
     ``num_processes`` ranks (data parallel, one per GPU) and ``vllm_mode`` (``"server"``: TRL's
     ``trl vllm-serve`` on one more GPU at ``vllm_server_host:vllm_server_port``): module docstring
@@ -215,6 +219,9 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     if hooks is not None:
         hooks.trainer(trainer)
     watch = compile_report.CompileWatch(compile_mode, dynamic=dynamic)
+    _bind_callbacks(opts["callbacks"], parts, watch,
+                    _run_config(parts["args"], settings) | {"attn_implementation": loaded,
+                                                            "notes": plan.notes})
     wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic)
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
@@ -345,11 +352,27 @@ def _build_trainer(plan: BackendPlan, model: Any, tok: Any, peft: Any, train_ds:
     return trainer, {"args": args, "stats": stats, "recorder": recorder}
 
 
+def _run_config(args: Any, settings: GRPOSettings) -> dict[str, Any]:
+    """The GRPOConfig values a result records (``_CONFIG_KEYS``) and the LoRA block."""
+    return {k: getattr(args, k, None) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)}
+
+
+def _bind_callbacks(callbacks: Sequence[Any], parts: dict[str, Any], watch: Any,
+                    config: dict[str, Any]) -> None:
+    """Give each extra callback with a ``bind_run`` (:class:`~nbhelpers.grpo.progress.
+    ProgressWriter`) the run's statistics callback, compile watch and config, before step 1."""
+    for cb in callbacks:
+        bind = getattr(cb, "bind_run", None)
+        if callable(bind):
+            bind(stats=parts["stats"], watch=watch, config=config,
+                 max_steps=getattr(parts["args"], "max_steps", None))
+
+
 def _result(model_name: str, plan: BackendPlan, trainer: Any, parts: dict[str, Any],
             settings: GRPOSettings, ds_stats: dict[str, Any], wall_s: float, skip_first: int,
             extra: dict[str, Any], warm: dict[str, Any]) -> GRPOResult:
     args, stats = parts["args"], parts["stats"]
-    config = {k: getattr(args, k, None) for k in _CONFIG_KEYS} | {"lora": asdict(settings.lora)}
+    config = _run_config(args, settings)
     return GRPOResult(
         model_name=model_name, backend=plan.backend, records=stats.records,
         summary=stats.summary(skip_first), completions=parts["recorder"].rows,

@@ -61,6 +61,7 @@ seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
 compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no-cudagraphs
 compile_dynamic: str = "auto"  # auto (ours: torch's default) | on (the reference's) | off
+pad_to_multiple_of: int = 0  # TRL: pad ids to a multiple (64 bounds compile_mode recompiles); 0 off
 attn_implementation: str = "auto"  # policy: auto (sdpa) | sdpa | eager | flash_attention_4 (hf_cb: paged|<it>)
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
@@ -76,7 +77,7 @@ EQ_DERIVED = """settings = GRPOSettings(
     max_steps=max_steps, num_generations=num_generations,
     per_device_train_batch_size=per_device_train_batch_size,
     gradient_accumulation_steps=gradient_accumulation_steps,
-    gradient_checkpointing=gradient_checkpointing,
+    gradient_checkpointing=gradient_checkpointing, pad_to_multiple_of=pad_to_multiple_of,
     max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
     learning_rate=learning_rate, beta=beta, seed=seed,
     lora=LoraSpec(rank=lora_rank, alpha=lora_alpha))
@@ -180,7 +181,11 @@ def equivalence() -> nbformat.NotebookNode:
         (("## Run every backend\nOne spawned process per backend; a failure keeps its row. "
           "Each finished backend is written at once to `<run>__<backend>.json` beside "
           "`sidecar_path` (`partial: true`; the last cell's write replaces it), so a run killed "
-          "later keeps it. A backend in `reuse_runs` is read from that earlier sidecar instead "
+          "later keeps it. While a backend trains, its process appends each logged step to "
+          "`<run>__<backend>.progress.jsonl` (the step's row, peak allocated GiB, the compile "
+          "counts so far); if the run is stopped (Ctrl-C, a time cap) or the process dies, that "
+          "backend's sidecar is written from those steps, marked `interrupted after N steps`, "
+          "and 29 shows it labelled, never gated or ranked as a finished run. A backend in `reuse_runs` is read from that earlier sidecar instead "
           "(its settings, model, seed and device must match this run's, else a ValueError "
           "names the field) and labelled with its file and date."), EQ_RUN),
         (("## Summary and gate verdict\n`wall_s`: trainer construction to end of training; "
@@ -327,7 +332,9 @@ def compare() -> nbformat.NotebookNode:
           "`step_vs_vllm`: the backend's median step over vLLM's in the same group (NaN when "
           "the group has no vLLM step time); `status` / `error`: a backend whose runs all "
           "failed keeps its newest failed run, marked `failed` with its error's first line, "
-          "and the ratio line says which run failed. The issue's goal is flex <= 0.8x vLLM at the "
+          "and the ratio line says which run failed; a run stopped mid-backend (a time cap, "
+          "Ctrl-C) shows the medians of the steps it logged, marked `interrupted after N steps "
+          "(of M)`, never ranked above a finished run nor used in a ratio. The issue's goal is flex <= 0.8x vLLM at the "
           "reference shape and <= 0.7x at the realistic preset; the ratio is printed as "
           "measured."), CMP_SPEED),
         (("## Step split per shape\nMedian seconds per step and per part, one bar per "

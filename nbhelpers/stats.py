@@ -165,19 +165,29 @@ def peak_memory_gib() -> dict[str, float | None]:
 
     ``allocated``: ``torch.cuda.max_memory_allocated`` (tensors only). ``device``: what the card has
     in use now per ``torch.cuda.mem_get_info`` (total - free; includes other allocators such as
-    vLLM's reservation and the CUDA context). On the CPU: the process's peak RSS for both.
+    vLLM's reservation and the CUDA context). ``device_max``: an estimate of the card's peak use
+    since the last :func:`reset_peak_memory`: ``torch.cuda.max_memory_reserved`` (the caching
+    allocator's peak, KV caches and CUDA-graph pools included) plus what the card has in use now
+    outside that allocator (``device`` - ``torch.cuda.memory_reserved``: CUDA context, cuBLAS and
+    NCCL workspaces), never below ``device``. It differs from ``device`` for an engine that frees
+    its memory before the measurement (transformers' continuous batching frees its paged cache at
+    the end of ``generate_batch``: its ``device`` reads the trainer's footprint, not the peak).
+    On the CPU: the process's peak RSS for all three.
     """
     try:
         import torch
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
+            in_use = total - free
+            outside = max(0, in_use - torch.cuda.memory_reserved())
+            device_max = max(in_use, torch.cuda.max_memory_reserved() + outside)
             return {"allocated": torch.cuda.max_memory_allocated() / GIB,
-                    "device": (total - free) / GIB}
+                    "device": in_use / GIB, "device_max": device_max / GIB}
     except ImportError:
         pass
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
-    return {"allocated": rss, "device": rss}
+    return {"allocated": rss, "device": rss, "device_max": rss}
 
 
 def rounds_summary(rounds: Sequence[dict[str, float]]) -> dict[str, float | None]:

@@ -190,7 +190,10 @@ def equivalence() -> nbformat.NotebookNode:
           "names the field) and labelled with its file and date."), EQ_RUN),
         (("## Summary and gate verdict\n`wall_s`: trainer construction to end of training; "
           "`step_time_s_median` / `generate_s_median`: seconds, median after `skip_first` "
-          "steps; `peak_mem_device_gib`: GiB in use on the card (CPU: peak RSS); "
+          "steps; `peak_mem_device_gib`: GiB in use on the card at each step's end, "
+          "`peak_mem_device_max_gib`: the card's estimated peak during the steps (torch's "
+          "peak reserved plus what is in use outside it; the memory goal uses it where "
+          "recorded) (CPU: peak RSS for both); "
           "`logprob_mismatch_max`: worst per-step mean |engine - trainer| logprob, nats/token."),
          EQ_GATE),
         (("## Where the step goes\nPer backend, medians over the steps in the summary's "

@@ -54,11 +54,17 @@ def _reward_means(logs: dict[str, Any]) -> dict[str, float | None]:
             if k.startswith(REWARD_PREFIX) and k.endswith(REWARD_SUFFIX)}
 
 
+PEAK_KEYS = ("peak_mem_allocated_gib", "peak_mem_device_gib", "peak_mem_device_max_gib")
+"""Per-step memory keys a summary takes the maximum of (``peak_mem_device_max_gib`` recorded
+since 2026-12-04: older records lack it)."""
+
+
 class StatisticsCallback(TrainerCallback):
     """Records per optimiser step: ``wall_s`` (seconds, CUDA-synchronised),
-    ``peak_mem_allocated_gib`` and ``peak_mem_device_gib`` (GiB; GPU:
-    ``torch.cuda.max_memory_allocated`` since the step began and card memory in use; CPU:
-    process peak RSS for both), and from TRL's logs ``loss``, ``grad_norm``, ``kl`` (logged by
+    ``peak_mem_allocated_gib``, ``peak_mem_device_gib`` and ``peak_mem_device_max_gib`` (GiB;
+    GPU: ``torch.cuda.max_memory_allocated`` since the step began, card memory in use at the
+    step's end, and the card's estimated peak during the step,
+    :func:`nbhelpers.stats.peak_memory_gib`; CPU: process peak RSS for all three), and from TRL's logs ``loss``, ``grad_norm``, ``kl`` (logged by
     TRL only when ``beta > 0``), ``reward``, each ``rewards/<func>/mean``,
     ``completion_length_mean_tokens``.
 
@@ -86,7 +92,7 @@ class StatisticsCallback(TrainerCallback):
         mem = peak_memory_gib()
         rec = self._record(state.global_step)
         rec.update(wall_s=wall_s, peak_mem_allocated_gib=mem["allocated"],
-                   peak_mem_device_gib=mem["device"])
+                   peak_mem_device_gib=mem["device"], peak_mem_device_max_gib=mem["device_max"])
         if self.timer is not None:
             rec.update(self.timer.split(wall_s))
 
@@ -137,7 +143,7 @@ class StatisticsCallback(TrainerCallback):
         for key in ("loss", "grad_norm", "kl", "reward", "completion_length_mean_tokens",
                     *self.reward_keys):
             out[f"{key}_median"] = median([r[key] for r in recs if r.get(key) is not None])
-        for key in ("peak_mem_allocated_gib", "peak_mem_device_gib"):
+        for key in PEAK_KEYS:
             vals = [r[key] for r in self.records if r.get(key) is not None]
             out[key] = max(vals) if vals else None
         return out

@@ -252,7 +252,8 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
     of each backend in each group (:func:`latest_per_group`). Columns: the group, ``backend``,
     ``sidecar`` / ``utc`` (where the row's numbers come from), ``step_time_s_median`` (the
     run's summary), :data:`SPEED_SPLIT` (medians over the summary's steps, ``None`` where the
-    run never logged the key), ``peak_mem_device_gib``, the IS columns of
+    run never logged the key), ``peak_mem_device_gib`` and ``peak_mem_device_max_gib`` (NaN
+    before 2026-12-04; :func:`nbhelpers.grpo.compare_tables.peak_gib`), the IS columns of
     :func:`~nbhelpers.grpo.compare_tables.is_frame`, ``step_vs_vllm`` (:func:`vllm_ratio`,
     from the vLLM row of the same group; NaN when it has none), ``status`` (``ok`` | ``failed``:
     a failed run's numbers are missing, not zero | ``interrupted after N steps (of M)``: the
@@ -274,6 +275,8 @@ def speed_frame(runs: dict[str, dict[str, Any]]):
                          **{c: split.loc[backend, c] for c in SPEED_SPLIT},
                          "peak_mem_device_gib": (run.get("summary") or {}).get(
                              "peak_mem_device_gib"),
+                         "peak_mem_device_max_gib": (run.get("summary") or {}).get(
+                             "peak_mem_device_max_gib"),
                          **is_table.loc[backend].to_dict(), "step_vs_vllm": ratio[backend],
                          "status": status_word(run),
                          "error": error_line(run)})

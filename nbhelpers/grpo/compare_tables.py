@@ -72,6 +72,7 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
             "step_time_s_median": s.get("step_time_s_median"),
             "generate_s_median": median([r.get("generate_s") for r in steps[skip:]]),
             "peak_mem_device_gib": s.get("peak_mem_device_gib"),
+            "peak_mem_device_max_gib": s.get("peak_mem_device_max_gib"),
             "reward_median": s.get("reward_median"), "kl_median": s.get("kl_median"),
             "logprob_mismatch_max": _max([r.get("sampling/sampling_logp_difference/mean")
                                           for r in steps]),
@@ -204,7 +205,7 @@ def headline(runs: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {}
     for name, row in summary_frame(runs, gates).iterrows():
         out |= {f"{name}_step_s": row["step_time_s_median"],
-                f"{name}_peak_gib": row["peak_mem_device_gib"], f"{name}_gate": row["gate"]}
+                f"{name}_peak_gib": peak_gib(row), f"{name}_gate": row["gate"]}
         if runs[name].get("reused_from"):
             out[f"{name}_source"] = source_word(runs[name])
         if interrupted_label(runs[name]):
@@ -216,6 +217,21 @@ STEP_GOALS = {("qwen3-4b", "g4 b4x1 256tok"): 0.8, ("qwen3-4b", "g8 b16x4 512tok
 """Issue 13's speed goals, flex median step / vLLM colocate's, per ``(model, shape label)``
 (:func:`nbhelpers.grpo.compare_shapes.shape_label`): <= 0.8x at the reference shape, <= 0.7x
 at the realistic preset (8 prompts x 8 generations, 512 new tokens); other groups have none."""
+def peak_gib(row: Any) -> float | None:
+    """A run's peak card memory in GiB from a summary row (a dict or a pandas row):
+    ``peak_mem_device_max_gib`` (the card's estimated peak during the steps,
+    :func:`nbhelpers.stats.peak_memory_gib`) where the run recorded it (since 2026-12-04), else
+    ``peak_mem_device_gib`` (in use at each step's end: the older records' only measure, which
+    reads low for an engine that frees its cache before the step ends, as transformers' CB
+    does); ``None`` when neither is a finite number."""
+    from nbhelpers.stats import finite_or_none
+    for key in ("peak_mem_device_max_gib", "peak_mem_device_gib"):
+        value = finite_or_none(row.get(key)) if hasattr(row, "get") else None
+        if value is not None:
+            return value
+    return None
+
+
 MEMORY_MARGIN_GIB = 2.0
 """Issue 13's memory goal: flex's peak <= the trainer-alone peak (the ``hf_generate`` row of the
 same group) + this many GiB."""
@@ -223,7 +239,7 @@ same group) + this many GiB."""
 
 def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, Any]:
     """Flex against vLLM from a :func:`summary_frame`: ``step_ratio`` and ``memory_ratio``
-    (flex / vLLM median step and peak device memory) with issue 6's ``met`` (step <= vLLM's at
+    (flex / vLLM median step and peak device memory, :func:`peak_gib`) with issue 6's ``met`` (step <= vLLM's at
     <= 1/5 of its peak memory), and issue 13's goal for ``group`` (``(device, model, shape
     label)``, :func:`nbhelpers.grpo.compare_shapes.group_key`): ``step_goal`` (from
     :data:`STEP_GOALS`, ``None`` for a group without one), ``memory_limit_gib`` (the group's
@@ -234,15 +250,14 @@ def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, A
     from nbhelpers.stats import finite_or_none
     goal = STEP_GOALS.get(tuple(group[1:])) if group is not None else None
     summary = summary[summary["error"].isna()] if "error" in summary else summary
-    ref = (finite_or_none(summary.loc["hf_generate", "peak_mem_device_gib"])
-           if "hf_generate" in summary.index else None)
+    ref = peak_gib(summary.loc["hf_generate"]) if "hf_generate" in summary.index else None
     limit = None if ref is None else ref + MEMORY_MARGIN_GIB
     none = {"step_ratio": None, "memory_ratio": None, "met": None, "step_goal": goal,
             "memory_limit_gib": limit, "met_issue13": None}
     if not {"flex", "vllm"} <= set(summary.index):
         return none
-    cols = ("step_time_s_median", "peak_mem_device_gib")
-    f, v = ([finite_or_none(summary.loc[b, c]) for c in cols] for b in ("flex", "vllm"))
+    f, v = ([finite_or_none(summary.loc[b, "step_time_s_median"]), peak_gib(summary.loc[b])]
+            for b in ("flex", "vllm"))
     if None in f or None in v or 0.0 in v:
         return none
     step, mem = f[0] / v[0], f[1] / v[1]
@@ -265,8 +280,10 @@ def result_line(runs: dict[str, dict[str, Any]], gates: dict[str, Any], device: 
         elif row["error"]:
             parts.append(f"{name}: {row['gate']} ({str(row['error'])[:80]})")
         else:
+            peak = peak_gib(row)
+            shown = "no peak" if peak is None else f"{peak:.2f} GiB"
             parts.append(f"{name}: median step {row['step_time_s_median']:.2f} s, peak "
-                         f"{row['peak_mem_device_gib']:.2f} GiB, gate {row['gate']}")
+                         f"{shown}, gate {row['gate']}")
         if runs[name].get("reused_from"):
             parts[-1] += f" [{source_word(runs[name])}]"
     return f"**Result** ({device}): " + "; ".join(parts) + "."

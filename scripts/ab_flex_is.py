@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(params["cpu_threads"])
     from nbhelpers.grpo.trainer import _train_local
     probe = ABProbe(plan)
-    opts = train_options(params, tempfile.mkdtemp(prefix="ab_flex_is_"))
-    result = _train_local(params["model"], settings, opts, {}, hooks=probe)
+    with tempfile.TemporaryDirectory(prefix="ab_flex_is_") as out:  # TRL's output_dir, unused
+        opts = train_options(params, out)
+        result = _train_local(params["model"], settings, opts, {}, hooks=probe)
     rows = step_table(result, probe)
     side = sidecar(a, params, settings, result, rows, medians(rows))
     print(markdown(side["medians"]))

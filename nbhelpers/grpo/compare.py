@@ -126,12 +126,28 @@ the runner that stopped the notebook SIGKILLs it all 20 s after its stop signal
 def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
            kwargs: dict[str, Any], cpu_threads: int, progress_path: str = "",
            progress_request: dict[str, Any] | None = None) -> None:
+    # TRL's output_dir, unless the caller gave one: a temporary folder removed when the run ends
+    # (it holds the format warm-up's merged weights, 8 GB at Qwen3-4B, nothing the parent reads)
+    own = None if kwargs.get("output_dir") else tempfile.TemporaryDirectory(
+        prefix=f"grpo_{backend}_")
+    try:
+        _train_child(queue, backend, model, settings, kwargs, cpu_threads, progress_path,
+                     progress_request, own)
+    finally:
+        if own is not None:
+            own.cleanup()
+
+
+def _train_child(queue: Any, backend: str, model: str, settings: GRPOSettings,
+                 kwargs: dict[str, Any], cpu_threads: int, progress_path: str,
+                 progress_request: dict[str, Any] | None, own: Any) -> None:
     try:
         import torch
         if cpu_threads and not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads)
         from nbhelpers.grpo import step_rows, train
-        kwargs.setdefault("output_dir", tempfile.mkdtemp(prefix=f"grpo_{backend}_"))
+        if own is not None:
+            kwargs["output_dir"] = own.name
         kwargs.setdefault("warmup_adapter", WARMUP_ADAPTER)
         single = kwargs.get("num_processes", 1) == 1 and kwargs.get("vllm_mode",
                                                                      "colocate") == "colocate"

@@ -7,7 +7,6 @@ the lengths is what bounds the recompiles (``GRPOSettings.pad_to_multiple_of``'s
 """
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,7 +58,7 @@ def _reward(prompts=None, completions=(), **kwargs):
     return [float(str(c).count("e")) for c in completions]
 
 
-def _train(backend: str, pad: int):
+def _train(backend: str, pad: int, out: Path):
     from nbhelpers.grpo import step_rows, train
     torch.set_num_threads(1)
     settings = GRPOSettings(max_steps=2, num_generations=4, per_device_train_batch_size=4,
@@ -68,19 +67,19 @@ def _train(backend: str, pad: int):
                             lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")),
                             pad_to_multiple_of=pad)
     res = train("tiny-llama", settings, backend=backend, n_questions=4, progress=False,
-                output_dir=tempfile.mkdtemp(prefix="pad_"), skip_first=0,
+                output_dir=str(out), skip_first=0,
                 reward_funcs=[_reward])
     return res, step_rows(res)
 
 
 @pytest.mark.parametrize("backend", ["hf_generate", "flex"])
-def test_a_padded_run_trains_as_the_unpadded_one(backend):
+def test_a_padded_run_trains_as_the_unpadded_one(backend, tmp_path):
     """Same seed, same tokens: padded positions are masked, so loss, KL and grad norm agree to fp32
     noise (measured here: |d grad_norm| ~1e-8 for hf_generate), and flex's importance-sampling
     ratio stays at 1 (its per-token quantities are padded by TRL with the ids)."""
     pytest.importorskip("trl")
-    plain, rows0 = _train(backend, 0)
-    padded, rows64 = _train(backend, 64)
+    plain, rows0 = _train(backend, 0, tmp_path / "plain")
+    padded, rows64 = _train(backend, 64, tmp_path / "padded")
     assert padded.config["pad_to_multiple_of"] == 64 and plain.config["pad_to_multiple_of"] is None
     assert [r["step"] for r in rows64] == [1, 2]
     for a, b in zip(rows0, rows64):

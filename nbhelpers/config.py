@@ -283,7 +283,8 @@ class GRPOSettings:
         ValueError: a count below its minimum (``num_generations`` >= 2, the others >= 1);
             ``learning_rate`` not finite and > 0; ``beta`` or ``weight_decay`` not finite and
             >= 0; ``warmup_ratio`` not in [0, 1]; ``seed`` not in [0, 2**32) (what
-            ``transformers.set_seed`` takes: numpy's seed range); ``pad_to_multiple_of`` < 0;
+            ``transformers.set_seed`` takes: numpy's seed range); ``pad_to_multiple_of`` < 0 or
+            above the longer of ``max_prompt_length`` and ``max_completion_length``;
             the sampling fields as
             :class:`SamplingParams` checks them. NaN fails every range check.
     """
@@ -320,6 +321,11 @@ class GRPOSettings:
         _require(self.pad_to_multiple_of >= 0, f"GRPOSettings.pad_to_multiple_of="
                  f"{self.pad_to_multiple_of}: must be >= 0 (0 = no padding; 64 buckets lengths "
                  "for compile_mode runs).")
+        longest = max(self.max_prompt_length, self.max_completion_length)
+        _require(self.pad_to_multiple_of <= longest, f"GRPOSettings.pad_to_multiple_of="
+                 f"{self.pad_to_multiple_of}: must be <= {longest} (the longer of "
+                 "max_prompt_length and max_completion_length: a larger multiple only adds "
+                 "padding); use max_prompt_length for one prompt shape, 64 to bucket, 0 for none.")
         _require(self.num_generations >= 2, f"GRPOSettings.num_generations="
                  f"{self.num_generations}: GRPO needs >= 2 completions per prompt.")
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",

@@ -126,28 +126,11 @@ the runner that stopped the notebook SIGKILLs it all 20 s after its stop signal
 def _child(queue: Any, backend: str, model: str, settings: GRPOSettings,
            kwargs: dict[str, Any], cpu_threads: int, progress_path: str = "",
            progress_request: dict[str, Any] | None = None) -> None:
-    # TRL's output_dir, unless the caller gave one: a temporary folder removed when the run ends
-    # (it holds the format warm-up's merged weights, 8 GB at Qwen3-4B, nothing the parent reads)
-    own = None if kwargs.get("output_dir") else tempfile.TemporaryDirectory(
-        prefix=f"grpo_{backend}_")
-    try:
-        _train_child(queue, backend, model, settings, kwargs, cpu_threads, progress_path,
-                     progress_request, own)
-    finally:
-        if own is not None:
-            own.cleanup()
-
-
-def _train_child(queue: Any, backend: str, model: str, settings: GRPOSettings,
-                 kwargs: dict[str, Any], cpu_threads: int, progress_path: str,
-                 progress_request: dict[str, Any] | None, own: Any) -> None:
     try:
         import torch
         if cpu_threads and not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads)
         from nbhelpers.grpo import step_rows, train
-        if own is not None:
-            kwargs["output_dir"] = own.name
         kwargs.setdefault("warmup_adapter", WARMUP_ADAPTER)
         single = kwargs.get("num_processes", 1) == 1 and kwargs.get("vllm_mode",
                                                                      "colocate") == "colocate"
@@ -178,6 +161,13 @@ def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_thread
     (``KeyboardInterrupt`` / ``SystemExit`` while it waits) stops the child (SIGTERM, then
     SIGKILL after :data:`STOP_GRACE_S`) and is raised on.
     """
+    # TRL's output_dir unless the caller gave one: a temporary folder this process removes when
+    # the child has ended, however it ended (it holds the format warm-up's merged weights, 8 GB
+    # at Qwen3-4B; a child stopped by SIGTERM runs no cleanup of its own)
+    own = None if train_kwargs.get("output_dir") else tempfile.TemporaryDirectory(
+        prefix=f"grpo_{backend}_")
+    if own is not None:
+        train_kwargs = {**train_kwargs, "output_dir": own.name}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, backend, model, settings, train_kwargs,
@@ -186,10 +176,13 @@ def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_thread
     proc.start()
     try:
         out = _wait(queue, proc)
+        proc.join()
     except BaseException:
         _stop(proc)
         raise
-    proc.join()
+    finally:
+        if own is not None and not proc.is_alive():
+            own.cleanup()
     if proc.exitcode not in (0, None) and out.get("error") is None:
         out["error"] = f"ChildExit: exit code {proc.exitcode}"
     return {k: out.get(k) for k in RUN_KEYS} | {"traceback": out.get("traceback"),

@@ -1,4 +1,6 @@
-"""Probe: hf_cb with ``paged|flash_attention_4`` on Qwen3-4B (random bf16 weights) against
+"""Probe hf_cb's FlashAttention-4 path against sdpa, CUDA graphs off and on, on Qwen3-4B.
+
+What: hf_cb with ``paged|flash_attention_4`` on Qwen3-4B (random bf16 weights) against
 ``paged|sdpa``, CUDA graphs off and on, at a small greedy shape and at phase 1's workload W.
 
 Why: on the H200 (2026-12-03, ``executed/phase1_rollout/10_lora_rollout/20261203T221743Z_h200_

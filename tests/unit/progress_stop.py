@@ -27,11 +27,15 @@ class InterruptParentAfter(TrainerCallback):
 
 
 class KillSelfAfter(TrainerCallback):
-    """Before step ``steps + 1``: SIGKILL to this process (an OOM kill, a crash)."""
+    """Before step ``steps + 1``: SIGKILL to this process (an OOM kill, a crash). With
+    ``note``, first writes TRL's ``output_dir`` there (the test checks it is gone afterwards)."""
 
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
+    def __init__(self, steps: int, note: str = "") -> None:
+        self.steps, self.note = steps, note
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.steps:
+            if self.note:
+                with open(self.note, "w") as f:
+                    f.write(args.output_dir)
             os.kill(os.getpid(), signal.SIGKILL)

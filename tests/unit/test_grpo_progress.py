@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import shutil
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,8 +140,12 @@ def test_a_child_that_dies_keeps_its_steps_and_the_next_backend_runs(tmp_path, m
     monkeypatch.setattr(grpo_compare, "run_isolated", kill_hf_then_fake_flex)
     runs = grpo_compare.run_backends(["hf_generate", "flex"], MODEL, SETTINGS,
                                      sidecar_path=tmp_path / "run.json",
-                                     callbacks=[KillSelfAfter(1)], **KW)
+                                     callbacks=[KillSelfAfter(1, str(tmp_path / "out.txt"))],
+                                     **KW)
     assert calls == ["hf_generate", "flex"]
+    # the killed child cleaned nothing up; the parent removed TRL's output folder after it died
+    out_dir = Path((tmp_path / "out.txt").read_text())
+    assert out_dir.name.startswith("grpo_hf_generate_") and not out_dir.exists()
     run = runs["hf_generate"]
     assert run["error"].startswith("ChildExit: interrupted after 1 logged step (of max_steps 3); "
                                    "the training process died (exit code -9)")

@@ -22,6 +22,11 @@ def test_negative_padding_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"pad_to_multiple_of=-1: must be >= 0 \(0 = no padding"):
         GRPOSettings(pad_to_multiple_of=-1)
     assert GRPOSettings().pad_to_multiple_of == 0
+    # no bigger than the longer length: 100000 passed validation and then asked TRL for 40 GB
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of=100000: must be <= 256 \(the longer"):
+        GRPOSettings(pad_to_multiple_of=100000)
+    assert GRPOSettings(pad_to_multiple_of=256).pad_to_multiple_of == 256
+    assert GRPOSettings(max_completion_length=512, pad_to_multiple_of=512).pad_to_multiple_of == 512
 
 
 def test_build_config_passes_it_to_trl_and_zero_is_trls_none(tmp_path):
@@ -35,6 +40,8 @@ def test_the_runner_refuses_a_bad_value_before_launch():
     from nbhelpers.run.params import UserInputError, plan_parameters
     with pytest.raises(UserInputError, match=r"pad_to_multiple_of.*>= 0"):
         plan_parameters([NB20], "cpu", {"pad_to_multiple_of": -8}, REPO)
+    with pytest.raises(UserInputError, match=r"pad_to_multiple_of.*must be <= 256"):
+        plan_parameters([NB20], "cpu", {"pad_to_multiple_of": 100000}, REPO)
     plan_parameters([NB20], "cpu", {"pad_to_multiple_of": 64}, REPO)  # accepted
 
 

@@ -170,7 +170,8 @@ if sidecar_path:
 display(Markdown(grpo_compare.result_line(runs, gates, device)))
 assert all(len(r["rows"]) == max_steps for r in runs.values() if r["error"] is None)
 assert any(r["error"] is None for r in runs.values()), (
-    f"no backend ran ({', '.join(runs)}): see each error above (a missing engine names its extra)")
+    "no backend ran: " + "; ".join(f"{b}: {str(r['error']).splitlines()[0][:160]}"
+                                    for b, r in runs.items()))
 assert_gate(gates)  # raises GateFailed listing every failed check"""
 
 

@@ -391,5 +391,7 @@ def assert_gate(results: dict[str, GateResult]) -> None:
     """Raise :class:`GateFailed` listing every failed check of every backend."""
     failed = [f"{r.backend}.{c.name}: {c.detail}" for r in results.values() for c in r.checks
               if c.status == "fail"]
-    if failed:
-        raise GateFailed("coherence gate failed:\n  " + "\n  ".join(failed))
+    if failed:  # the first line names the first failure: INDEX.md and logs show one line
+        more = f" (+{len(failed) - 1} more below)" if len(failed) > 1 else ""
+        raise GateFailed(f"coherence gate failed: {failed[0][:200]}{more}\n  "
+                         + "\n  ".join(failed))

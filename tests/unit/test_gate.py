@@ -101,8 +101,16 @@ def test_grad_norm_vs_reference_skips_untrained_references_and_rejects_bad_limit
 def test_a_run_without_rows_fails_one_clear_check():
     res = check_run("flex", [], TH, reference_rows=rows())
     assert [(c.name, c.status) for c in res.checks] == [("steps", "fail")]
-    with pytest.raises(GateFailed, match="flex.steps: the run logged no step rows"):
+    with pytest.raises(GateFailed, match="flex.steps: the run logged no step rows") as err:
         assert_gate({"flex": res})
+    # the first line carries the failure itself (INDEX.md and logs show one line)
+    assert str(err.value).splitlines()[0].startswith(
+        "coherence gate failed: flex.steps: the run logged no step rows")
+    two = {"flex": res, "vllm": check_run("vllm", [], TH, reference_rows=rows())}
+    with pytest.raises(GateFailed) as err:
+        assert_gate(two)
+    assert str(err.value).splitlines()[0].endswith("(+1 more below)")
+    assert len(str(err.value).splitlines()) == 3
 
 
 @pytest.mark.parametrize("error,says", [

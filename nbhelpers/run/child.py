@@ -26,6 +26,27 @@ START_RETRIES = 2
 _START_DEATH = "Kernel died before replying to kernel_info"
 
 
+def echo_free_kernel_manager() -> type:
+    """nbclient's kernel manager with the kernel's stdout sent to ``/dev/null``.
+
+    Why: ipykernel captures what its subprocesses write to fd 1 (phase 2 trains each backend in a
+    spawned process) and forwards it to the notebook, and also echoes it to the kernel's own
+    stdout, which is this terminal; papermill then prints the notebook's stream output here as
+    well (``stdout_file``), so every line of a child's log showed twice (found by a new user's
+    run, 2026-12-04). The notebook keeps the output either way; the kernel's stderr is left as it
+    is (:class:`~nbhelpers.run.capture.StderrCapture` reads it)."""
+    import subprocess
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    class EchoFreeKernelManager(AsyncKernelManager):
+        async def start_kernel(self, **kw: Any) -> None:
+            kw.setdefault("stdout", subprocess.DEVNULL)
+            return await super().start_kernel(**kw)
+
+    return EchoFreeKernelManager
+
+
 def _execute_with_start_retry(pm: Any, spec: dict[str, Any],
                               hooks: dict[str, Any] | None = None) -> None:
     """``pm.execute_notebook`` for ``spec``; a kernel that dies before replying to
@@ -39,7 +60,8 @@ def _execute_with_start_retry(pm: Any, spec: dict[str, Any],
         try:
             pm.execute_notebook(spec["input"], spec["output"], parameters=spec["parameters"],
                                 kernel_name=KERNEL_NAME, cwd=spec["cwd"], progress_bar=True,
-                                stdout_file=sys.stdout, stderr_file=sys.stderr, **(hooks or {}))
+                                stdout_file=sys.stdout, stderr_file=sys.stderr,
+                                kernel_manager_class=echo_free_kernel_manager(), **(hooks or {}))
             return
         except RuntimeError as exc:
             if _START_DEATH not in str(exc) or attempt == START_RETRIES:

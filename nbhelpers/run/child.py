@@ -102,11 +102,25 @@ def _execute_in_child(spec: dict[str, Any]) -> int:
             capture.close()
         if spec.get("output"):
             _mark(Path(spec["output"]), tracker.in_flight)
+        _asyncio_log_to(capture.log_path if capture is not None else None)
         print(_stopped_line(spec, capture), file=sys.stderr)
         return 130
     finally:  # before a traceback is printed: it belongs on the terminal
         if capture is not None:
             capture.close()
+
+
+def _asyncio_log_to(log_path: Path | None) -> None:
+    """After the stop: asyncio's log (its "Task exception was never retrieved" report of
+    nbclient's cell task, which the kernel's error reply can end after this process took the
+    signal: three tracebacks, ~150 lines, on a new user's terminal at exit, 2026-12-04) goes to
+    the shutdown log beside the kernel's own shutdown output, or nowhere without one."""
+    import logging
+    logger = logging.getLogger("asyncio")
+    handler: logging.Handler = (logging.FileHandler(log_path, encoding="utf-8")
+                                if log_path is not None else logging.NullHandler())
+    logger.handlers = [handler]
+    logger.propagate = False
 
 
 def _mark(output: Path, in_flight: int | None) -> None:

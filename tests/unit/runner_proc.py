@@ -21,11 +21,12 @@ def child_env() -> dict[str, str]:
 
 
 def start_phase0(root: Path, config: str, pid_file: Path, stdout: Any,
-                 stderr: Any) -> subprocess.Popen:
+                 stderr: Any, new_session: bool = False) -> subprocess.Popen:
     """Write ``root/configs/<config>.cpu.yaml`` (``pid_file: ...``, the notebook's readiness
     signal) and start ``nbhelpers run phase0`` with ``runner.REPO = root``; ``stdout`` /
     ``stderr`` as for ``subprocess.Popen`` (use files, not pipes: a full pipe stalls the
-    runner)."""
+    runner). ``new_session``: the runner leads its own process group, so a test can signal the
+    whole group as a terminal's Ctrl-C does (``os.killpg``)."""
     (root / "configs").mkdir(exist_ok=True)
     (root / f"configs/{config}.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
     # SIGINT at its default (KeyboardInterrupt), as in a terminal: a process started while
@@ -38,4 +39,5 @@ def start_phase0(root: Path, config: str, pid_file: Path, stdout: Any,
             f"from nbhelpers.run import runner as run; run.REPO = Path({str(root)!r}); "
             "sys.exit(main(['run', 'phase0']))")
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=child_env(),
-                            stdout=stdout, stderr=stderr, text=True)
+                            stdout=stdout, stderr=stderr, text=True,
+                            start_new_session=new_session)

@@ -252,3 +252,71 @@ def test_a_marker_split_across_two_reads_is_held_back_not_shown():
     assert _marker_prefix_len(b"progress 30%" + MARKER[:5]) == 5
     assert _marker_prefix_len(b"progress 30%") == 0  # plain text is never held back
     assert _marker_prefix_len(MARKER[:1]) == 1
+
+
+CLEANUP_SOURCE = """import os, pathlib, time
+ready = pathlib.Path(pid_file)
+ready.with_suffix(".tmp").write_text(str(os.getpid()))
+ready.with_suffix(".tmp").replace(ready)
+try:
+    time.sleep(900)
+except KeyboardInterrupt:  # as phase 2's run_backends: write what it has, then go on up
+    time.sleep(1.5)
+    raise"""
+
+
+def test_a_cell_that_cleans_up_before_reraising_leaves_no_traceback_on_the_terminal(tmp_path):
+    """Phase 2's cell catches the stop, writes the interrupted backend's sidecar and raises on;
+    the kernel's error reply then ends nbclient's cell task after the papermill child took the
+    signal, and asyncio logged "Task exception was never retrieved" with three tracebacks
+    (~150 lines) on the terminal at exit (a new user's Ctrl-C, 2026-12-04). They belong in the
+    shutdown log with the rest of the kernel's shutdown output."""
+    pid_file = tmp_path / "kernel.pid"
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("pid_file = ''\nsidecar_path = ''")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(CLEANUP_SOURCE)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "notebooks/phase0_reference/00_cleanup.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    log = tmp_path / "runner.log"
+    with log.open("w") as out:
+        proc = start_phase0(tmp_path, "00_cleanup", pid_file, out, subprocess.STDOUT,
+                            new_session=True)
+    try:
+        _wait_for(pid_file.exists, "kernel pid file", proc, log)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group
+        _wait_for(lambda: proc.poll() is not None, "runner exit", proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "Task exception" not in text, text[-3000:]
+    assert "interrupted" in text
+
+
+def test_after_the_stop_asyncio_reports_go_to_the_shutdown_log(tmp_path, capsys):
+    import logging
+
+    from nbhelpers.run.child import _asyncio_log_to
+    logger = logging.getLogger("asyncio")
+    saved = (list(logger.handlers), logger.propagate)
+    try:
+        log_file = tmp_path / "run.interrupt.log"
+        _asyncio_log_to(log_file)
+        logger.error("Task exception was never retrieved (test)")
+        for h in logger.handlers:
+            h.flush()
+        assert "Task exception was never retrieved (test)" in log_file.read_text()
+        _asyncio_log_to(None)
+        logger.error("dropped (test)")
+        captured = capsys.readouterr()
+        assert "Task exception" not in captured.err + captured.out
+        assert "dropped (test)" not in captured.err + captured.out
+    finally:
+        for h in logger.handlers:
+            h.close()
+        logger.handlers, logger.propagate = saved

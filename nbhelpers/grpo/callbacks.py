@@ -64,9 +64,9 @@ class StatisticsCallback(TrainerCallback):
     ``peak_mem_allocated_gib``, ``peak_mem_device_gib`` and ``peak_mem_device_max_gib`` (GiB;
     GPU: ``torch.cuda.max_memory_allocated`` since the step began, card memory in use at the
     step's end, and the card's estimated peak during the step,
-    :func:`nbhelpers.stats.peak_memory_gib`; CPU: process peak RSS for all three), and from TRL's logs ``loss``, ``grad_norm``, ``kl`` (logged by
-    TRL only when ``beta > 0``), ``reward``, each ``rewards/<func>/mean``,
-    ``completion_length_mean_tokens``.
+    :func:`nbhelpers.stats.peak_memory_gib`; CPU: process peak RSS for all three), and from
+    TRL's logs ``loss``, ``grad_norm``, ``kl`` (logged by TRL only when ``beta > 0``),
+    ``reward``, each ``rewards/<func>/mean``, ``completion_length_mean_tokens``.
 
     With a ``timer`` (:class:`~nbhelpers.grpo.step_timing.StepTimer`, set by
     :func:`nbhelpers.grpo.trainer.train`) each record also gets its split of ``wall_s``:

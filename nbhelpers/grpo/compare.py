@@ -256,9 +256,10 @@ def run_backends(backends: list[str], model: str, settings: GRPOSettings, *,
     (:func:`~nbhelpers.grpo.compare_records.write_partial`, ``<stem>__<backend>.json``), so a
     notebook killed later keeps it; while it trains its child streams
     ``<stem>__<backend>.progress.jsonl``, and a backend that is interrupted or whose child dies
-    keeps the steps it logged in that sidecar (``status: "interrupted"``, module doc). ``reuse_runs`` ``{backend: sidecar path}``: those backends
-    are read from earlier sidecars (:func:`~nbhelpers.grpo.compare_records.load_reused`: same
-    request, model and device) instead of trained, in ``backends``' order, the ones not in
+    keeps the steps it logged in that sidecar (``status: "interrupted"``, module doc).
+    ``reuse_runs`` ``{backend: sidecar path}``: those backends are read from earlier sidecars
+    (:func:`~nbhelpers.grpo.compare_records.load_reused`: same request, model and device)
+    instead of trained, in ``backends``' order, the ones not in
     ``backends`` first; each is labelled ``reused_from``. ``model_info``: the sidecars' model
     block (default :func:`nbhelpers.models.describe` of ``model``). Reused runs are read and
     checked before anything trains.

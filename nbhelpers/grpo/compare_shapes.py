@@ -12,7 +12,8 @@ num_generations, per_device_train_batch_size x gradient_accumulation_steps,
 max_completion_length; then only the fields that differ from :data:`REFERENCE`, e.g.
 ``warmup60``); :func:`latest_per_backend` (one group) / :func:`latest_per_group`;
 :func:`vllm_ratio`, :func:`ratio_text` (the ratio, or why there is none) and
-:func:`speed_frame` (the per-shape speed table, failed and interrupted runs marked); :func:`sources` (a
+:func:`speed_frame` (the per-shape speed table, failed and interrupted runs marked);
+:func:`sources` (a
 group's sidecar files and dates, for captions); :func:`runs_frame` (one row per run with its
 group); :func:`flex_vs_vllm`, :func:`result_by_shape`, :func:`headline_by_shape` (the ratio per
 group, stated, not judged). pandas is imported inside.
@@ -64,7 +65,8 @@ sidecar ``grpo_config``), ``settings`` / ``request`` (``grpo_request``, recorded
 REFERENCE: dict[str, Any] = {
     "max_prompt_length": 256, "dataset": "gsm8k", "format_warmup_steps": 0,
     "gradient_checkpointing": False, "pad_to_multiple_of": 0, "beta": 0.04,
-    "learning_rate": 5e-6, "lora_rank": 32, "lora_alpha": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.1}
+    "learning_rate": 5e-6, "lora_rank": 32, "lora_alpha": 64, "temperature": 1.0, "top_p": 1.0,
+    "top_k": 0, "min_p": 0.1}
 """The reference setup (DESIGN.md "Reference workloads"; every ``configs/20_*.yaml`` so far);
 :func:`shape_label` names only the fields that differ from it. ``top_k`` 0 = disabled."""
 

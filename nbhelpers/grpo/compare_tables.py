@@ -5,9 +5,9 @@
 Contract: :func:`summary_frame` (one row per backend: wall / step / generation seconds, peak GiB,
 reward, KL, gate word, error; the source of a reused run, :func:`source_word`; a run stopped
 before it finished, :func:`interrupted_label`, keeps the medians of the steps it logged and
-is labelled ``interrupted after N steps`` in ``status``), :func:`steps_long` (tidy per-step frame; :func:`not_logged_reason`: why a metric has no
-curve), :func:`gate_frame` (one
-row per gate check; :func:`failed_checks` / :func:`failed_checks_text` / :func:`gate_headline`: the
+is labelled ``interrupted after N steps`` in ``status``), :func:`steps_long` (tidy per-step
+frame; :func:`not_logged_reason`: why a metric has no curve), :func:`gate_frame` (one row per
+gate check; :func:`failed_checks` / :func:`failed_checks_text` / :func:`gate_headline`: the
 failed ones in full), :func:`headline` (INDEX.md keys), :func:`perf_goal` (flex vs vLLM step and
 memory ratios), :func:`step_split_frame` (where each step's seconds go), :func:`result_line` (the notebook's "Result:" sentence), :func:`is_summary` /
 :func:`is_frame` (importance-sampling ratio per backend, from the run's own step rows) and
@@ -217,6 +217,12 @@ STEP_GOALS = {("qwen3-4b", "g4 b4x1 256tok"): 0.8, ("qwen3-4b", "g8 b16x4 512tok
 """Issue 13's speed goals, flex median step / vLLM colocate's, per ``(model, shape label)``
 (:func:`nbhelpers.grpo.compare_shapes.shape_label`): <= 0.8x at the reference shape, <= 0.7x
 at the realistic preset (8 prompts x 8 generations, 512 new tokens); other groups have none."""
+
+MEMORY_MARGIN_GIB = 2.0
+"""Issue 13's memory goal: flex's peak <= the trainer-alone peak (the ``hf_generate`` row of the
+same group) + this many GiB."""
+
+
 def peak_gib(row: Any) -> float | None:
     """A run's peak card memory in GiB from a summary row (a dict or a pandas row):
     ``peak_mem_device_max_gib`` (the card's estimated peak during the steps,
@@ -226,23 +232,18 @@ def peak_gib(row: Any) -> float | None:
     does); ``None`` when neither is a finite number."""
     from nbhelpers.stats import finite_or_none
     for key in ("peak_mem_device_max_gib", "peak_mem_device_gib"):
-        value = finite_or_none(row.get(key)) if hasattr(row, "get") else None
+        value = finite_or_none(row.get(key))
         if value is not None:
             return value
     return None
 
 
-MEMORY_MARGIN_GIB = 2.0
-"""Issue 13's memory goal: flex's peak <= the trainer-alone peak (the ``hf_generate`` row of the
-same group) + this many GiB."""
-
-
 def perf_goal(summary, group: tuple[str, str, str] | None = None) -> dict[str, Any]:
     """Flex against vLLM from a :func:`summary_frame`: ``step_ratio`` and ``memory_ratio``
-    (flex / vLLM median step and peak device memory, :func:`peak_gib`) with issue 6's ``met`` (step <= vLLM's at
-    <= 1/5 of its peak memory), and issue 13's goal for ``group`` (``(device, model, shape
-    label)``, :func:`nbhelpers.grpo.compare_shapes.group_key`): ``step_goal`` (from
-    :data:`STEP_GOALS`, ``None`` for a group without one), ``memory_limit_gib`` (the group's
+    (flex / vLLM median step and peak device memory, :func:`peak_gib`) with issue 6's ``met``
+    (step <= vLLM's at <= 1/5 of its peak memory), and issue 13's goal for ``group``
+    (``(device, model, shape label)``, :func:`nbhelpers.grpo.compare_shapes.group_key`):
+    ``step_goal`` (from :data:`STEP_GOALS`, ``None`` for a group without one), ``memory_limit_gib`` (the group's
     ``hf_generate`` peak + :data:`MEMORY_MARGIN_GIB`, ``None`` without that row) and
     ``met_issue13`` (step ratio <= the goal and, where the limit is known, flex's peak <= it;
     ``None`` without a goal). Values ``None`` when either backend has no numbers (missing,

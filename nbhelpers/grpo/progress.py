@@ -20,8 +20,9 @@ sidecar, one JSON object a line, each line flushed as written:
 :func:`read_progress` reads it back (a line torn by a kill is skipped) and :func:`interrupted_run`
 turns it into the run dict of :func:`~nbhelpers.grpo.compare.run_isolated` with ``error``
 ``"<cause type>: interrupted after N logged steps (of max_steps M) ..."`` and ``interrupted``
-``{n_steps, max_steps, cause}``; :func:`nbhelpers.grpo.compare_records.write_interrupted` writes
-it as the backend's partial sidecar. The trainer hands the writer its statistics callback,
+``{n_steps, max_steps, cause}``; :func:`nbhelpers.grpo.compare_records.load_interrupted` builds
+it and :func:`~nbhelpers.grpo.compare_records.write_partial` writes it as the backend's partial
+sidecar. The trainer hands the writer its statistics callback,
 compile watch and config through :meth:`ProgressWriter.bind_run` (:func:`nbhelpers.grpo.train`:
 any callback with a ``bind_run``).
 

@@ -13,6 +13,21 @@ from typing import Any
 REAL_REPO = Path(__file__).resolve().parents[2]
 
 
+def pid_notebook(path: Path, body: list[Any], head: tuple[Any, ...] = ()) -> None:
+    """Write a phase-0-style notebook at ``path`` (folders made): ``head`` cells, the parameters
+    cell (``pid_file``, the readiness signal the tests wait for, and ``sidecar_path``), then
+    ``body`` (nbformat cells), on the ``python3`` kernel."""
+    import nbformat
+    params = nbformat.v4.new_code_cell("pid_file = ''\nsidecar_path = ''")
+    params.metadata["tags"] = ["parameters"]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [*head, params, *body]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
 def child_env() -> dict[str, str]:
     """This environment with the real repo prepended to ``PYTHONPATH`` (prepended, not replaced:
     the GPU host's papermill/ipykernel come from ``PYTHONPATH``, /tmp/site)."""

@@ -21,7 +21,7 @@ nbformat = pytest.importorskip("nbformat", reason="the runner needs the notebook
 pytest.importorskip("papermill", reason="the runner needs the notebooks extra: "
                     "pip install -e '.[notebooks]'")
 
-from runner_proc import child_env, start_phase0
+from runner_proc import child_env, pid_notebook, start_phase0
 
 from nbhelpers.run import interrupted
 from nbhelpers.run.execute import Job, stop_jobs
@@ -180,16 +180,10 @@ time.sleep(900)"""
 
 
 def _notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    params = nbformat.v4.new_code_cell("pid_file = ''\nsidecar_path = ''")
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [nbformat.v4.new_markdown_cell("# t"), params,
-                nbformat.v4.new_code_cell(NOISY_SOURCE), nbformat.v4.new_markdown_cell("## after"),
-                nbformat.v4.new_code_cell("print('never runs')")]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
+    pid_notebook(path, [nbformat.v4.new_code_cell(NOISY_SOURCE),
+                        nbformat.v4.new_markdown_cell("## after"),
+                        nbformat.v4.new_code_cell("print('never runs')")],
+                 head=(nbformat.v4.new_markdown_cell("# t"),))
 
 
 def _wait_for(event, what: str, proc: subprocess.Popen, log: Path) -> None:
@@ -203,6 +197,26 @@ def _wait_for(event, what: str, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.2)
 
 
+def _stop_running(root: Path, name: str, pid_file: Path, group: bool = False):
+    """Start ``nbhelpers run phase0`` over ``root``, SIGINT it once the notebook's kernel is in
+    its cell (``group``: the whole process group, as a terminal's Ctrl-C), wait for it to exit;
+    ``(returncode, terminal text)``."""
+    log = root / "runner.log"  # stdout and stderr, as a terminal shows them
+    with log.open("w") as out:
+        proc = start_phase0(root, name, pid_file, out, subprocess.STDOUT, new_session=group)
+    try:
+        _wait_for(pid_file.exists, "kernel pid file", proc, log)
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _wait_for(lambda: proc.poll() is not None, "runner exit", proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, log.read_text()
+
+
 def test_interrupted_run_records_itself_and_keeps_kernel_noise_off_the_terminal(tmp_path):
     """Ctrl-C to the runner once the kernel runs a cell: the partial notebook's papermill
     record and banner say interrupted (in which cell, when, the sidecar); the kernel's error
@@ -210,18 +224,8 @@ def test_interrupted_run_records_itself_and_keeps_kernel_noise_off_the_terminal(
     ipykernel's ZMQError one) is in ``<run>.interrupt.log``, which the child's line names."""
     pid_file = tmp_path / "kernel.pid"
     _notebook(tmp_path / "notebooks/phase0_reference/00_noisy.ipynb")
-    log = tmp_path / "runner.log"  # stdout and stderr, as a terminal shows them
-    with log.open("w") as out:
-        proc = start_phase0(tmp_path, "00_noisy", pid_file, out, subprocess.STDOUT)
-    try:
-        _wait_for(pid_file.exists, "kernel pid file", proc, log)
-        proc.send_signal(signal.SIGINT)
-        _wait_for(lambda: proc.poll() is not None, "runner exit", proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 130, text[-3000:]
+    returncode, text = _stop_running(tmp_path, "00_noisy", pid_file)
+    assert returncode == 130, text[-3000:]
     assert "genuine kernel error before the stop" in text
     assert "Traceback" not in text and "ZMQError" not in text, text[-3000:]
     folder = tmp_path / "executed/phase0_reference/00_noisy"
@@ -272,28 +276,11 @@ def test_a_cell_that_cleans_up_before_reraising_leaves_no_traceback_on_the_termi
     (~150 lines) on the terminal at exit (a new user's Ctrl-C, 2026-12-04). They belong in the
     shutdown log with the rest of the kernel's shutdown output."""
     pid_file = tmp_path / "kernel.pid"
-    nb = nbformat.v4.new_notebook()
-    params = nbformat.v4.new_code_cell("pid_file = ''\nsidecar_path = ''")
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell(CLEANUP_SOURCE)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    path = tmp_path / "notebooks/phase0_reference/00_cleanup.ipynb"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
-    log = tmp_path / "runner.log"
-    with log.open("w") as out:
-        proc = start_phase0(tmp_path, "00_cleanup", pid_file, out, subprocess.STDOUT,
-                            new_session=True)
-    try:
-        _wait_for(pid_file.exists, "kernel pid file", proc, log)
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group
-        _wait_for(lambda: proc.poll() is not None, "runner exit", proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 130, text[-3000:]
+    pid_notebook(tmp_path / "notebooks/phase0_reference/00_cleanup.ipynb",
+                 [nbformat.v4.new_code_cell(CLEANUP_SOURCE)])
+    # a terminal's Ctrl-C: every process of the group
+    returncode, text = _stop_running(tmp_path, "00_cleanup", pid_file, group=True)
+    assert returncode == 130, text[-3000:]
     assert "Traceback" not in text and "Task exception" not in text, text[-3000:]
     assert "interrupted" in text
 

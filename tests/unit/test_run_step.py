@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from runner_proc import pid_notebook
 
 REAL_REPO = Path(__file__).resolve().parents[2]
 EVENT_CAP_S = 600.0
@@ -42,15 +43,8 @@ def run_step(monkeypatch):
 
 
 def _sleep_repo(root: Path, pid_file: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("pid_file = ''\nsidecar_path = ''")
-    cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell, nbformat.v4.new_code_cell(SLEEP_SOURCE)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    path = root / "notebooks/phase0_reference/00_sleep.ipynb"
-    path.parent.mkdir(parents=True)
-    nbformat.write(nb, path)
+    pid_notebook(root / "notebooks/phase0_reference/00_sleep.ipynb",
+                 [nbformat.v4.new_code_cell(SLEEP_SOURCE)])
     (root / "configs").mkdir()
     (root / "configs/00_sleep.cpu.yaml").write_text(f"pid_file: {pid_file}\n")
 

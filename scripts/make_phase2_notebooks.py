@@ -61,6 +61,7 @@ seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
 compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no-cudagraphs
 compile_dynamic: str = "auto"  # auto (ours: torch's default) | on (the reference's) | off
+compile_scope: str = "auto"  # auto (layers for flex/vllm) | backbone (one graph) | layers (regional)
 pad_to_multiple_of: int = 0  # TRL: pad ids to a multiple (64 bounds compile_mode recompiles); 0 off
 attn_implementation: str = "auto"  # policy: auto (sdpa) | sdpa | eager | flash_attention_4 (hf_cb: paged|<it>)
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
@@ -91,7 +92,8 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     list(backends), model, settings, dataset=dataset, n_questions=n_questions,
     skip_first=skip_first, compile_mode=compile_mode,
     compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
-    attn_implementation=attn_implementation, vllm_sleep_mode=vllm_sleep_mode,
+    compile_scope=compile_scope, attn_implementation=attn_implementation,
+    vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
     flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
     format_warmup_steps=format_warmup_steps, progress=False,
@@ -153,7 +155,8 @@ def rerun(backends, max_steps):
         backends, model, replace(settings, max_steps=max_steps), dataset=dataset,
         n_questions=n_questions, skip_first=skip_first, compile_mode=compile_mode,
         compile_dynamic=grpo_compare.compile_dynamic_flag(compile_dynamic),
-        attn_implementation=attn_implementation, vllm_sleep_mode=vllm_sleep_mode,
+        compile_scope=compile_scope, attn_implementation=attn_implementation,
+        vllm_sleep_mode=vllm_sleep_mode,
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
         flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
                                                flex_compile_attention),
@@ -216,7 +219,7 @@ def equivalence() -> nbformat.NotebookNode:
           "returns no kept mass, so none); `is_ratio_applied_mean`, TRL's ratio as the loss "
           "applies it; `filtered_*` (flex only): the vLLM-style ratio against the engine's "
           "filtered logprobs, not on one support (reported, not applied). Then the compile report (`compile_mode` not none): recompiles and graph "
-          "breaks with `compile_dynamic`."), EQ_IS),
+          "breaks with `compile_dynamic` and `compile_scope`, and the seconds spent compiling."), EQ_IS),
         (("## Per-step curves\nOne colour per backend (`nbhelpers.plots.BACKEND_COLORS`); a "
           "backend reused from an earlier sidecar (`reuse_runs`) is named with its file and "
           "date under each figure."),

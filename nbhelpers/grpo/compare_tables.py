@@ -323,14 +323,15 @@ def is_frame(runs: dict[str, dict[str, Any]]):
                         columns=["backend", *IS_COLUMNS.values(), "is_steps"]).set_index("backend")
 
 
-COMPILE_COLUMNS = ("compile_mode", "compile_dynamic", "compiled", "recompiles", "graph_breaks",
-                   "unique_graphs")
+COMPILE_COLUMNS = ("compile_mode", "compile_dynamic", "compile_scope", "compiled", "recompiles",
+                   "graph_breaks", "unique_graphs", "compile_s")
 
 
 def compile_frame(runs: dict[str, dict[str, Any]], compiled_only: bool = False):
     """One row per run: :data:`COMPILE_COLUMNS` of ``config["compile_report"]``
     (:class:`nbhelpers.grpo.compile_report.CompileWatch`; ``compile_dynamic`` ``None`` = torch's
-    default). ``compiled_only`` keeps the runs whose ``compile_mode`` is not ``none``. The counts
+    default; ``compile_scope`` ``None`` in runs before 2026-12-07, which compiled the backbone;
+    ``compile_s`` seconds dynamo spent compiling). ``compiled_only`` keeps the runs whose ``compile_mode`` is not ``none``. The counts
     cover the whole training block, the flex engine's own ``flex_attention`` compiles included."""
     import pandas as pd
     rows = []

@@ -84,8 +84,8 @@ WARMUP_ADAPTERS = ("continue", "merge")
 def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generate",
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
           progress: bool = True, skip_first: int = 3, compile_mode: str = "none",
-          compile_dynamic: bool | None = None, attn_implementation: str | None = None,
-          vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
+          compile_dynamic: bool | None = None, compile_scope: str = "auto",
+          attn_implementation: str | None = None, vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
           callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
@@ -100,7 +100,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     ``GRPOResult.summary``'s medians. ``compile_mode``: :data:`nbhelpers.grpo.compile_report.
     COMPILE_MODES`; ``compile_dynamic``: ``torch.compile(dynamic=)`` (``None``, the default:
     torch's own, static then dynamic after a recompile; the reference's ``--compile_dynamic`` is
-    ``True``), in the compile report. ``attn_implementation``: the policy model's attention,
+    ``True``), in the compile report; ``compile_scope``: what one compile covers (``"auto"``,
+    ``"backbone"``, ``"layers"``: :func:`nbhelpers.grpo.compile_report.resolve_compile_scope`;
+    the resolved word is the report's ``compile_scope``). ``attn_implementation``: the policy model's attention,
     one of :data:`~nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS` (``None`` / ``"auto"``, the
     default: transformers' own, ``sdpa`` for the phase-2 models; ``"sdpa"``, ``"eager"``,
     ``"flash_attention_4"``: CUDA and the ``fa4`` extra), for backends
@@ -123,7 +125,7 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
 
     Raises:
         ValueError: unknown backend (or a rollout-only one) / dataset / compile mode or
-            ``compile_dynamic`` word /
+            ``compile_dynamic`` / ``compile_scope`` word /
             ``warmup_adapter``, an ``attn_implementation`` not in ``ATTN_IMPLEMENTATIONS``, or
             not ``auto`` with ``unsloth``, or ``flash_attention_4`` on a host without CUDA,
             no prompt fits, or a format warm-up with a backend outside
@@ -200,6 +202,7 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     from nbhelpers.grpo import compile_report
     compile_mode = compile_report.check_compile_mode(opts["compile_mode"])
     dynamic = compile_report.compile_dynamic_flag(opts.get("compile_dynamic"))
+    scope = compile_report.resolve_compile_scope(opts.get("compile_scope"), opts["backend"])
     _check_warmup(opts["format_warmup_steps"], opts["warmup_adapter"], opts["backend"],
                   opts["skip_first"])
     attn = check_attn_implementation(opts.get("attn_implementation"), opts["backend"])
@@ -218,11 +221,12 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                                     opts["callbacks"], config_overrides)
     if hooks is not None:
         hooks.trainer(trainer)
-    watch = compile_report.CompileWatch(compile_mode, dynamic=dynamic)
+    watch = compile_report.CompileWatch(compile_mode, dynamic=dynamic,
+                                        scope=scope if compile_mode != "none" else None)
     _bind_callbacks(opts["callbacks"], parts, watch,
                     _run_config(parts["args"], settings) | {"attn_implementation": loaded,
                                                             "notes": plan.notes})
-    wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic)
+    wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
@@ -264,13 +268,13 @@ def _warm_folder(model: Any, tok: Any, out: Path) -> Path:
     return folder
 
 
-def _fit(trainer: Any, watch: Any, compile_mode: str,
-         dynamic: bool | None = None) -> tuple[float, Any]:
+def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = None,
+         scope: str = "backbone") -> tuple[float, Any]:
     """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``."""
     from nbhelpers.grpo.compile_report import compile_trainer_models
     t0 = time.perf_counter()
     with watch:
-        compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic)
+        compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic, scope=scope)
         trainer.train()
     return time.perf_counter() - t0, compiled
 

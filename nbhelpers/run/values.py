@@ -18,7 +18,7 @@ a format warm-up only with backends that run it (``nbhelpers.grpo.plans.WARMUP_B
 GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
 ``attn_implementation`` one of ``nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS`` and, unless
 ``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
-``compile_dynamic`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
+``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
 ``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
 (:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
 checked in the notebook, which knows the model and device).
@@ -280,9 +280,11 @@ def _check_engine_options(params: dict[str, Any], sources: dict[str, str], noteb
 
 
 def _check_compile(params: dict[str, Any], where: Where) -> None:
-    from nbhelpers.grpo.compile_report import check_compile_mode, compile_dynamic_flag
+    from nbhelpers.grpo.compile_report import (check_compile_mode, compile_dynamic_flag,
+                                               resolve_compile_scope)
     for name, check in (("compile_mode", check_compile_mode),
-                        ("compile_dynamic", compile_dynamic_flag)):
+                        ("compile_dynamic", compile_dynamic_flag),
+                        ("compile_scope", lambda word: resolve_compile_scope(word, ""))):
         if isinstance(params.get(name), str):
             try:
                 check(params[name])

@@ -342,11 +342,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # elementwise, decode kernel auto) against the previous ones at TRL's adapter dtype.
     # GSM8K and the tokenizers ride with m2n since session 14 (m2a came to 64.3 MiB with the
     # 24.6 MiB tree); n14a no longer carries GSM8K (63.9 MiB)
-    "m2a": (["trl"], ["gguf0"], []),
+    # (session 18: the 31 MB tree put m2a at 64.5 MiB: the trl wheels moved to m2n)
+    "m2a": ([], ["gguf0"], []),
     # m2b alone: with the notebooks wheels it came to 63.7 MiB by the dry run and the device tool
     # refused it (session 13: its count runs a little above du's); m2n stages those wheels
     "m2b": ([], ["gguf1"], []),
-    "m2n": (["notebooks"], ["tok", "gsm8k"], []),
+    "m2n": (["notebooks", "trl"], ["tok", "gsm8k"], []),
     # GGUF part 2 alone (session 17: n14b needs the whole GGUF; n14a used to stage part 2)
     "m2g": ([], ["gguf2"], []),
     "m2c": ([], ["gguf2"], [
@@ -539,6 +540,14 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "c17m": ([], ["gsm8k"], [
         (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs",
               "pad_to_multiple_of": "256", "max_steps": "4"}, 480, 560, 0)]),
+    # session 18: compile_scope "auto" compiles flex's trainer one decoder layer at a time (one
+    # layer graph per grad mode instead of the 36-layer backbone: 3.9 s vs 117 s on a CPU tiny
+    # model), so the reference shape runs unpadded as the eager rows do, 10 steps; then
+    # max-autotune-no-cudagraphs with 6 (each backend keeps its logged steps if stopped)
+    "c18a": ([], ["gsm8k"], [
+        (P2, {"backends": "[flex]", "compile_mode": "default", "max_steps": "10"}, 300, 330, 0),
+        (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs",
+              "max_steps": "6"}, 200, 235, 0)]),
     # hf_generate at the realistic preset, 6 steps (session 17's rh1: ~60 s a step, 7 of 10 steps
     # in its 550 s cap)
     "rh6": ([], [], [

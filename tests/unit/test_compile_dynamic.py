@@ -28,13 +28,14 @@ def test_train_passes_compile_dynamic_to_the_compile_and_its_report(tmp_path, mo
     from nbhelpers.grpo import compile_report, train
     seen = []
     monkeypatch.setattr(compile_report, "compile_trainer_models",
-                        lambda trainer, mode, dynamic=None: seen.append((mode, dynamic)) or [])
+                        lambda trainer, mode, dynamic=None, scope="backbone":
+                        seen.append((mode, dynamic, scope)) or [])
     torch.set_num_threads(1)
     settings = GRPOSettings(max_steps=1, num_generations=2, per_device_train_batch_size=2,
                             max_completion_length=4)
     res = train("tiny-llama", settings, backend="hf_generate", n_questions=2, progress=False,
                 output_dir=tmp_path, skip_first=0, compile_mode="default", compile_dynamic=True)
-    assert seen == [("default", True)]
+    assert seen == [("default", True, "backbone")]  # hf_generate: auto -> backbone
     assert res.config["compile_report"]["compile_dynamic"] is True
     with pytest.raises(ValueError, match="compile_dynamic='yes'"):
         train("tiny-llama", settings, output_dir=tmp_path, compile_dynamic="yes")

@@ -25,8 +25,8 @@ from nbhelpers.stats import median
 MODEL = "tiny-llama"
 SETTINGS = GRPOSettings(max_steps=3, max_completion_length=8)
 KW = {"n_questions": 4, "cpu_threads": 1, "progress": False}
-COMPILE_KEYS = {"compile_mode", "compile_dynamic", "graph_breaks", "graph_break_reasons",
-                "recompiles", "recompile_reasons", "unique_graphs", "frames_total", "frames_ok",
+COMPILE_KEYS = {"compile_mode", "compile_dynamic", "compile_scope", "graph_breaks",
+                "graph_break_reasons", "recompiles", "recompile_reasons", "unique_graphs", "frames_total", "frames_ok",
                 "compile_s"}
 
 

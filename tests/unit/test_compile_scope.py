@@ -98,3 +98,22 @@ def test_layers_scope_compiles_one_layer_graph_per_grad_mode_and_matches_eager()
     # dynamo's recompile_limit (8) on the first forward
     assert 1 <= rep["recompiles"] < n_layers - 2, rep["recompile_reasons"]
     assert not any("layer_idx" in r or "layers[" in r for r in rep["recompile_reasons"]), rep
+
+
+def test_flex_grpo_run_compiles_its_trainer_layer_by_layer(tmp_path):
+    """End to end: a flex GRPO run with compile_mode default and the auto scope compiles the
+    policy's layers (not the backbone), trains, and reports the scope and compile seconds."""
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import train
+    torch._dynamo.reset()
+    torch.set_num_threads(1)
+    settings = GRPOSettings(max_steps=2, num_generations=2, per_device_train_batch_size=2,
+                            max_completion_length=4)
+    res = train("tiny-llama", settings, backend="flex", n_questions=2, progress=False,
+                output_dir=tmp_path, skip_first=0, compile_mode="default")
+    rep = res.config["compile_report"]
+    assert rep["compile_scope"] == "layers" and rep["compiled"] == ["policy"]
+    assert rep["frames_ok"] >= 1
+    assert rep["compile_s"] is None or rep["compile_s"] > 0
+    assert len(res.records) == 2
+    assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in res.records), res.records

@@ -10,9 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nbhelpers.grpo.compile_report import (COMPILE_SCOPES, LAYER_SCOPE_BACKENDS, CompileWatch,
-                                           compile_trainer_models, decoder_layers,
-                                           resolve_compile_scope)
+from nbhelpers.grpo.compile_report import (
+    COMPILE_SCOPES,
+    LAYER_SCOPE_BACKENDS,
+    CompileWatch,
+    compile_trainer_models,
+    decoder_layers,
+    resolve_compile_scope,
+)
 
 
 @pytest.mark.parametrize("backend", ["flex", "vllm"])
@@ -72,7 +77,7 @@ def test_layers_scope_compiles_one_layer_graph_per_grad_mode_and_matches_eager()
     torch._dynamo.reset()
     torch.set_num_threads(1)
     lm, policy = _peft_policy(layers=10)
-    eager_lm, eager = _peft_policy(layers=10)
+    _, eager = _peft_policy(layers=10)
     eager.load_state_dict(policy.state_dict())
     trainer = SimpleNamespace(model=policy, ref_model=None)
     n_layers = len(decoder_layers(policy))

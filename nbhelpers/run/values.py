@@ -280,8 +280,11 @@ def _check_engine_options(params: dict[str, Any], sources: dict[str, str], noteb
 
 
 def _check_compile(params: dict[str, Any], where: Where) -> None:
-    from nbhelpers.grpo.compile_report import (check_compile_mode, compile_dynamic_flag,
-                                               resolve_compile_scope)
+    from nbhelpers.grpo.compile_report import (
+        check_compile_mode,
+        compile_dynamic_flag,
+        resolve_compile_scope,
+    )
     for name, check in (("compile_mode", check_compile_mode),
                         ("compile_dynamic", compile_dynamic_flag),
                         ("compile_scope", lambda word: resolve_compile_scope(word, ""))):

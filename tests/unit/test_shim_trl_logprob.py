@@ -76,6 +76,11 @@ def test_install_keeps_the_kernel_for_cuda_and_routes_cpu_tensors_to_torch(monke
             return "kernel"
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Kernel)
+    # install() sets this class attribute; restore it too, or a later CUDA GRPO run in the same
+    # worker (whose install() is then a no-op: the restored slot already holds DeviceDispatch)
+    # calls the fake and TRL fails on its "kernel" string (seen on the H100, 2026-12-07:
+    # "'str' object has no attribute 'new_zeros'" in test_grpo_flex's [cuda] fixture)
+    monkeypatch.setattr(shim.DeviceDispatch, "kernel", shim.DeviceDispatch.kernel)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert shim.is_needed() and shim.install()
     assert trl_utils._ChunkedLogProbFunction is shim.DeviceDispatch
@@ -101,3 +106,10 @@ def test_install_replaces_the_triton_kernel_without_cuda(monkeypatch):
     assert shim.is_needed() and shim.install()
     assert trl_utils._ChunkedLogProbFunction is shim.TorchLogProb
     assert not shim.is_needed() and not shim.install()  # filled: nothing more to do
+
+
+def test_the_dispatch_kernel_is_restored_after_the_fake_kernel_test():
+    """Runs after the test above in one process (file order): the fake kernel must not outlive
+    it (it broke a CUDA GRPO fixture that ran after it in one xdist worker)."""
+    kernel = shim.DeviceDispatch.kernel
+    assert kernel is None or getattr(kernel, "__name__", "") != "Kernel", kernel

@@ -314,7 +314,12 @@ class GRPOSettings:
     reference). For ``compile_mode`` runs: every new sequence length is a new shape to the compiled
     trainer (on the H200, 2026-12-03, ``compile_mode="default"``: step 1 took 252 s for two
     compiles, grad and no-grad, and step 2 recompiled for 344 -> 345 tokens), so bucketing the
-    lengths bounds the recompiles; padded positions are masked, the loss is unchanged."""
+    lengths bounds the recompiles; padded positions are masked, the loss is unchanged (tested on
+    the CPU). Not yet on CUDA: on an H100 (2026-12-07, e858b3e) the tiny-llama fp32 runs of
+    ``tests/unit/test_pad_to_multiple_of.py`` padded to 64 had NaN gradients at step 1 for
+    ``hf_generate`` and ``flex`` (the unpadded runs beside them were finite); cause not yet
+    found, so a CUDA run with padding logs a warning and a note. Since ``compile_scope``
+    (layer-by-layer compiles, 2026-12-07) a compiled run no longer needs it."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -215,6 +215,7 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                                                          opts["dataset"], opts["n_questions"],
                                                          attn)
     loaded = loaded_attn(model)  # what transformers resolved (auto: sdpa for most models)
+    _warn_padding_on_cuda(settings, model, plan.notes)
     model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
                                     opts["output_dir"], opts["progress"], opts["reward_funcs"],
@@ -266,6 +267,18 @@ def _warm_folder(model: Any, tok: Any, out: Path) -> Path:
     log.info("format warm-up: merged weights saved to %s in %.1f s; the vLLM engine starts "
              "from there", folder, time.perf_counter() - t0)
     return folder
+
+
+def _warn_padding_on_cuda(settings: GRPOSettings, model: Any, notes: list[str]) -> None:
+    """``pad_to_multiple_of`` on a CUDA policy: a warning and a run note (its docstring: NaN
+    gradients seen on an H100, cause not yet found)."""
+    param = next(iter(model.parameters()), None)
+    if settings.pad_to_multiple_of and param is not None and param.is_cuda:
+        msg = (f"pad_to_multiple_of={settings.pad_to_multiple_of} on CUDA: on an H100 "
+               "(2026-12-07) padded tiny-model runs had NaN gradients at step 1 (cause not yet "
+               "found; CPU runs train as unpadded ones): check grad_norm, or pass 0")
+        log.warning(msg)
+        notes.append(msg)
 
 
 def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = None,

@@ -79,6 +79,10 @@ def _train(backend: str, pad: int, out: Path):
     return res, step_rows(res)
 
 
+@pytest.mark.xfail(torch.cuda.is_available(), strict=False,
+                   reason="known bug, not fixed: on an H100 (2026-12-07, e858b3e) the padded run "
+                          "had NaN gradients at step 1 for both backends (GRPOSettings."
+                          "pad_to_multiple_of's docstring); the CPU run is the check")
 @pytest.mark.parametrize("backend", ["hf_generate", "flex"])
 def test_a_padded_run_trains_as_the_unpadded_one(backend, tmp_path):
     """Same seed, same tokens: padded positions are masked, so loss, KL and grad norm agree to fp32
@@ -88,6 +92,8 @@ def test_a_padded_run_trains_as_the_unpadded_one(backend, tmp_path):
     plain, rows0 = _train(backend, 0, tmp_path / "plain")
     padded, rows64 = _train(backend, 64, tmp_path / "padded")
     assert padded.config["pad_to_multiple_of"] == 64 and plain.config["pad_to_multiple_of"] is None
+    on_cuda = any("pad_to_multiple_of=64 on CUDA" in n for n in padded.config["notes"])
+    assert on_cuda == torch.cuda.is_available()  # the warning note, only where it applies
     assert [r["step"] for r in rows64] == [1, 2]
     for a, b in zip(rows0, rows64):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)

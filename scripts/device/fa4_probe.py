@@ -23,7 +23,10 @@ run had no sdpa-vs-sdpa baseline for random weights, so it decided nothing. This
 Run on the device with the fa4, notebooks and tokenizer sets staged (``scripts/device/
 step_table.py``: f4a, then step ``f4p``): ``python3 scripts/device/fa4_probe.py [--shapes
 small,w]`` (~2-3 min for both). Needs CUDA, FA4 and the Qwen3 tokenizer (``python -m nbhelpers
-fetch``). Prints one line per (shape, attention, graphs); exits 1 if any configuration failed.
+fetch``). Prints one line per (shape, attention, graphs), each configuration in its own process
+(``--one``), its token ids in ``$OUT/fa4_probe_<shape>_<attn>_<graphs>.tokens.json``; exits 1 if
+any configuration failed. Read the lines in the step's log, not only a call's output tail
+(session 18 lost them to ``| tail``).
 """
 from __future__ import annotations
 
@@ -62,8 +65,20 @@ def _shape(name: str) -> tuple[list[list[int]], Any, Any]:
             LoraSpec(rank=32, alpha=64))
 
 
-def run_shape(name: str) -> int:
-    """Every configuration of :data:`CONFIGS` at shape ``name``; returns the failures."""
+def _say(line: str, out_dir: str) -> None:
+    """Print ``line`` and append it to ``<out_dir>/fa4_probe.log`` (survives a call's tail)."""
+    import os
+    print(line, flush=True)
+    with open(os.path.join(out_dir, "fa4_probe.log"), "a") as fh:
+        fh.write(line + "\n")
+
+
+def run_one(name: str, attn: str, graphs: bool, tokens_out: str) -> int:
+    """One configuration in this process; writes its token ids (JSON) to ``tokens_out`` and prints
+    its line; returns 1 on failure."""
+    import json
+    import os
+
     from nbhelpers.backends import get_backend
     from nbhelpers.config import ModelSpec
     spec = ModelSpec("qwen3-4b", kind="random", dtype="bfloat16")
@@ -72,33 +87,58 @@ def run_shape(name: str) -> int:
     if lora is not None:
         from nbhelpers.adapters import canonical_adapter
         adapter = str(canonical_adapter("qwen3-4b", lora))
+    b = get_backend("hf_cb")
+    hook = NonFinite()
+    t0 = time.perf_counter()
+    head = f"[{name}] {attn} graphs={graphs}:"
+    try:
+        opts = {**b.default_options, "attn_implementation": attn, "use_cuda_graph": graphs}
+        if adapter:
+            opts["adapter_path"] = adapter
+        b.load(spec, lora, **opts)
+        b.model.get_output_embeddings().register_forward_hook(hook)
+        b.size_for_workload(prompts, sampling)
+        toks = [list(o.token_ids) for o in b.generate(prompts, sampling)]
+        with open(tokens_out, "w") as fh:
+            json.dump(toks, fh)
+        lens = sorted({len(t) for t in toks})
+        _say(f"{head} ok, lengths {lens}, LM head: {hook.bad} of {hook.calls} eager calls with a "
+             f"non-finite logit, {time.perf_counter() - t0:.1f} s", os.path.dirname(tokens_out))
+        return 0
+    except Exception as err:  # noqa: BLE001 (a probe: report every configuration)
+        _say(f"{head} FAILED {err!r:.400} (LM head: {hook.bad} of {hook.calls} eager calls "
+             f"non-finite), {time.perf_counter() - t0:.1f} s", os.path.dirname(tokens_out))
+        traceback.print_exc()
+        return 1
+    finally:
+        b.close()
+
+
+def run_shape(name: str, out_dir: str) -> int:
+    """Every configuration of :data:`CONFIGS` at shape ``name``, each in its own process (on the
+    H100, 2026-12-07, one in-process sequence died loading the next model with "Offset increment
+    outside graph capture encountered unexpectedly": a CUDA-graph configuration had left the RNG
+    in capture state); token agreement against the first configuration. Returns the failures."""
+    import json
+    import os
+    import subprocess
     ref, bad = None, 0
     for attn, graphs in CONFIGS:
-        b = get_backend("hf_cb")
-        hook = NonFinite()
-        t0 = time.perf_counter()
-        head = f"[{name}] {attn} graphs={graphs}:"
-        try:
-            opts = {**b.default_options, "attn_implementation": attn, "use_cuda_graph": graphs}
-            if adapter:
-                opts["adapter_path"] = adapter
-            b.load(spec, lora, **opts)
-            b.model.get_output_embeddings().register_forward_hook(hook)
-            b.size_for_workload(prompts, sampling)
-            toks = [o.token_ids for o in b.generate(prompts, sampling)]
-            ref = toks if ref is None else ref
-            same = sum(x == y for a, r in zip(toks, ref) for x, y in zip(a, r))
-            lens = sorted({len(t) for t in toks})
-            print(f"{head} ok, lengths {lens}, {same} of {sum(map(len, ref))} tokens equal the "
-                  f"first configuration's, LM head: {hook.bad} of {hook.calls} eager calls with a "
-                  f"non-finite logit, {time.perf_counter() - t0:.1f} s", flush=True)
-        except Exception as err:  # noqa: BLE001 (a probe: report every configuration)
+        tag = f"{name}_{attn.replace('|', '_')}_{'graphs' if graphs else 'eager'}"
+        toks_path = os.path.join(os.path.abspath(out_dir), f"fa4_probe_{tag}.tokens.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", name, attn, str(int(graphs)),
+               toks_path]
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc != 0 or not os.path.exists(toks_path):
             bad += 1
-            print(f"{head} FAILED {err!r:.400} (LM head: {hook.bad} of {hook.calls} eager calls "
-                  f"non-finite), {time.perf_counter() - t0:.1f} s", flush=True)
-            traceback.print_exc()
-        finally:
-            b.close()
+            _say(f"[{name}] {attn} graphs={graphs}: child rc {rc}", out_dir)
+            continue
+        with open(toks_path) as fh:
+            toks = json.load(fh)
+        ref = toks if ref is None else ref
+        same = sum(x == y for a, r in zip(toks, ref) for x, y in zip(a, r))
+        _say(f"[{name}] {attn} graphs={graphs}: {same} of {sum(map(len, ref))} tokens equal the "
+             "first configuration's", out_dir)
     return bad
 
 
@@ -108,12 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="small,w",
                     help="comma list of small (8 x 150 tokens, 64 greedy, no LoRA) and w "
                          "(phase 1's workload W with LoRA r32 and GRPO sampling)")
+    ap.add_argument("--one", nargs=4, metavar=("SHAPE", "ATTN", "GRAPHS", "TOKENS_JSON"),
+                    help="internal: run one configuration in this process")
+    ap.add_argument("--out", default=None, help="folder for the token files (default: $OUT or .)")
     args = ap.parse_args(argv)
+    if args.one:
+        name, attn, graphs, toks = args.one
+        return run_one(name, attn, graphs == "1", toks)
+    import os
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = sorted(set(shapes) - {"small", "w"})
     if unknown or not shapes:
         ap.error(f"--shapes {args.shapes!r}: use small, w or small,w")
-    return 1 if sum(run_shape(s) for s in shapes) else 0
+    return 1 if sum(run_shape(s, out_dir) for s in shapes) else 0
 
 
 if __name__ == "__main__":

@@ -608,7 +608,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # the FA4 CB probe (after f4a, with the tokenizers staged): sdpa and FA4, graphs off / on, at
     # the small greedy shape (session 17: 52 s) and at phase 1's workload W with LoRA and sampling
     "f4p": ([], ["fa41"], [
-        ("scripts/device/fa4_probe.py", {"args": "--shapes small,w"}, 200, 300, 0)]),
+        ("scripts/device/fa4_probe.py", {"args": "--shapes small,w --out $OUT"}, 200, 300, 0)]),
     "f4c": ([], ["fa41"], [
         (SUITE, {"args": "--paths tests/unit/test_shims_flash_attn4.py,tests/unit/test_backends.py,"
                  "tests/engine/test_prefill_fa4.py,tests/engine/test_prefill_fa4_engine.py "

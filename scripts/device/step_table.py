@@ -548,6 +548,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"backends": "[flex]", "compile_mode": "default", "max_steps": "10"}, 300, 330, 0),
         (P2, {"backends": "[flex]", "compile_mode": "max-autotune-no-cudagraphs",
               "max_steps": "6"}, 200, 235, 0)]),
+    # session 18 (H100 window): the n14b failures, after the fixes (the shim test's leak, the
+    # CUDA pad xfail), and the NaN probe for pad_to_multiple_of on CUDA; after m2a..m2g
+    "t18": ([], [], [
+        (SUITE, {"args": "--paths tests/unit/test_shim_trl_logprob.py,tests/unit/test_grpo_flex.py,"
+                 "tests/unit/test_pad_to_multiple_of.py,tests/unit/test_compile_scope.py "
+                 "--tb=short"}, 150, 240, 0),
+        ("scripts/device/pad_nan_probe.py", {"args": ""}, 60, 120, 0)]),
     # hf_generate at the realistic preset, 6 steps (session 17's rh1: ~60 s a step, 7 of 10 steps
     # in its 550 s cap)
     "rh6": ([], [], [

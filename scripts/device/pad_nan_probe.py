@@ -1,0 +1,68 @@
+"""Probe: where do the NaN gradients of CUDA runs with ``pad_to_multiple_of`` come from?
+
+Why: on an H100 (2026-12-07, e858b3e) ``tests/unit/test_pad_to_multiple_of.py``'s runs padded to 64
+had NaN gradients at step 1 on CUDA (hf_generate and flex backends, tiny-llama fp32), while the
+unpadded runs and every CPU run were finite (``executed/tests/h100_20261207T013550Z_e858b3e_rest/
+NOTE.md``). Padding to 64 gives every prompt left padding, so the pad tokens' query rows see no
+key at all (fully masked rows). Hypothesis to test: a CUDA sdpa kernel (memory-efficient) returns
+finite outputs for such rows but a NaN gradient in its backward, which reaches the LoRA/base
+weights through the masked rows' K/V even though the loss never reads those positions.
+
+What it runs: tiny-llama (fp32 and bf16) on CUDA, a batch of 2 where row 0 is left-padded by 6,
+forward + backward of a loss over the valid positions only, for attention ``eager`` and ``sdpa``
+with each sdpa backend forced (math, efficient, cudnn, flash where the dtype allows), and the
+same with no padding. Prints one line per case: NaN in logits (valid / pad positions), NaN in
+any parameter gradient. Run: ``python3 scripts/device/pad_nan_probe.py`` (~1 min; needs the
+SmolLM2 GGUF staged: tiny-llama uses its tokenizer).
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nbhelpers import models
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
+    dev = ap.parse_args(argv).device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("pad_nan_probe: needs CUDA (or --device cpu for a dry run)")
+        return 2
+    backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    for dtype in ("float32", "bfloat16"):
+        lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(5, 200, (2, 20), generator=g).to(dev)
+        for pad in (0, 6):
+            mask = torch.ones_like(ids)
+            if pad:
+                mask[0, :pad] = 0
+            for impl, kernel in [("eager", None)] + [("sdpa", k) for k in backends]:
+                lm.config._attn_implementation = impl
+                lm.zero_grad(set_to_none=True)
+                head = f"{dtype} pad={pad} {impl}{'/' + kernel if kernel else ''}:"
+                try:
+                    ctx = sdpa_kernel([backends[kernel]]) if kernel else torch.enable_grad()
+                    with ctx:
+                        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                        valid = mask.bool()
+                        logits.float()[valid].logsumexp(-1).sum().backward()
+                    nan_valid = bool(torch.isnan(logits[valid]).any())
+                    nan_pad = bool(torch.isnan(logits[~valid]).any()) if pad else False
+                    bad = [n for n, p in lm.named_parameters()
+                           if p.grad is not None and not torch.isfinite(p.grad).all()]
+                    print(f"{head} NaN logits valid={nan_valid} pad={nan_pad}; non-finite grads "
+                          f"in {len(bad)} tensors {bad[:3]}", flush=True)
+                except Exception as err:  # noqa: BLE001 (a probe: every case reported)
+                    print(f"{head} not run: {type(err).__name__}: {str(err)[:160]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -318,8 +318,10 @@ class GRPOSettings:
     the CPU). Not yet on CUDA: on an H100 (2026-12-07, e858b3e) the tiny-llama fp32 runs of
     ``tests/unit/test_pad_to_multiple_of.py`` padded to 64 had NaN gradients at step 1 for
     ``hf_generate`` and ``flex`` (the unpadded runs beside them were finite); cause not yet
-    found, so a CUDA run with padding logs a warning and a note. Since ``compile_scope``
-    (layer-by-layer compiles, 2026-12-07) a compiled run no longer needs it."""
+    found, so a CUDA run with padding logs a warning and a note. With ``compile_scope="layers"``
+    (2026-12-07) a recompile costs one layer's graph instead of the backbone's, so unpadded
+    compiled runs fit (an H100 flex run: 10 steps in 81.5 s); lengths still recompile until
+    dynamo turns dynamic (one recompile at step 2 there)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -61,8 +61,8 @@ seed: int = 3407  # reference seed
 skip_first: int = 3  # warm-up steps left out of the medians
 compile_mode: str = "none"  # none | default | reduce-overhead | max-autotune-no-cudagraphs
 compile_dynamic: str = "auto"  # auto (ours: torch's default) | on (the reference's) | off
-compile_scope: str = "auto"  # auto (layers for flex/vllm) | backbone (one graph) | layers (regional)
-pad_to_multiple_of: int = 0  # TRL: pad ids to a multiple (64 bounds compile_mode recompiles); 0 off
+compile_scope: str = "auto"  # compile_mode only: auto (flex/vllm: layers, others: backbone) | backbone | layers (each layer, fast to compile)
+pad_to_multiple_of: int = 0  # TRL: pad ids to a multiple (bounds recompiles; CUDA: NaN grads seen, docstring); 0 off
 attn_implementation: str = "auto"  # policy: auto (sdpa) | sdpa | eager | flash_attention_4 (hf_cb: paged|<it>)
 vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_enable_sleep_mode)
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
@@ -122,7 +122,8 @@ compile_table = grpo_compare.compile_frame(runs)
 if compile_mode != "none":
     display(compile_table)
 else:
-    print("compile_mode none: nothing compiled by the trainer (compile_dynamic has no effect)")"""
+    print("compile_mode none: nothing compiled by the trainer (compile_dynamic and "
+          "compile_scope have no effect)")"""
 
 EQ_PLOTS = """steps = grpo_compare.steps_long(runs)
 from_note = grpo_compare.reused_caption(runs)  # None: every curve is this run's

@@ -99,22 +99,39 @@ def compile_dynamic_flag(word: str | bool | None) -> bool | None:
     return COMPILE_DYNAMIC[word]
 
 
+KV_CACHE_BACKENDS = ("hf_generate", "hf_cb")
+"""Backends that generate through the policy's HF layers with a KV cache: ``layers`` is refused
+for them (:func:`resolve_compile_scope`)."""
+
+
 def resolve_compile_scope(scope: str | None, backend: str) -> str:
     """``"backbone"`` or ``"layers"`` for a :data:`COMPILE_SCOPES` word and a GRPO backend:
-    ``auto`` (``None`` too) is ``layers`` for :data:`LAYER_SCOPE_BACKENDS` and ``backbone`` for
-    the others. Why ``layers``: one layer's graph compiles once per grad mode instead of the whole
-    backbone's (on the CPU, a 6-layer tiny Qwen3, torch 2.13, forward + backward at four lengths:
-    compile 3.9 s against 117 s, the same 3 recompiles, logits equal to eager within 3e-7;
-    session 17's H200 run of the Qwen3-4B backbone took 252 s for its first step).
+    ``auto`` (``None`` and ``""`` too) is ``layers`` for :data:`LAYER_SCOPE_BACKENDS` and
+    ``backbone`` for the others. Why ``layers``: one layer's graph compiles once per grad mode
+    instead of the whole backbone's (on the CPU, a 6-layer tiny Qwen3, torch 2.13, forward +
+    backward at four lengths: compile about 31 s with a cold inductor cache, 3.9 s warm, against
+    117 s for the backbone; the same 3 recompiles; logits equal to eager within 3e-7. On an H100,
+    Qwen3-4B: 40 s of compiling in a 10-step flex run, whose first step took 36 s, against 252 s
+    for the backbone's first step on the H200 in session 17). ``backend=""`` checks the word only
+    (the runner's parameter check).
 
     Raises:
-        ValueError: ``scope`` is not one of :data:`COMPILE_SCOPES`.
+        ValueError: ``scope`` is not one of :data:`COMPILE_SCOPES`, or ``layers`` with a backend
+            of :data:`KV_CACHE_BACKENDS` (its generation would recompile every layer until
+            dynamo's recompile limit, after which the layers, training forwards included, run
+            eager: seen on the CPU, tiny Qwen3, torch 2.13).
     """
     scope = "auto" if scope in (None, "") else scope
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile_scope={scope!r}: use one of {COMPILE_SCOPES}.")
     if scope == "auto":
         return "layers" if backend in LAYER_SCOPE_BACKENDS else "backbone"
+    if scope == "layers" and backend in KV_CACHE_BACKENDS:
+        raise ValueError(f"compile_scope='layers' with backend={backend!r}: its generation runs "
+                         "the compiled layers with a KV cache indexed by each layer's layer_idx, "
+                         "so every layer recompiles until dynamo's limit and then runs eager, "
+                         "training included; use compile_scope='auto' or 'backbone' for "
+                         f"{backend!r} ('layers' is for {LAYER_SCOPE_BACKENDS}).")
     return scope
 
 

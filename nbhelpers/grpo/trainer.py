@@ -144,12 +144,22 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
         raise TypeError(f"settings={settings!r}: pass nbhelpers.config.GRPOSettings(...).")
     check_config_overrides(config_overrides)
     check_attn_implementation(attn_implementation, backend)  # before anything loads or launches
+    _check_compile_words(compile_mode, compile_dynamic, compile_scope, backend)
     opts = {k: v for k, v in locals().items()
             if k not in ("model_name", "settings", "config_overrides")}
     if num_processes != 1 or vllm_mode != "colocate":
         from nbhelpers.grpo import distributed
         return distributed.launch(model_name, settings, opts, config_overrides)
     return _train_local(model_name, settings, opts, config_overrides)
+
+
+def _check_compile_words(mode: Any, dynamic: Any, scope: Any, backend: str) -> None:
+    """The compile keywords checked before a local run or a multi-process launch (each raises
+    ``ValueError`` naming its choices)."""
+    from nbhelpers.grpo import compile_report
+    compile_report.check_compile_mode(mode)
+    compile_report.compile_dynamic_flag(dynamic)
+    compile_report.resolve_compile_scope(scope, backend)
 
 
 def check_config_overrides(config_overrides: dict[str, Any]) -> None:
@@ -228,7 +238,12 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                     _run_config(parts["args"], settings) | {"attn_implementation": loaded,
                                                             "notes": plan.notes})
     wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
-    extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
+    report = watch.report() | {"compiled": compiled}
+    if any(str(c).endswith(":backbone") for c in compiled):  # layers asked, no layer list found
+        report["compile_scope"] = "backbone"
+        plan.notes.append("compile_scope 'layers': the model has no decoder-layer list "
+                          "(.layers / .h), so its backbone was compiled as one graph")
+    extra = {"notes": plan.notes, "compile_report": report,
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
              "warmup_adapter": opts["warmup_adapter"] if warm else None,

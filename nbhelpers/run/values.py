@@ -285,9 +285,16 @@ def _check_compile(params: dict[str, Any], where: Where) -> None:
         compile_dynamic_flag,
         resolve_compile_scope,
     )
+    backends = params.get("backends")
+    backends = [b for b in backends if isinstance(b, str)] if isinstance(backends, list) else []
+
+    def check_scope(word: str) -> None:  # per backend: 'layers' is refused for KV-cache ones
+        for backend in backends or [""]:
+            resolve_compile_scope(word, backend)
+
     for name, check in (("compile_mode", check_compile_mode),
                         ("compile_dynamic", compile_dynamic_flag),
-                        ("compile_scope", lambda word: resolve_compile_scope(word, ""))):
+                        ("compile_scope", check_scope)):
         if isinstance(params.get(name), str):
             try:
                 check(params[name])

@@ -352,6 +352,9 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "max"}, "compile_mode='max': use one"),
     ("phase2_grpo/20_grpo_equivalence", {"compile_scope": "model"},
      r"-p compile_scope .*compile_scope='model': use one of \('auto', 'backbone', 'layers'\)"),
+    ("phase2_grpo/20_grpo_equivalence", {"compile_scope": "layers",
+                                         "backends": ["hf_generate", "flex"]},
+     r"-p compile_scope .*'layers' with backend='hf_generate'"),
 ])
 def test_values_are_checked_before_anything_runs(nb, over, match):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"
@@ -364,7 +367,8 @@ def test_values_are_checked_before_anything_runs(nb, over, match):
     ("phase1_rollout/10_lora_rollout", {"lora_rank": 0}),  # phase 1: 0 = no adapter
     ("phase0_reference/00_reference_grpo", {"skip_first": 20}),  # >= max_steps is allowed
     ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_dynamic": "on"}),
-    ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_scope": "layers"}),
+    ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_scope": "layers",
+                                         "backends": ["flex", "vllm"]}),
 ])
 def test_values_the_config_dataclasses_accept_pass(nb, over):
     path = REAL_REPO / "notebooks" / f"{nb}.ipynb"

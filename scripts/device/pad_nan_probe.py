@@ -6,7 +6,14 @@ unpadded runs and every CPU run were finite (``executed/tests/h100_20261207T0135
 NOTE.md``). Padding to 64 gives every prompt left padding, so the pad tokens' query rows see no
 key at all (fully masked rows). Hypothesis to test: a CUDA sdpa kernel (memory-efficient) returns
 finite outputs for such rows but a NaN gradient in its backward, which reaches the LoRA/base
-weights through the masked rows' K/V even though the loss never reads those positions.
+weights through the masked rows' K/V even though the loss never reads those positions. Public
+reports of the same: pytorch/pytorch#119320 (mem-efficient backward, fp32 CUDA: NaN gradients the
+math backend does not give), #178251 (open: EfficientAttentionBackward NaN with an attn_mask),
+huggingface/transformers#38690 (non-math backends give NaN at padding tokens, which later layers
+spread); transformers 5.x no longer unmasks fully masked rows (``allow_torch_fix`` deprecated,
+``masking_utils.sdpa_mask``). Why bf16 Qwen3-4B runs with left-padded prompts were finite on the
+H200 (grad norm 0.0 at the realistic preset) is part of the question: bf16 may take another
+kernel (cuDNN) than fp32.
 
 What it runs: tiny-llama (fp32 and bf16) on CUDA, a batch of 2 where row 0 is left-padded by 6,
 forward + backward of a loss over the valid positions only, for attention ``eager`` and ``sdpa``

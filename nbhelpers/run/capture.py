@@ -8,7 +8,9 @@ to the original stderr. :meth:`StderrCapture.divert` (from the SIGINT handler) s
 after it to ``log_path`` instead, created only when something comes: after an interrupt the
 kernel's shutdown noise (e.g. ipykernel's ``ZMQError: Socket operation on non-socket`` traceback
 when its reply meets a socket closed by the shutdown, 2026-12-01) lands in the log, while a
-genuine error before the interrupt stays on the terminal. :meth:`StderrCapture.close` puts fd 2
+genuine error before the interrupt stays on the terminal; the one line every normal kernel
+shutdown logs as an error (:data:`SHUTDOWN_INTERRUPT_LINE`) is left out of the terminal copy.
+:meth:`StderrCapture.close` puts fd 2
 back and drains the pipe. Used by :func:`nbhelpers.run.child._execute_in_child`.
 """
 
@@ -24,6 +26,13 @@ DRAIN_S = 2.0
 """How long :meth:`StderrCapture.close` waits for the pipe's last writers (a kernel still
 exiting, a subprocess of it) before it leaves the copy thread to the process exit."""
 
+
+SHUTDOWN_INTERRUPT_LINE = b"[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel.\n"
+"""ipykernel's log line (``kernelbase.py``) for the SIGINT that jupyter_client 8.x sends every
+kernel it shuts down, before the shutdown request (``KernelManager._async_shutdown_kernel``:
+"the kernel will be immediately sent an interrupt (SIGINT)"), so it ended every successful run
+on the terminal as an ERROR (seen 2026-12-07, jupyter_client 8.10, ipykernel 7). Dropped from
+the terminal copy only; after :meth:`StderrCapture.divert` the log keeps everything."""
 
 MARKER = b"\x00nbhelpers-stderr-divert\x00"
 """Written into the pipe by :meth:`StderrCapture.divert`: what precedes it in the pipe was
@@ -87,6 +96,7 @@ class StderrCapture:
             self._log.close()
 
     def _to_terminal(self, data: bytes) -> None:
+        data = data.replace(SHUTDOWN_INTERRUPT_LINE, b"")  # the kernel's normal shutdown
         try:
             while data:
                 data = data[os.write(self._terminal, data):]

@@ -155,6 +155,32 @@ print("one line after close", file=sys.stderr)
 """
 
 
+SHUTDOWN_SCRIPT = """
+import subprocess, sys
+from pathlib import Path
+from nbhelpers.run.capture import StderrCapture
+cap = StderrCapture(Path(sys.argv[1]))
+line = "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel."
+subprocess.run([sys.executable, "-c", f"import sys; print('cell error', file=sys.stderr); "
+                f"print({line!r}, file=sys.stderr)"])
+cap.divert()
+subprocess.run([sys.executable, "-c", f"import sys; print({line!r}, file=sys.stderr)"])
+cap.close()
+"""
+
+
+def test_the_kernels_normal_shutdown_line_stays_off_the_terminal_but_not_out_of_the_log(
+        tmp_path):
+    """jupyter_client 8.x interrupts every kernel it shuts down, and ipykernel logs that as an
+    ERROR line; a successful run ended with it (2026-12-07). The terminal copy drops that one
+    line; other stderr stays, and after a stop the log keeps it."""
+    log = tmp_path / "run.interrupt.log"
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT, str(log)], env=child_env(),
+                          capture_output=True, text=True, timeout=CAP_S, check=True)
+    assert done.stderr.splitlines() == ["cell error"]
+    assert log.read_text() == "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel.\n"
+
+
 def test_stderr_capture_diverts_what_comes_after_the_signal_into_the_log(tmp_path):
     log = tmp_path / "run.interrupt.log"
     done = subprocess.run([sys.executable, "-c", CAPTURE_SCRIPT, str(log)], env=child_env(),

@@ -18,13 +18,41 @@ kernel (cuDNN) than fp32.
 What it runs: tiny-llama (fp32 and bf16) on CUDA, a batch of 2 where row 0 is left-padded by 6,
 forward + backward of a loss over the valid positions only, for attention ``eager`` and ``sdpa``
 with each sdpa backend forced (math, efficient, cudnn, flash where the dtype allows), and the
-same with no padding. Prints one line per case: NaN in logits (valid / pad positions), NaN in
+same with no padding; and the candidate fix (:data:`UNMASKED`) with the efficient and math
+kernels, whose valid-position logits must equal sdpa's. Prints one line per case: NaN in logits (valid / pad positions), NaN in
 any parameter gradient. Run: ``python3 scripts/device/pad_nan_probe.py`` (~1 min; needs the
 SmolLM2 GGUF staged: tiny-llama uses its tokenizer).
 """
 from __future__ import annotations
 
 import sys
+
+UNMASKED_ROWS: list[int] = []
+"""Fully masked query rows the candidate unmasked, one entry per attention call."""
+UNMASKED = "sdpa_unmasked_rows"
+"""The candidate fix, registered by :func:`register_unmasked` under this name: sdpa with every
+fully masked query row unmasked (it attends to every key; its output is never read), what
+transformers 4.x did for the memory-efficient path (``AttentionMaskConverter._unmask_unattended``)
+and 5.x dropped."""
+
+
+def register_unmasked() -> None:
+    """Register :data:`UNMASKED` with transformers' ``AttentionInterface`` (sdpa after the rows
+    are unmasked) and ``AttentionMaskInterface`` (sdpa's boolean mask)."""
+    import torch
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            empty = ~attention_mask.any(dim=-1, keepdim=True)
+            UNMASKED_ROWS.append(int(empty.sum()))
+            attention_mask = attention_mask | empty
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(UNMASKED, forward)
+    AttentionMaskInterface.register(UNMASKED, sdpa_mask)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    register_unmasked()
     for dtype in ("float32", "bfloat16"):
         lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
         g = torch.Generator().manual_seed(0)
@@ -50,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             mask = torch.ones_like(ids)
             if pad:
                 mask[0, :pad] = 0
-            for impl, kernel in [("eager", None)] + [("sdpa", k) for k in backends]:
+            cases = ([("eager", None)] + [("sdpa", k) for k in backends]
+                     + [(UNMASKED, k) for k in ("efficient", "math")])
+            ref = None  # sdpa/math's valid-position logits: the candidate must give them
+            for impl, kernel in cases:
                 lm.config._attn_implementation = impl
+                UNMASKED_ROWS.clear()
                 lm.zero_grad(set_to_none=True)
                 head = f"{dtype} pad={pad} {impl}{'/' + kernel if kernel else ''}:"
                 try:
@@ -64,8 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                     nan_pad = bool(torch.isnan(logits[~valid]).any()) if pad else False
                     bad = [n for n, p in lm.named_parameters()
                            if p.grad is not None and not torch.isfinite(p.grad).all()]
+                    extra = ""
+                    if (impl, kernel) == ("sdpa", "math"):
+                        ref = logits[valid].detach()
+                    elif impl == UNMASKED and ref is not None:
+                        diff = (logits[valid].detach() - ref).abs().max().item()
+                        extra = (f"; rows unmasked {sum(UNMASKED_ROWS)}, valid logits vs "
+                                 f"sdpa/math max |d| {diff:.3g}")
                     print(f"{head} NaN logits valid={nan_valid} pad={nan_pad}; non-finite grads "
-                          f"in {len(bad)} tensors {bad[:3]}", flush=True)
+                          f"in {len(bad)} tensors {bad[:3]}{extra}", flush=True)
                 except Exception as err:  # noqa: BLE001 (a probe: every case reported)
                     print(f"{head} not run: {type(err).__name__}: {str(err)[:160]}", flush=True)
     return 0

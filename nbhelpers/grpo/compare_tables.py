@@ -331,8 +331,9 @@ def compile_frame(runs: dict[str, dict[str, Any]], compiled_only: bool = False):
     """One row per run: :data:`COMPILE_COLUMNS` of ``config["compile_report"]``
     (:class:`nbhelpers.grpo.compile_report.CompileWatch`; ``compile_dynamic`` ``None`` = torch's
     default; ``compile_scope`` ``None`` in runs before 2026-12-07, which compiled the backbone;
-    ``compile_s`` seconds dynamo spent compiling). ``compiled_only`` keeps the runs whose ``compile_mode`` is not ``none``. The counts
-    cover the whole training block, the flex engine's own ``flex_attention`` compiles included."""
+    ``compile_s`` seconds dynamo spent compiling). ``compiled_only`` keeps the runs whose
+    ``compile_mode`` is not ``none``. The counts cover the whole training block, the flex
+    engine's own ``flex_attention`` compiles included."""
     import pandas as pd
     rows = []
     for name, run in runs.items():

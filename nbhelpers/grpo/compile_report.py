@@ -7,13 +7,13 @@ the trainer's policy (under PEFT's wrappers, so the training forward, TRL's log-
 ``nn.Module.compile(mode=...)``, after the trainer is built (issue 6, item 3): as one graph
 (``scope="backbone"``) or one decoder layer at a time (``scope="layers"``, regional compilation,
 :data:`COMPILE_SCOPES`; ``compile_scope="auto"`` picks per backend, :func:`resolve_compile_scope`).
-The LM head stays
-eager: TRL 1.15 patches the LM's forward (``_fused_forward``, trl/trainer/utils.py) to run the
-backbone and then its own Triton log-prob kernel (``trl/kernels/chunked_logprob.py``), and with
-the whole LM compiled inductor failed to build that kernel on the H200 (torch 2.11, triton 3.6,
-2026-11-30: "Loop-carried variable m has initial type fp32 but is re-assigned to fp64",
-``executed/phase2_grpo/20_grpo_equivalence/20261130T110443Z_h200_039c472.ipynb``); on the CPU
-the same region gave graph breaks on ``aten.nonzero`` (``hidden_states[mask]``).
+The LM head stays eager: TRL 1.15 patches the LM's forward (``_fused_forward``,
+trl/trainer/utils.py) to run the backbone and then its own Triton log-prob kernel
+(``trl/kernels/chunked_logprob.py``), and with the whole LM compiled inductor failed to build that
+kernel on the H200 (torch 2.11, triton 3.6, 2026-11-30: "Loop-carried variable m has initial type
+fp32 but is re-assigned to fp64",
+``executed/phase2_grpo/20_grpo_equivalence/20261130T110443Z_h200_039c472.ipynb``); on the CPU the
+same region gave graph breaks on ``aten.nonzero`` (``hidden_states[mask]``).
 vLLM keeps its own
 compilation: its engine never calls these modules. The flex engine reads the modules' tensors,
 not their forward, so compiling changes only the trainer side for it.
@@ -49,11 +49,11 @@ from typing import Any, Self
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 """``compile_mode`` values: ``none`` = eager; the others are ``torch.compile`` modes."""
 COMPILE_SCOPES = ("auto", "backbone", "layers")
-"""``compile_scope`` values (:func:`resolve_compile_scope`): what one ``torch.compile`` call covers.
-``backbone``: the decoder backbone as one graph (embeddings, every layer, final norm); ``layers``:
-each decoder layer compiled on its own, PyTorch's "regional compilation" recipe (tutorial
-``recipes/regional_compilation``): the layers share one code object, so dynamo compiles the first
-and reuses it for the others; ``auto``: :func:`resolve_compile_scope`."""
+"""``compile_scope`` values (:func:`resolve_compile_scope`): what one ``torch.compile`` call
+covers. ``backbone``: the decoder backbone as one graph (embeddings, every layer, final norm);
+``layers``: each decoder layer compiled on its own, PyTorch's "regional compilation" recipe
+(tutorial ``recipes/regional_compilation``): the layers share one code object, so dynamo compiles
+the first and reuses it for the others; ``auto``: :func:`resolve_compile_scope`."""
 LAYER_SCOPE_BACKENDS = ("flex", "vllm")
 """Backends whose rollouts never run the policy's HF forward (their engines read its tensors or a
 synced copy), so the trainer's forwards, all without a KV cache (TRL 1.15's ``_fused_forward``
@@ -164,12 +164,13 @@ def backbone(model: Any) -> Any:
 def compile_trainer_models(trainer: Any, mode: str, dynamic: bool | None = None,
                            scope: str = "backbone") -> list[str]:
     """Compile the policy's (and reference model's) decoder backbone in place (module
-    docstring); returns what was compiled, e.g. ``["policy"]`` (``"policy:backbone"`` where
-    ``scope="layers"`` found no layer list and compiled the backbone). ``dynamic``:
+    docstring); returns what was compiled, e.g. ``["policy"]``. ``dynamic``:
     ``torch.compile``'s dynamic-shape switch (the reference's ``--compile_dynamic``, on there by
     default; ``None`` = torch's default: static first, dynamic after the first recompile).
     ``scope``: ``"backbone"`` (one ``compile`` of the backbone) or ``"layers"`` (each decoder layer
-    compiled in place, :data:`COMPILE_SCOPES`; embeddings and the final norm stay eager).
+    compiled in place, :data:`COMPILE_SCOPES`; embeddings and the final norm stay eager; a
+    model without a layer list, :func:`decoder_layers` ``None``, gets its backbone compiled: a
+    caller that reports the scope checks that first, as :func:`nbhelpers.grpo.train` does).
 
     Raises:
         ValueError: unknown ``mode`` (see :data:`COMPILE_MODES`) or ``scope`` (not
@@ -185,12 +186,8 @@ def compile_trainer_models(trainer: Any, mode: str, dynamic: bool | None = None,
         if model is None:
             continue
         layers = decoder_layers(model) if scope == "layers" else None
-        if layers is None:
-            backbone(model).compile(mode=mode, dynamic=dynamic)
-            done.append(name if scope == "backbone" else f"{name}:backbone")
-            continue
-        for layer in layers:
-            layer.compile(mode=mode, dynamic=dynamic)
+        for module in [backbone(model)] if layers is None else layers:
+            module.compile(mode=mode, dynamic=dynamic)
         done.append(name)
     return done
 
@@ -243,8 +240,7 @@ class CompileWatch:
     def report(self) -> dict[str, Any]:
         """``{compile_mode, compile_dynamic, compile_scope, graph_breaks, graph_break_reasons,
         recompiles, recompile_reasons, unique_graphs, frames_total, frames_ok, compile_s}`` for
-        the watched
-        block (counts, ints; ``compile_s`` seconds or ``None``, module docstring)."""
+        the watched block (counts, ints; ``compile_s`` seconds or ``None``, module docstring)."""
         return self._counts(self._after, self._seconds[1])
 
     def snapshot(self) -> dict[str, Any]:

@@ -85,7 +85,8 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
           dataset: str = "gsm8k", n_questions: int = 32, output_dir: str | os.PathLike,
           progress: bool = True, skip_first: int = 3, compile_mode: str = "none",
           compile_dynamic: bool | None = None, compile_scope: str = "auto",
-          attn_implementation: str | None = None, vllm_sleep_mode: bool = False, vllm_gpu_memory_utilization: float = 0.3,
+          attn_implementation: str | None = None, vllm_sleep_mode: bool = False,
+          vllm_gpu_memory_utilization: float = 0.3,
           flex_options: dict[str, Any] | None = None,
           reward_funcs: Sequence[Callable[..., list[float]]] | None = None,
           callbacks: Sequence[Any] = (), format_warmup_steps: int = 0,
@@ -102,7 +103,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
     torch's own, static then dynamic after a recompile; the reference's ``--compile_dynamic`` is
     ``True``), in the compile report; ``compile_scope``: what one compile covers (``"auto"``,
     ``"backbone"``, ``"layers"``: :func:`nbhelpers.grpo.compile_report.resolve_compile_scope`;
-    the resolved word is the report's ``compile_scope``). ``attn_implementation``: the policy model's attention,
+    the scope compiled is the report's ``compile_scope``: ``layers`` on a model without a layer
+    list compiles the backbone, with a note). ``attn_implementation``: the policy model's
+    attention,
     one of :data:`~nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS` (``None`` / ``"auto"``, the
     default: transformers' own, ``sdpa`` for the phase-2 models; ``"sdpa"``, ``"eager"``,
     ``"flash_attention_4"``: CUDA and the ``fa4`` extra), for backends
@@ -232,18 +235,17 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                                     opts["callbacks"], config_overrides)
     if hooks is not None:
         hooks.trainer(trainer)
+    if scope == "layers" and compile_report.decoder_layers(trainer.model) is None:
+        scope = "backbone"  # what compile_trainer_models falls back to
+        plan.notes.append("compile_scope 'layers': the model has no decoder-layer list "
+                          "(.layers / .h), so its backbone is compiled as one graph")
     watch = compile_report.CompileWatch(compile_mode, dynamic=dynamic,
                                         scope=scope if compile_mode != "none" else None)
     _bind_callbacks(opts["callbacks"], parts, watch,
                     _run_config(parts["args"], settings) | {"attn_implementation": loaded,
                                                             "notes": plan.notes})
     wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
-    report = watch.report() | {"compiled": compiled}
-    if any(str(c).endswith(":backbone") for c in compiled):  # layers asked, no layer list found
-        report["compile_scope"] = "backbone"
-        plan.notes.append("compile_scope 'layers': the model has no decoder-layer list "
-                          "(.layers / .h), so its backbone was compiled as one graph")
-    extra = {"notes": plan.notes, "compile_report": report,
+    extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
              "warmup_adapter": opts["warmup_adapter"] if warm else None,

@@ -10,8 +10,8 @@ kernel's shutdown noise (e.g. ipykernel's ``ZMQError: Socket operation on non-so
 when its reply meets a socket closed by the shutdown, 2026-12-01) lands in the log, while a
 genuine error before the interrupt stays on the terminal; the one line every normal kernel
 shutdown logs as an error (:data:`SHUTDOWN_INTERRUPT_LINE`) is left out of the terminal copy.
-:meth:`StderrCapture.close` puts fd 2
-back and drains the pipe. Used by :func:`nbhelpers.run.child._execute_in_child`.
+:meth:`StderrCapture.close` puts fd 2 back and drains the pipe. Used by
+:func:`nbhelpers.run.child._execute_in_child`.
 """
 
 from __future__ import annotations

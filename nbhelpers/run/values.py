@@ -18,10 +18,10 @@ a format warm-up only with backends that run it (``nbhelpers.grpo.plans.WARMUP_B
 GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
 ``attn_implementation`` one of ``nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS`` and, unless
 ``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
-``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`), each
-``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
-(:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
-checked in the notebook, which knows the model and device).
+``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`;
+``compile_scope`` also against each named backend), each ``reuse_runs`` path a readable phase-2
+sidecar of its backend that did not fail (:func:`nbhelpers.grpo.compare_records.check_reusable`;
+whether its settings match this run is checked in the notebook, which knows the model and device).
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ any configuration failed. Read the lines in the step's log, not only a call's ou
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -67,7 +70,6 @@ def _shape(name: str) -> tuple[list[list[int]], Any, Any]:
 
 def _say(line: str, out_dir: str) -> None:
     """Print ``line`` and append it to ``<out_dir>/fa4_probe.log`` (survives a call's tail)."""
-    import os
     print(line, flush=True)
     with open(os.path.join(out_dir, "fa4_probe.log"), "a") as fh:
         fh.write(line + "\n")
@@ -76,9 +78,6 @@ def _say(line: str, out_dir: str) -> None:
 def run_one(name: str, attn: str, graphs: bool, tokens_out: str) -> int:
     """One configuration in this process; writes its token ids (JSON) to ``tokens_out`` and prints
     its line; returns 1 on failure."""
-    import json
-    import os
-
     from nbhelpers.backends import get_backend
     from nbhelpers.config import ModelSpec
     spec = ModelSpec("qwen3-4b", kind="random", dtype="bfloat16")
@@ -119,9 +118,6 @@ def run_shape(name: str, out_dir: str) -> int:
     H100, 2026-12-07, one in-process sequence died loading the next model with "Offset increment
     outside graph capture encountered unexpectedly": a CUDA-graph configuration had left the RNG
     in capture state); token agreement against the first configuration. Returns the failures."""
-    import json
-    import os
-    import subprocess
     ref, bad = None, 0
     for attn, graphs in CONFIGS:
         tag = f"{name}_{attn.replace('|', '_')}_{'graphs' if graphs else 'eager'}"
@@ -155,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         name, attn, graphs, toks = args.one
         return run_one(name, attn, graphs == "1", toks)
-    import os
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
     shapes = [s for s in args.shapes.split(",") if s]

@@ -19,9 +19,10 @@ What it runs: tiny-llama (fp32 and bf16) on CUDA, a batch of 2 where row 0 is le
 forward + backward of a loss over the valid positions only, for attention ``eager`` and ``sdpa``
 with each sdpa backend forced (math, efficient, cudnn, flash where the dtype allows), and the
 same with no padding; and the candidate fix (:data:`UNMASKED`) with the efficient and math
-kernels, whose valid-position logits must equal sdpa's. Prints one line per case: NaN in logits (valid / pad positions), NaN in
-any parameter gradient. Run: ``python3 scripts/device/pad_nan_probe.py`` (~1 min; needs the
-SmolLM2 GGUF staged: tiny-llama uses its tokenizer).
+kernels, whose valid-position logits must equal sdpa's. Prints one line per case: NaN in logits
+(valid / pad positions), NaN in any parameter gradient. Run:
+``python3 scripts/device/pad_nan_probe.py`` (~1 min; needs the SmolLM2 GGUF staged: tiny-llama
+uses its tokenizer).
 """
 from __future__ import annotations
 

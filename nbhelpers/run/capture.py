@@ -82,8 +82,9 @@ class StderrCapture:
             data = held + chunk
             if not diverted:
                 cut = data.find(MARKER)
-                if cut < 0:  # a marker may straddle two reads: hold back a tail that starts one
-                    keep = _marker_prefix_len(data)
+                if cut < 0:  # a marker or the shutdown line may straddle two reads: hold back
+                    keep = max(_marker_prefix_len(data),
+                               _prefix_len(data, SHUTDOWN_INTERRUPT_LINE))
                     self._to_terminal(data[:len(data) - keep])
                     held = data[len(data) - keep:]
                     continue
@@ -116,9 +117,15 @@ class StderrCapture:
             pass
 
 
-def _marker_prefix_len(data: bytes) -> int:
-    """Length of the longest tail of ``data`` that is a proper prefix of :data:`MARKER`."""
-    for k in range(min(len(MARKER) - 1, len(data)), 0, -1):
-        if data.endswith(MARKER[:k]):
+def _prefix_len(data: bytes, token: bytes) -> int:
+    """Length of the longest tail of ``data`` that is a proper prefix of ``token``
+    (:data:`MARKER` or :data:`SHUTDOWN_INTERRUPT_LINE`)."""
+    for k in range(min(len(token) - 1, len(data)), 0, -1):
+        if data.endswith(token[:k]):
             return k
     return 0
+
+
+def _marker_prefix_len(data: bytes) -> int:
+    """:func:`_prefix_len` of :data:`MARKER`."""
+    return _prefix_len(data, MARKER)

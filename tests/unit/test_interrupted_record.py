@@ -163,6 +163,10 @@ cap = StderrCapture(Path(sys.argv[1]))
 line = "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel."
 subprocess.run([sys.executable, "-c", f"import sys; print('cell error', file=sys.stderr); "
                 f"print({line!r}, file=sys.stderr)"])
+# the line in two writes, apart in time: two reads of the pipe (seen once on a busy host)
+split = ("import os, sys, time; b = sys.argv[1].encode() + bytes([10]); os.write(2, b[:20]); "
+         "time.sleep(0.3); os.write(2, b[20:])")
+subprocess.run([sys.executable, "-c", split, line])
 cap.divert()
 subprocess.run([sys.executable, "-c", f"import sys; print({line!r}, file=sys.stderr)"])
 cap.close()

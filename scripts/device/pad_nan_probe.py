@@ -27,10 +27,11 @@ uses its tokenizer).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 UNMASKED_ROWS: list[int] = []
 """Fully masked query rows the candidate unmasked, one entry per attention call."""
-UNMASKED = "sdpa_unmasked_rows"
+UNMASKED = "probe_unmasked_rows"
 """The candidate fix, registered by :func:`register_unmasked` under this name: sdpa with every
 fully masked query row unmasked (it attends to every key; its output is never read), what
 transformers 4.x did for the memory-efficient path (``AttentionMaskConverter._unmask_unattended``)
@@ -63,15 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nbhelpers import models
+    from nbhelpers.grpo import attn_unmask
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
-    dev = ap.parse_args(argv).device
+    ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_probe.log")
+    args = ap.parse_args(argv)
+    dev = args.device
+    log = open(Path(args.out) / "pad_nan_probe.log", "a") if args.out else None  # noqa: SIM115 (closed at exit)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if log is not None:
+            log.write(line + "\n")
+            log.flush()
+
     if dev == "cuda" and not torch.cuda.is_available():
         print("pad_nan_probe: needs CUDA (or --device cpu for a dry run)")
         return 2
     backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     register_unmasked()
+    attn_unmask.register()  # the package's (the trainer's on CUDA): mask unmasked once a forward
     for dtype in ("float32", "bfloat16"):
         lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
         g = torch.Generator().manual_seed(0)
@@ -81,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             if pad:
                 mask[0, :pad] = 0
             cases = ([("eager", None)] + [("sdpa", k) for k in backends]
-                     + [(UNMASKED, k) for k in ("efficient", "math")])
+                     + [(UNMASKED, k) for k in ("efficient", "math")]
+                     + [(attn_unmask.NAME, k) for k in (None, "efficient")])
             ref = None  # sdpa/math's valid-position logits: the candidate must give them
             for impl, kernel in cases:
                 lm.config._attn_implementation = impl
@@ -101,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                     extra = ""
                     if (impl, kernel) == ("sdpa", "math"):
                         ref = logits[valid].detach()
-                    elif impl == UNMASKED and ref is not None:
+                    elif impl in (UNMASKED, attn_unmask.NAME) and ref is not None:
                         diff = (logits[valid].detach() - ref).abs().max().item()
                         extra = (f"; rows unmasked {sum(UNMASKED_ROWS)}, valid logits vs "
                                  f"sdpa/math max |d| {diff:.3g}")
-                    print(f"{head} NaN logits valid={nan_valid} pad={nan_pad}; non-finite grads "
-                          f"in {len(bad)} tensors {bad[:3]}{extra}", flush=True)
+                    say(f"{head} NaN logits valid={nan_valid} pad={nan_pad}; non-finite grads "
+                        f"in {len(bad)} tensors {bad[:3]}{extra}")
                 except Exception as err:  # noqa: BLE001 (a probe: every case reported)
-                    print(f"{head} not run: {type(err).__name__}: {str(err)[:160]}", flush=True)
+                    say(f"{head} not run: {type(err).__name__}: {str(err)[:160]}")
     return 0
 
 

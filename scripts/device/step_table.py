@@ -349,7 +349,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # m2b alone: with the notebooks wheels it came to 63.7 MiB by the dry run and the device tool
     # refused it (session 13: its count runs a little above du's); m2n stages those wheels
     "m2b": ([], ["gguf1"], []),
-    "m2n": (["notebooks", "trl"], ["tok", "gsm8k"], []),
+    # m2n and m2t: one call until 2026-12-07, when the tool refused it (63.1 MiB by du -sb)
+    "m2n": (["notebooks", "trl"], [], []),
+    "m2t": ([], ["tok", "gsm8k"], []),
     # GGUF part 2 alone (session 17: n14b needs the whole GGUF; n14a used to stage part 2)
     "m2g": ([], ["gguf2"], []),
     "m2h": ([], ["gguf3"], []),  # the fourth GGUF part (2026-12-07): joins the GGUF
@@ -568,6 +570,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                  "tests/unit/test_attn_unmask.py "
                  "--tb=short"}, 150, 240, 0),
         ("scripts/device/pad_nan_probe.py", {"args": "--out $OUT"}, 60, 120, 0)]),
+    # after t18 (session 19, H100: attention ruled out, the padded runs still NaN with rows
+    # unmasked): the padded training under autograd anomaly mode, names the backward op
+    "t19": ([], [], [
+        ("scripts/device/pad_nan_train_probe.py", {"args": "--out $OUT"}, 90, 200, 0)]),
     # hf_generate at the realistic preset, 6 steps (session 17's rh1: ~60 s a step, 7 of 10 steps
     # in its 550 s cap)
     "rh6": ([], [], [

@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nbhelpers.config import GRPOSettings
-from nbhelpers.grpo import attn_unmask
 from nbhelpers.grpo.plans import (
     WARMUP_BACKENDS,
     WARMUP_FOLDER_BACKENDS,
@@ -231,8 +230,6 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     loaded = loaded_attn(model)  # what transformers resolved (auto: sdpa for most models)
     _warn_padding_on_cuda(settings, model, plan.notes)
     model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
-    if plan.backend != "hf_cb":  # transformers' CB prefixes 'paged|' to the attention's name
-        attn_unmask.apply(model, plan.notes)  # CUDA sdpa: pad rows' NaN gradients
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
                                     opts["output_dir"], opts["progress"], opts["reward_funcs"],
                                     opts["callbacks"], config_overrides)

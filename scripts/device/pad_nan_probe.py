@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nbhelpers import models
-    from nbhelpers.grpo import attn_unmask
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
     ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_probe.log")
@@ -84,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     register_unmasked()
-    attn_unmask.register()  # the package's (the trainer's on CUDA): mask unmasked once a forward
     for dtype in ("float32", "bfloat16"):
         lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
         g = torch.Generator().manual_seed(0)
@@ -94,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             if pad:
                 mask[0, :pad] = 0
             cases = ([("eager", None)] + [("sdpa", k) for k in backends]
-                     + [(UNMASKED, k) for k in ("efficient", "math")]
-                     + [(attn_unmask.NAME, k) for k in (None, "efficient")])
+                     + [(UNMASKED, k) for k in ("efficient", "math")])
             ref = None  # sdpa/math's valid-position logits: the candidate must give them
             for impl, kernel in cases:
                 lm.config._attn_implementation = impl
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     extra = ""
                     if (impl, kernel) == ("sdpa", "math"):
                         ref = logits[valid].detach()
-                    elif impl in (UNMASKED, attn_unmask.NAME) and ref is not None:
+                    elif impl == UNMASKED and ref is not None:
                         diff = (logits[valid].detach() - ref).abs().max().item()
                         extra = (f"; rows unmasked {sum(UNMASKED_ROWS)}, valid logits vs "
                                  f"sdpa/math max |d| {diff:.3g}")

@@ -4,8 +4,9 @@ Why: on an H100 (2026-12-07, e858b3e and again at 765b55b) ``tests/unit/test_pad
 tiny-llama runs (bf16 on CUDA) padded with ``pad_to_multiple_of=64`` had a finite loss and
 ``grad_norm`` NaN at step 1 (flex and hf_generate; unpadded runs and every CPU run finite). The
 attention hypothesis is ruled out: ``pad_nan_probe.py`` found no NaN gradient from any sdpa kernel
-with left padding, and the runs still failed with fully masked rows unmasked
-(``nbhelpers.grpo.attn_unmask``, step ``t18``). A finite loss with a NaN gradient is the
+with left padding, and the runs still failed with fully masked rows unmasked (step ``t18`` at
+765b55b, whose trainer ran sdpa with such rows unmasked on CUDA; that change was then removed:
+it fixed nothing). A finite loss with a NaN gradient is the
 signature of a masked-out position whose local derivative is inf/NaN (``where`` / ``* mask``
 multiply it by 0: 0 * inf = NaN), so this runs the test's padded training with
 ``torch.autograd.detect_anomaly(check_nan=True)``: the first backward op that returns NaN raises

@@ -13,7 +13,7 @@ multiply it by 0: 0 * inf = NaN), so this runs the test's padded training with
 with the forward traceback of the op that created it. Also prints, per step, the parameters whose
 gradient is not finite (a hook on each LoRA parameter).
 
-Run: ``python3 scripts/device/pad_nan_train_probe.py --out $OUT`` (CUDA; ``--device cpu`` is a dry
+Run: ``python3 scripts/device/pad_nan_train_probe.py --out $OUT`` (CUDA; on a CPU host a dry
 run: no NaN expected there). Needs trl, the SmolLM2 GGUF (tiny-llama's tokenizer) and GSM8K.
 """
 from __future__ import annotations

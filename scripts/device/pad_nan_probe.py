@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
     ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_probe.log")
+    ap.add_argument("--length", type=int, default=20, help="tokens a row (the padded GRPO test: 128)")
+    ap.add_argument("--pad", type=int, default=6, help="row 0's left padding (the test: ~58)")
     args = ap.parse_args(argv)
     dev = args.device
     log = open(Path(args.out) / "pad_nan_probe.log", "a") if args.out else None  # noqa: SIM115 (closed at exit)
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in ("float32", "bfloat16"):
         lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(5, 200, (2, 20), generator=g).to(dev)
-        for pad in (0, 6):
+        ids = torch.randint(5, 200, (2, args.length), generator=g).to(dev)
+        for pad in (0, args.pad):
             mask = torch.ones_like(ids)
             if pad:
                 mask[0, :pad] = 0
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 lm.config._attn_implementation = impl
                 UNMASKED_ROWS.clear()
                 lm.zero_grad(set_to_none=True)
-                head = f"{dtype} pad={pad} {impl}{'/' + kernel if kernel else ''}:"
+                head = f"{dtype} len={args.length} pad={pad} {impl}{'/' + kernel if kernel else ''}:"
                 try:
                     ctx = sdpa_kernel([backends[kernel]]) if kernel else torch.enable_grad()
                     with ctx:

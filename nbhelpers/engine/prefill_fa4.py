@@ -45,7 +45,9 @@ FA4_DTYPES = ("bfloat16", "float16")
 """Model dtypes FA4's forward takes (``torch.<name>``)."""
 STAGE_FA4 = (
     "stage the fa4 bundle (nbhelpers/bundles/sets.py FA4, its own site dir /tmp/fa4_site, "
-    "two carry parts): build it here with `python -m nbhelpers.bundles build fa4`, print the "
+    "carry parts of <= 22 MiB): build it here with `python -m nbhelpers.bundles build fa4` and "
+    "`resplit fa4 --part-mib 22` (three parts: each with the 33 MB tree under the 64 MiB a "
+    "call carries), print the "
     "carry list and command prefixes with `python -m nbhelpers.bundles commands fa4`, send the "
     "parts in back-to-back calls of one warm device machine (the last one untars the site), and "
     "export PYTHONPATH=/tmp/fa4_site:/tmp/fa4_site/nvidia_cutlass_dsl/dsl_packages (cutlass is "

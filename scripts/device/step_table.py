@@ -572,7 +572,7 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # after t18 (session 19, H100: attention ruled out, the padded runs still NaN with rows
     # unmasked): the padded training under autograd anomaly mode, names the backward op
     "t19": ([], [], [
-        ("scripts/device/pad_nan_train_probe.py", {"args": "--out $OUT"}, 90, 200, 0),
+        ("scripts/device/pad_nan_train_probe.py", {"args": "--out $OUT --pads 64"}, 60, 120, 0),
         ("scripts/device/pad_nan_probe.py", {"args": "--out $OUT --length 128 --pad 58"}, 20, 60,
          0)]),
     # hf_generate at the realistic preset, 6 steps (session 17's rh1: ~60 s a step, 7 of 10 steps

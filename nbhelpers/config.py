@@ -315,10 +315,13 @@ class GRPOSettings:
     trainer (on the H200, 2026-12-03, ``compile_mode="default"``: step 1 took 252 s for two
     compiles, grad and no-grad, and step 2 recompiled for 344 -> 345 tokens), so bucketing the
     lengths bounds the recompiles; padded positions are masked, the loss is unchanged (tested on
-    the CPU). Not yet on CUDA: on an H100 (2026-12-07, e858b3e) the tiny-llama fp32 runs of
-    ``tests/unit/test_pad_to_multiple_of.py`` padded to 64 had NaN gradients at step 1 for
-    ``hf_generate`` and ``flex`` (the unpadded runs beside them were finite); cause not yet
-    found, so a CUDA run with padding logs a warning and a note. With ``compile_scope="layers"``
+    the CPU). Not yet on CUDA: on an H100 (2026-12-07, e858b3e and 765b55b) the tiny-llama runs
+    of ``tests/unit/test_pad_to_multiple_of.py`` (bf16 on CUDA) padded to 64 had a finite loss
+    and NaN gradients at step 1 for ``hf_generate`` and ``flex`` (the unpadded runs beside them
+    were finite); cause not yet found (not the attention: no sdpa kernel gave NaN gradients with
+    left padding, and the runs failed as well with fully masked rows unmasked; not TRL's Triton
+    log-prob kernels' logic: in Triton's interpreter on the CPU the padded run is finite), so a
+    CUDA run with padding logs a warning and a note. With ``compile_scope="layers"``
     (2026-12-07) a recompile costs one layer's graph instead of the backbone's, so unpadded
     compiled runs fit (an H100 flex run: 10 steps in 81.5 s); lengths still recompile until
     dynamo turns dynamic (one recompile at step 2 there)."""

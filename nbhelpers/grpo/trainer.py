@@ -293,7 +293,8 @@ def _warn_padding_on_cuda(settings: GRPOSettings, model: Any, notes: list[str]) 
     if settings.pad_to_multiple_of and param is not None and param.is_cuda:
         msg = (f"pad_to_multiple_of={settings.pad_to_multiple_of} on CUDA: on an H100 "
                "(2026-12-07) padded tiny-model runs had NaN gradients at step 1 (cause not yet "
-               "found; CPU runs train as unpadded ones): check grad_norm, or pass 0")
+               "found, not the attention; CPU runs train as unpadded ones): check grad_norm, "
+               "or pass 0")
         log.warning(msg)
         notes.append(msg)
 

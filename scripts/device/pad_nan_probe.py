@@ -67,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
     ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_probe.log")
-    ap.add_argument("--length", type=int, default=20, help="tokens a row (the padded GRPO test: 128)")
+    ap.add_argument("--length", type=int, default=20,
+                    help="tokens a row (the padded GRPO test: 128)")
     ap.add_argument("--pad", type=int, default=6, help="row 0's left padding (the test: ~58)")
     args = ap.parse_args(argv)
     dev = args.device
-    log = open(Path(args.out) / "pad_nan_probe.log", "a") if args.out else None  # noqa: SIM115 (closed at exit)
+    path = Path(args.out) / "pad_nan_probe.log" if args.out else None
+    log = open(path, "a") if path else None  # noqa: SIM115 (closed at exit)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 lm.config._attn_implementation = impl
                 UNMASKED_ROWS.clear()
                 lm.zero_grad(set_to_none=True)
-                head = f"{dtype} len={args.length} pad={pad} {impl}{'/' + kernel if kernel else ''}:"
+                name = f"{impl}/{kernel}" if kernel else impl
+                head = f"{dtype} len={args.length} pad={pad} {name}:"
                 try:
                     ctx = sdpa_kernel([backends[kernel]]) if kernel else torch.enable_grad()
                     with ctx:

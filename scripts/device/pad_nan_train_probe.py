@@ -1,6 +1,7 @@
 """Probe: which backward op gives padded CUDA GRPO runs their NaN gradients?
 
-Why: on an H100 (2026-12-07, e858b3e and again at 765b55b) ``tests/unit/test_pad_to_multiple_of.py``'s
+Why: on an H100 (2026-12-07, e858b3e and again at 765b55b)
+``tests/unit/test_pad_to_multiple_of.py``'s
 tiny-llama runs (bf16 on CUDA) padded with ``pad_to_multiple_of=64`` had a finite loss and
 ``grad_norm`` NaN at step 1 (flex and hf_generate; unpadded runs and every CPU run finite). The
 attention hypothesis is ruled out: ``pad_nan_probe.py`` found no NaN gradient from any sdpa kernel
@@ -28,11 +29,13 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_train_probe.log")
+    ap.add_argument("--out", default=None,
+                    help="folder: the lines also go to pad_nan_train_probe.log")
     ap.add_argument("--backends", default="hf_generate,flex")
     ap.add_argument("--pads", default="64,0")
     args = ap.parse_args(argv)
-    log = open(Path(args.out) / "pad_nan_train_probe.log", "a") if args.out else None  # noqa: SIM115
+    path = Path(args.out) / "pad_nan_train_probe.log" if args.out else None
+    log = open(path, "a") if path else None  # noqa: SIM115 (closed at exit)
 
     def say(line: str) -> None:
         print(line, flush=True)

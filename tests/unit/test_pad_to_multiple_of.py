@@ -81,8 +81,9 @@ def _train(backend: str, pad: int, out: Path):
 
 @pytest.mark.xfail(torch.cuda.is_available(), strict=False,
                    reason="known bug, not fixed: on an H100 (2026-12-07, e858b3e, 765b55b) "
-                          "the padded run had NaN gradients at step 1 for both backends (GRPOSettings."
-                          "pad_to_multiple_of's docstring); the CPU run is the check")
+                          "the padded run had NaN gradients at step 1 for both backends "
+                          "(GRPOSettings.pad_to_multiple_of's docstring); the CPU run is the "
+                          "check")
 @pytest.mark.parametrize("backend", ["hf_generate", "flex"])
 def test_a_padded_run_trains_as_the_unpadded_one(backend, tmp_path):
     """Same seed, same tokens: padded positions are masked, so loss, KL and grad norm agree to fp32

@@ -157,10 +157,16 @@ def run_isolated(backend: str, model: str, settings: GRPOSettings, *, cpu_thread
     (module doc) with ``traceback`` and ``child_died`` (``None``, or ``{"exit_code": int}`` when
     the child died without reporting, ``error`` then ``"ChildExit: ..."``).
 
+    Raises:
+        ValueError: ``cpu_threads`` < 0 (before any child starts; 0 = torch's default).
+
     Never raises for a failed run: ``error`` says why. An interrupt in this process
     (``KeyboardInterrupt`` / ``SystemExit`` while it waits) stops the child (SIGTERM, then
     SIGKILL after :data:`STOP_GRACE_S`) and is raised on.
     """
+    if not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool) or cpu_threads < 0:
+        raise ValueError(f"cpu_threads={cpu_threads!r}: give an int >= 0 (0 = torch's default "
+                         "thread count, n > 0 = n threads in the run's process on a CPU host).")
     # TRL's output_dir unless the caller gave one: a temporary folder this process removes when
     # the child has ended, however it ended (it holds the format warm-up's merged weights, 8 GB
     # at Qwen3-4B; a child stopped by SIGTERM runs no cleanup of its own)

@@ -19,7 +19,8 @@ GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
 ``attn_implementation`` one of ``nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS`` and, unless
 ``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
 ``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`;
-``compile_scope`` also against each named backend), each ``reuse_runs`` path a readable phase-2
+``compile_scope`` also against each named backend) and ``flex_compile_attention`` one of
+``auto | on | off``, a ``model`` folder one that holds a ``config.json``, each ``reuse_runs`` path a readable phase-2
 sidecar of its backend that did not fail (:func:`nbhelpers.grpo.compare_records.check_reusable`;
 whether its settings match this run is checked in the notebook, which knows the model and device).
 """
@@ -59,7 +60,8 @@ def _same(*names: str) -> dict[str, str]:
 
 _GRPO = (FieldMap(GRPOSettings, _same(
              "max_steps", "num_generations", "per_device_train_batch_size", "max_prompt_length",
-             "max_completion_length", "learning_rate", "beta", "seed", "pad_to_multiple_of")),
+             "max_completion_length", "learning_rate", "beta", "seed", "pad_to_multiple_of",
+             "gradient_accumulation_steps")),
          FieldMap(LoraSpec, {"lora_rank": "rank", "lora_alpha": "alpha"}))
 _WORKLOAD = _same("prompt_tokens", "max_new_tokens", "rounds", "warmup_rounds")
 CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {
@@ -78,9 +80,10 @@ CONFIG_FIELDS: dict[str, tuple[FieldMap, ...]] = {
 phase 3."""
 
 NOTEBOOK_MINIMA = {"n_questions": 1, "n_prompts": 1, "parity_prompts": 1, "parity_steps": 1,
-                   "skip_first": 0, "format_warmup_steps": 0}
+                   "skip_first": 0, "format_warmup_steps": 0, "cpu_threads": 0}
 """Lower bounds of count parameters that no config dataclass holds (``skip_first >= max_steps``
-is allowed: the summary then notes that no post-warm-up step is left)."""
+is allowed: the summary then notes that no post-warm-up step is left; ``cpu_threads`` 0 =
+torch's default)."""
 
 NOTEBOOK_RANGES = {"vllm_gpu_memory_utilization": (0.0, 1.0), "timeout_s": (0.0, math.inf),
                    "bandwidth_tb_s": (0.0, math.inf)}
@@ -166,11 +169,18 @@ def _check_floats(params: dict[str, Any], where: Where) -> None:
 
 def _check_model_and_dataset(params: dict[str, Any], where: Where) -> None:
     if isinstance(params.get("model"), str):
-        from nbhelpers.models import get_spec
+        from nbhelpers.models import REGISTRY, get_spec
         try:
             get_spec(params["model"])
         except ValueError as exc:
             raise UserInputError(f"{where('model')}: {exc}") from exc
+        folder = Path(params["model"]).expanduser()
+        if params["model"] not in REGISTRY and folder.is_dir() \
+                and not (folder / "config.json").is_file():
+            raise UserInputError(f"{where('model')}: model={params['model']!r} is a folder "
+                                 "without a config.json, so not a Hugging Face model folder: "
+                                 "give the folder that holds config.json and the weights, a "
+                                 "hub id 'org/name' or a registry name.")
     if isinstance(params.get("dataset"), str):
         from nbhelpers.grpo.setup import DATASETS
         if params["dataset"] not in DATASETS:
@@ -292,9 +302,14 @@ def _check_compile(params: dict[str, Any], where: Where) -> None:
         for backend in backends or [""]:
             resolve_compile_scope(word, backend)
 
+    def check_flex_attention(word: str) -> None:  # phase 2's flex_compile_attention
+        from nbhelpers.grpo.compare import flex_options
+        flex_options(compile_attention=word)
+
     for name, check in (("compile_mode", check_compile_mode),
                         ("compile_dynamic", compile_dynamic_flag),
-                        ("compile_scope", check_scope)):
+                        ("compile_scope", check_scope),
+                        ("flex_compile_attention", check_flex_attention)):
         if isinstance(params.get(name), str):
             try:
                 check(params[name])

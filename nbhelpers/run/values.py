@@ -20,7 +20,8 @@ GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
 ``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
 ``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`;
 ``compile_scope`` also against each named backend) and ``flex_compile_attention`` one of
-``auto | on | off``, a ``model`` folder one that holds a ``config.json``, each ``reuse_runs`` path a readable phase-2
+``auto | on | off``, a ``model`` folder one that holds a ``config.json``, the GRPO phases'
+prompt + completion limits within the model's context (:func:`model_context`), each ``reuse_runs`` path a readable phase-2
 sidecar of its backend that did not fail (:func:`nbhelpers.grpo.compare_records.check_reusable`;
 whether its settings match this run is checked in the notebook, which knows the model and device).
 """
@@ -186,6 +187,52 @@ def _check_model_and_dataset(params: dict[str, Any], where: Where) -> None:
         if params["dataset"] not in DATASETS:
             raise UserInputError(f"{where('dataset')}: dataset={params['dataset']!r}: use one "
                                  f"of {DATASETS}.")
+
+
+def model_context(model: str) -> int | None:
+    """``max_position_embeddings`` of ``model``'s (text) config without loading weights: the
+    registry's config builder for random-weight entries, ``config.json`` of the converted
+    SmolLM2 folder or of a local model folder; ``None`` when it cannot be known here (a hub id,
+    SmolLM2 not converted yet, a config without the key)."""
+    import json
+
+    from nbhelpers import assets
+    from nbhelpers.models import REGISTRY
+    entry = REGISTRY.get(model)
+    if entry is not None and entry.config_builder is not None:
+        cfg = entry.config_builder()
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        value = getattr(text, "max_position_embeddings", None)
+        return value if isinstance(value, int) else None
+    try:
+        folder = assets.smollm2_folder() if entry is not None else Path(model).expanduser()
+    except assets.ModelAssetsMissing:
+        return None
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("text_config", cfg).get("max_position_embeddings") \
+        if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def _check_context(params: dict[str, Any], notebook: Path, where: Where) -> None:
+    """GRPO phases: ``max_prompt_length + max_completion_length`` within the model's context
+    (:func:`model_context`): a longer completion limit was accepted and trained until the
+    model's position table ran out (a new user's trial, 2026-12-07)."""
+    if phase_of(notebook) not in ("phase0", "phase2") or not isinstance(params.get("model"), str):
+        return
+    prompt, completion = params.get("max_prompt_length"), params.get("max_completion_length")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (prompt, completion)):
+        return
+    context = model_context(params["model"])
+    if context is not None and prompt + completion > context:
+        raise UserInputError(
+            f"{where('max_completion_length')}: max_prompt_length + max_completion_length = "
+            f"{prompt} + {completion} = {prompt + completion} tokens exceeds {params['model']}'s "
+            f"context of {context} (config max_position_embeddings): lower "
+            f"max_completion_length to <= {max(context - prompt, 0)} or max_prompt_length.")
 
 
 def _check_questions(params: dict[str, Any], where: Where) -> None:
@@ -356,6 +403,7 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_count_lists(params, where)
     _check_floats(params, where)
     _check_model_and_dataset(params, where)
+    _check_context(params, notebook, where)
     _check_questions(params, where)
     _check_backends(params, notebook, where)
     _check_warmup_backends(params, notebook, where)

@@ -56,3 +56,28 @@ def test_run_isolated_refuses_negative_cpu_threads_before_a_child_starts():
     from nbhelpers.grpo.compare import run_isolated
     with pytest.raises(ValueError, match=r"cpu_threads=-1: give an int >= 0"):
         run_isolated("hf_generate", "tiny-llama", GRPOSettings(), cpu_threads=-1)
+
+
+def test_completions_longer_than_the_models_context_are_refused_up_front(tmp_path):
+    # tiny-qwen3: max_position_embeddings 2,048 (its config builder; no weights, no assets)
+    with pytest.raises(UserInputError, match=r"-p max_completion_length .*256 \+ 2000 = 2256 "
+                                             r"tokens exceeds tiny-qwen3's context of 2048 .*"
+                                             r"lower max_completion_length to <= 1792"):
+        _plan(tmp_path, ("model", "tiny-qwen3"), ("max_completion_length", "2000"))
+    assert not (tmp_path / "executed").exists()
+    assert _plan(tmp_path, ("model", "tiny-qwen3"), ("max_completion_length", "1792"))
+
+
+def test_model_context_reads_builders_and_folders_and_says_none_when_unknown(tmp_path):
+    import json
+
+    from nbhelpers.run.values import model_context
+    assert model_context("qwen3-4b") == 40960 and model_context("tiny-qwen3") == 2048
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"text_config":
+                                                    {"max_position_embeddings": 4096}}))
+    assert model_context(str(folder)) == 4096
+    (folder / "config.json").write_text(json.dumps({"model_type": "x"}))
+    assert model_context(str(folder)) is None
+    assert model_context("org/some-hub-model") is None

@@ -8,6 +8,7 @@ signals sent by a callback at a given step (tests/unit/progress_stop.py), not ti
 import json
 import multiprocessing
 import shutil
+import signal
 from datetime import datetime
 from pathlib import Path
 
@@ -48,10 +49,18 @@ def interrupted(tmp_path_factory):
     """hf_generate stopped by a KeyboardInterrupt in this process after its 2nd step: its
     folder and the interrupt that came back up."""
     folder = tmp_path_factory.mktemp("interrupted")
-    with pytest.raises(KeyboardInterrupt) as stop:
-        grpo_compare.run_backends(["hf_generate", "flex"], MODEL, SETTINGS,
-                                  sidecar_path=folder / "run.json",
-                                  callbacks=[InterruptParentAfter(2)], **KW)
+    # SIGINT must raise KeyboardInterrupt here, as in a notebook kernel: a suite started as a
+    # background job of a non-interactive shell inherits SIGINT ignored, and this worker then
+    # waited forever for a child that waited for it (seen 2026-12-07 on a clean clone; it passed
+    # only when an earlier test in the same worker had installed a SIGINT handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stop:
+            grpo_compare.run_backends(["hf_generate", "flex"], MODEL, SETTINGS,
+                                      sidecar_path=folder / "run.json",
+                                      callbacks=[InterruptParentAfter(2)], **KW)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return folder, stop
 
 

@@ -21,8 +21,8 @@ with each sdpa backend forced (math, efficient, cudnn, flash where the dtype all
 same with no padding; and the candidate fix (:data:`UNMASKED`) with the efficient and math
 kernels, whose valid-position logits must equal sdpa's. Prints one line per case: NaN in logits
 (valid / pad positions), NaN in any parameter gradient. Run:
-``python3 scripts/device/pad_nan_probe.py`` (~1 min; needs the SmolLM2 GGUF staged: tiny-llama
-uses its tokenizer).
+``python3 scripts/device/pad_nan_probe.py`` (~20 s; needs nothing staged: tiny-llama is built from
+its config, random weights seeded 0).
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
 
-    from nbhelpers import models
+    from nbhelpers import model_configs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a dry run)")
     ap.add_argument("--out", default=None, help="folder: the lines also go to pad_nan_probe.log")
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     register_unmasked()
     for dtype in ("float32", "bfloat16"):
-        lm, _ = models.load_model("tiny-llama", dtype=dtype, device=dev)
+        torch.manual_seed(0)  # tiny-llama from its config: no tokenizer, so no staging needed
+        lm = AutoModelForCausalLM.from_config(model_configs.tiny_llama(),
+                                              attn_implementation="sdpa")
+        lm = lm.to(device=dev, dtype=getattr(torch, dtype))
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(5, 200, (2, args.length), generator=g).to(dev)
         for pad in (0, args.pad):

@@ -582,6 +582,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
          565, 0)]),
     # session 19: the realistic hf_generate row in less than rh6's 565 s (its peak memory is the
     # memory goal's reference: reached in the first steps; session 17's rh1 gave the step times)
+    # the attention probe alone at the padded test's shape: nothing staged (tiny-llama from its
+    # config), for a window with too little budget left for the staging
+    "t19a": ([], [], [
+        ("scripts/device/pad_nan_probe.py", {"args": "--out $OUT --length 128 --pad 58"}, 20, 60,
+         0)]),
     "rh4": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]", "max_steps": "4"}, 400,
          480, 0)]),

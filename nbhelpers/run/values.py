@@ -21,9 +21,10 @@ GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
 ``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`;
 ``compile_scope`` also against each named backend) and ``flex_compile_attention`` one of
 ``auto | on | off``, a ``model`` folder one that holds a ``config.json``, the GRPO phases'
-prompt + completion limits within the model's context (:func:`model_context`), each ``reuse_runs`` path a readable phase-2
-sidecar of its backend that did not fail (:func:`nbhelpers.grpo.compare_records.check_reusable`;
-whether its settings match this run is checked in the notebook, which knows the model and device).
+prompt + completion limits within the model's context (:func:`model_context`), each
+``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
+(:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
+checked in the notebook, which knows the model and device).
 """
 
 from __future__ import annotations
@@ -190,31 +191,27 @@ def _check_model_and_dataset(params: dict[str, Any], where: Where) -> None:
 
 
 def model_context(model: str) -> int | None:
-    """``max_position_embeddings`` of ``model``'s (text) config without loading weights: the
-    registry's config builder for random-weight entries, ``config.json`` of the converted
-    SmolLM2 folder or of a local model folder; ``None`` when it cannot be known here (a hub id,
-    SmolLM2 not converted yet, a config without the key)."""
+    """``max_position_embeddings`` of ``model``'s (text) config without loading weights
+    (:func:`nbhelpers.engine.llm_checks.model_context_len`): the registry's config builder for
+    random-weight entries, ``config.json`` of the converted SmolLM2 folder or of a local model
+    folder; ``None`` when it cannot be known here (a hub id, SmolLM2 not converted yet, a config
+    without the key)."""
     import json
+    from types import SimpleNamespace
 
     from nbhelpers import assets
+    from nbhelpers.engine.llm_checks import model_context_len
     from nbhelpers.models import REGISTRY
     entry = REGISTRY.get(model)
     if entry is not None and entry.config_builder is not None:
-        cfg = entry.config_builder()
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        value = getattr(text, "max_position_embeddings", None)
-        return value if isinstance(value, int) else None
+        return model_context_len(entry.config_builder())
     try:
         folder = assets.smollm2_folder() if entry is not None else Path(model).expanduser()
-    except assets.ModelAssetsMissing:
+        raw = json.loads((folder / "config.json").read_text())
+    except (assets.ModelAssetsMissing, OSError, ValueError):
         return None
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = cfg.get("text_config", cfg).get("max_position_embeddings") \
-        if isinstance(cfg, dict) else None
-    return value if isinstance(value, int) else None
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    return model_context_len(SimpleNamespace(**text)) if isinstance(text, dict) else None
 
 
 def _check_context(params: dict[str, Any], notebook: Path, where: Where) -> None:

@@ -38,6 +38,8 @@ import time
 import traceback
 from typing import Any
 
+from probe_log import say
+
 CONFIGS = (("paged|sdpa", False), ("paged|sdpa", True), ("paged|flash_attention_4", False),
            ("paged|flash_attention_4", True))
 """(attention, CUDA graphs) per run; the first is every shape's token reference."""
@@ -69,10 +71,8 @@ def _shape(name: str) -> tuple[list[list[int]], Any, Any]:
 
 
 def _say(line: str, out_dir: str) -> None:
-    """Print ``line`` and append it to ``<out_dir>/fa4_probe.log`` (survives a call's tail)."""
-    print(line, flush=True)
-    with open(os.path.join(out_dir, "fa4_probe.log"), "a") as fh:
-        fh.write(line + "\n")
+    """Print ``line`` and append it to ``<out_dir>/fa4_probe.log`` (:func:`probe_log.say`)."""
+    say(line, out_dir, "fa4_probe.log")
 
 
 def run_one(name: str, attn: str, graphs: bool, tokens_out: str) -> int:

@@ -27,7 +27,8 @@ its config, random weights seeded 0).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+
+import probe_log
 
 UNMASKED_ROWS: list[int] = []
 """Fully masked query rows the candidate unmasked, one entry per attention call."""
@@ -73,14 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pad", type=int, default=6, help="row 0's left padding (the test: ~58)")
     args = ap.parse_args(argv)
     dev = args.device
-    path = Path(args.out) / "pad_nan_probe.log" if args.out else None
-    log = open(path, "a") if path else None  # noqa: SIM115 (closed at exit)
 
     def say(line: str) -> None:
-        print(line, flush=True)
-        if log is not None:
-            log.write(line + "\n")
-            log.flush()
+        probe_log.say(line, args.out, "pad_nan_probe.log")
 
     if dev == "cuda" and not torch.cuda.is_available():
         print("pad_nan_probe: needs CUDA (or --device cpu for a dry run)")

@@ -24,7 +24,8 @@ import sys
 import tempfile
 import traceback
 import warnings
-from pathlib import Path
+
+import probe_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="hf_generate,flex")
     ap.add_argument("--pads", default="64,0")
     args = ap.parse_args(argv)
-    path = Path(args.out) / "pad_nan_train_probe.log" if args.out else None
-    log = open(path, "a") if path else None  # noqa: SIM115 (closed at exit)
 
     def say(line: str) -> None:
-        print(line, flush=True)
-        if log is not None:
-            log.write(line + "\n")
-            log.flush()
+        probe_log.say(line, args.out, "pad_nan_train_probe.log")
 
     import torch
 

@@ -152,7 +152,8 @@ def main(argv: list[str]) -> int:
             prefetch(say)
         say(f"order: longest first by {env['NBH_SUITE_DURATIONS'] or '(no junit: as collected)'}")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=_sigint_default)
         stopped = []
         signal.signal(signal.SIGTERM, lambda *_: _interrupt(proc, stopped, say))
         for line in proc.stdout:
@@ -164,6 +165,14 @@ def main(argv: list[str]) -> int:
     if stopped:
         return 130
     return 1 if rc == 5 else rc
+
+
+def _sigint_default() -> None:
+    """In pytest's process before exec: SIGINT back to its default disposition. A process started
+    as a background job of a non-interactive shell (``cmd &``) inherits SIGINT *ignored*, and
+    Python then installs no KeyboardInterrupt handler, so the SIGINT of :func:`_interrupt` would do
+    nothing and pytest's summary would be lost to the SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt(proc: subprocess.Popen, stopped: list, say: Callable[[str], None]) -> None:

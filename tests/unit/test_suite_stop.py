@@ -10,10 +10,16 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 SUITE = Path(__file__).resolve().parents[2] / "scripts/device/suite.py"
 
 
-def test_sigterm_keeps_the_failures_found_so_far(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_keeps_the_failures_found_so_far(tmp_path, sigint):
+    """``ignored``: suite.py started with SIGINT ignored, as a background job of a
+    non-interactive shell (``cmd &``) is; pytest must still get a working SIGINT (a clean-clone
+    run started that way lost its summary to the SIGKILL before suite.py restored it)."""
     (tmp_path / "t").mkdir()
     (tmp_path / "t/test_a.py").write_text(
         "import time\n\ndef test_fail():\n    assert 1 == 2\n\n"
@@ -22,8 +28,10 @@ def test_sigterm_keeps_the_failures_found_so_far(tmp_path):
     # one process: NBH_SUITE_WORKERS=0 (with xdist importable, as on the H200, suite.py would
     # add "-n 12", which "-p no:xdist" turned into a usage error, exit 4)
     env = {**os.environ, "OUT": str(out), "NBH_SUITE_PREFETCH": "0", "NBH_SUITE_WORKERS": "0"}
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     proc = subprocess.Popen([sys.executable, str(SUITE), "--paths", str(tmp_path / "t/test_a.py")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            preexec_fn=ignore)
     live = out / "failed_live.txt"
     deadline = time.monotonic() + 300  # a loose bound for a busy host, not a speed check
     while not (live.is_file() and "test_fail" in live.read_text()):

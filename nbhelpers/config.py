@@ -315,13 +315,12 @@ class GRPOSettings:
     trainer (on the H200, 2026-12-03, ``compile_mode="default"``: step 1 took 252 s for two
     compiles, grad and no-grad, and step 2 recompiled for 344 -> 345 tokens), so bucketing the
     lengths bounds the recompiles; padded positions are masked, the loss is unchanged (tested on
-    the CPU). Not yet on CUDA: on an H100 (2026-12-07, e858b3e and 765b55b) the tiny-llama runs
-    of ``tests/unit/test_pad_to_multiple_of.py`` (bf16 on CUDA) padded to 64 had a finite loss
-    and NaN gradients at step 1 for ``hf_generate`` and ``flex`` (the unpadded runs beside them
-    were finite); cause not yet found (not the attention: no sdpa kernel gave NaN gradients with
-    left padding, and the runs failed as well with fully masked rows unmasked; not TRL's Triton
-    log-prob kernels' logic: in Triton's interpreter on the CPU the padded run is finite), so a
-    CUDA run with padding logs a warning and a note. With ``compile_scope="layers"``
+    the CPU). On CUDA the trainer runs a padded run with SDPA's cuDNN backend excluded: on an
+    H100 (2026-12-07) the padded tiny-llama bf16 runs of ``tests/unit/test_pad_to_multiple_of.py``
+    had a finite loss and NaN gradients at step 1 for ``hf_generate`` and ``flex``, and autograd's
+    anomaly mode named ``ScaledDotProductCudnnAttentionBackward0`` (step ``t19``); with cuDNN
+    excluded they trained within bf16 noise of the unpadded runs (``trainer._padding_sdpa_guard``,
+    a run note says so). With ``compile_scope="layers"``
     (2026-12-07) a recompile costs one layer's graph instead of the backbone's, so unpadded
     compiled runs fit (an H100 flex run: 10 steps in 81.5 s); lengths still recompile until
     dynamo turns dynamic (one recompile at step 2 there)."""

@@ -126,10 +126,13 @@ def load_questions(dataset: str, n_questions: int, seed: int) -> list[dict[str, 
     raise ValueError(f"dataset={dataset!r}: use one of {DATASETS}.")
 
 
-def build_dataset(dataset: str, tokenizer, n_questions: int, max_prompt_length: int, seed: int):
+def build_dataset(dataset: str, tokenizer, n_questions: int, max_prompt_length: int, seed: int,
+                  questions: list[dict[str, Any]] | None = None):
     """A ``datasets.Dataset`` of ``{"prompt": [system, user], "answer", "id"}`` rows, filtered as
     the reference does (:func:`nbhelpers.data.filter_by_prompt_length`: longest 10 % dropped, and
-    none over ``max_prompt_length`` tokens), plus the filter's stats dict.
+    none over ``max_prompt_length`` tokens), plus the filter's stats dict. ``questions``: rows
+    :func:`load_questions` already returned for these arguments (the trainer loads them before
+    the model, so a dataset that cannot load fails before the weights do); ``None`` loads them.
 
     Raises:
         ValueError: no prompt fits ``max_prompt_length`` (raise it).
@@ -137,7 +140,9 @@ def build_dataset(dataset: str, tokenizer, n_questions: int, max_prompt_length: 
     from datasets import Dataset
 
     from nbhelpers import data
-    rows = data.to_grpo_rows(load_questions(dataset, n_questions, seed))
+    if questions is None:
+        questions = load_questions(dataset, n_questions, seed)
+    rows = data.to_grpo_rows(questions)
     rows, stats = data.filter_by_prompt_length(rows, tokenizer, max_prompt_length)
     return Dataset.from_list(rows), stats
 

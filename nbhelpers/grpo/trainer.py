@@ -228,7 +228,7 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                                                          opts["dataset"], opts["n_questions"],
                                                          attn)
     loaded = loaded_attn(model)  # what transformers resolved (auto: sdpa for most models)
-    _warn_padding_on_cuda(settings, model, plan.notes)
+    sdpa_guard = _padding_sdpa_guard(settings, model, plan.notes)
     model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
                                     opts["output_dir"], opts["progress"], opts["reward_funcs"],
@@ -244,7 +244,8 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
     _bind_callbacks(opts["callbacks"], parts, watch,
                     _run_config(parts["args"], settings) | {"attn_implementation": loaded,
                                                             "notes": plan.notes})
-    wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
+    with sdpa_guard:
+        wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
@@ -286,17 +287,28 @@ def _warm_folder(model: Any, tok: Any, out: Path) -> Path:
     return folder
 
 
-def _warn_padding_on_cuda(settings: GRPOSettings, model: Any, notes: list[str]) -> None:
-    """``pad_to_multiple_of`` on a CUDA policy: a warning and a run note (its docstring: NaN
-    gradients seen on an H100, cause not yet found)."""
+def _padding_sdpa_guard(settings: GRPOSettings, model: Any, notes: list[str]) -> Any:
+    """The context the trainer runs in: for ``pad_to_multiple_of`` on a CUDA policy, SDPA
+    without its cuDNN backend (flash, memory-efficient and math stay allowed,
+    ``torch.nn.attention.sdpa_kernel``), with a run note; else a no-op context.
+
+    Why: on an H100 (2026-12-07, step ``t19``, ``scripts/device/pad_nan_train_probe.py`` under
+    ``torch.autograd.detect_anomaly``) the padded tiny-llama bf16 GRPO runs of both
+    ``hf_generate`` and ``flex`` failed in ``ScaledDotProductCudnnAttentionBackward0``, which
+    returned NaN in its first output (the query gradient); the padded lengths (multiples of 64)
+    are what made SDPA pick cuDNN there. With cuDNN excluded the same runs trained with finite
+    gradients, within bf16 noise of the unpadded runs (grad norm 0.20417 vs 0.20414 at step 1)."""
+    import contextlib
     param = next(iter(model.parameters()), None)
-    if settings.pad_to_multiple_of and param is not None and param.is_cuda:
-        msg = (f"pad_to_multiple_of={settings.pad_to_multiple_of} on CUDA: on an H100 "
-               "(2026-12-07) padded tiny-model runs had NaN gradients at step 1 (cause not yet "
-               "found, not the attention; CPU runs train as unpadded ones): check grad_norm, "
-               "or pass 0")
-        log.warning(msg)
-        notes.append(msg)
+    if not (settings.pad_to_multiple_of and param is not None and param.is_cuda):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    notes.append(f"pad_to_multiple_of={settings.pad_to_multiple_of} on CUDA: SDPA runs without "
+                 "its cuDNN backend (its backward returned NaN query gradients for these padded "
+                 "batches on an H100, 2026-12-07)")
+    log.info(notes[-1])
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = None,
@@ -328,14 +340,17 @@ def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -
 def _load_inputs(plan: BackendPlan, model_name: str, settings: GRPOSettings, dataset: str,
                  n_questions: int, attn_implementation: str | None = None
                  ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run."""
+    """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run; the
+    questions load first, so a dataset that cannot load (``dapo_math`` offline) fails before
+    the model's weights are read."""
     from nbhelpers import data
     from nbhelpers.grpo import setup
+    questions = setup.load_questions(dataset, n_questions, settings.seed)
     model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda(),
                                    attn_implementation=attn_implementation)
     data.apply_reference_chat_template(tok)
     train_ds, ds_stats = build_dataset(dataset, tok, n_questions, settings.max_prompt_length,
-                                       settings.seed)
+                                       settings.seed, questions=questions)
     return model, tok, peft, train_ds, ds_stats
 
 

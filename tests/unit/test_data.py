@@ -65,6 +65,7 @@ def test_dapo_math_offline_error_and_mapping(monkeypatch):
         raise ConnectionError("no route to huggingface.co")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(data, "hub_reachable", lambda: True)  # reachable, then the load fails
     with pytest.raises(RuntimeError, match="load_gsm8k"):
         data.load_dapo_math(2)
     fake = datasets.Dataset.from_list([{"prompt": "p0", "solution": "1"},
@@ -79,6 +80,39 @@ def test_dapo_math_offline_error_and_mapping(monkeypatch):
     assert data.load_dapo_math(1) == [{"question": "p0", "answer": "1", "id": "dapo-0"}]
     assert seen == {"args": ("open-r1/DAPO-Math-17k-Processed", "en"),
                     "kwargs": {"split": "train"}}
+
+
+def test_dapo_math_unreachable_hub_fails_at_once(monkeypatch):
+    """No hub connection and no HF_HUB_OFFLINE: the error names the offline datasets and the
+    cache switch before ``datasets`` is called (its retries took ~25 s here); with
+    ``HF_HUB_OFFLINE=1`` the probe is skipped and ``datasets`` reads its cache."""
+    import datasets
+    calls = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a))
+    with pytest.raises(RuntimeError, match="not reachable.*gsm8k.*HF_HUB_OFFLINE=1"):
+        data.load_dapo_math(2)
+    assert calls == []
+    fake = datasets.Dataset.from_list([{"prompt": "p0", "solution": "1"}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a) or fake)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert data.load_dapo_math(1)[0]["id"] == "dapo-0" and len(calls) == 1
+
+
+def test_hub_probe_uses_the_endpoint(monkeypatch):
+    import socket
+    seen = []
+
+    def refuse(addr, timeout):
+        seen.append((addr, timeout))
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    assert data.hub_reachable(0.5) is False
+    assert seen == [(("mirror.example", 8080), 0.5)]
 
 
 def test_reference_chat_template_renders_like_the_notebook(tokenizer):
@@ -138,3 +172,20 @@ def test_workload_prompts_are_real_deterministic_and_near_target(gsm8k, tokenize
     assert len(data.workload_prompt_ids(tokenizer, 130, seed=0)) == 130  # cycles past 100
     with pytest.raises(ValueError, match="n_prompts"):
         data.workload_prompt_ids(tokenizer, 0)
+
+
+def test_trainer_loads_the_questions_before_the_model(monkeypatch):
+    """``trainer._load_inputs``: a dataset that cannot load (``dapo_math`` with no hub) fails
+    before ``load_policy`` reads any weights."""
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import trainer
+    from nbhelpers.grpo.plans import BackendPlan
+    loaded = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    monkeypatch.setattr(trainer, "load_policy", lambda *a, **k: loaded.append(a))
+    with pytest.raises(RuntimeError, match="not reachable"):
+        trainer._load_inputs(BackendPlan("hf_generate"), "tiny-llama", GRPOSettings(),
+                             "dapo_math", 4)
+    assert loaded == []

@@ -79,28 +79,36 @@ def _train(backend: str, pad: int, out: Path):
     return res, step_rows(res)
 
 
-@pytest.mark.xfail(torch.cuda.is_available(), strict=False,
-                   reason="known bug, not fixed: on an H100 (2026-12-07, e858b3e, 765b55b) "
-                          "the padded run had NaN gradients at step 1 for both backends "
-                          "(GRPOSettings.pad_to_multiple_of's docstring); the CPU run is the "
-                          "check")
 @pytest.mark.parametrize("backend", ["hf_generate", "flex"])
 def test_a_padded_run_trains_as_the_unpadded_one(backend, tmp_path):
     """Same seed, same tokens: padded positions are masked, so loss, KL and grad norm agree to fp32
-    noise (measured here: |d grad_norm| ~1e-8 for hf_generate), and flex's importance-sampling
-    ratio stays at 1 (its per-token quantities are padded by TRL with the ids)."""
+    noise on the CPU (measured here: |d grad_norm| ~1e-8 for hf_generate), and flex's
+    importance-sampling ratio stays at 1 (its per-token quantities are padded by TRL with the
+    ids). On CUDA (bf16, other attention kernels for the padded lengths) within bf16 noise, and
+    finite: SDPA's cuDNN backward gave NaN gradients there until the trainer excluded it for
+    padded runs (H100, 2026-12-07: with it excluded, grad norms 0.20417 vs 0.20414 at step 1 for
+    hf_generate; flex's step 2 0.2799 vs 0.2827)."""
+    import math
     pytest.importorskip("trl")
     plain, rows0 = _train(backend, 0, tmp_path / "plain")
     padded, rows64 = _train(backend, 64, tmp_path / "padded")
     assert padded.config["pad_to_multiple_of"] == 64 and plain.config["pad_to_multiple_of"] is None
-    on_cuda = any("pad_to_multiple_of=64 on CUDA" in n for n in padded.config["notes"])
-    assert on_cuda == torch.cuda.is_available()  # the warning note, only where it applies
+    on_cuda = any("pad_to_multiple_of=64 on CUDA: SDPA runs without its cuDNN backend" in n
+                  for n in padded.config["notes"])
+    assert on_cuda == torch.cuda.is_available()  # the note, only where it applies
     assert [r["step"] for r in rows64] == [1, 2]
+    cuda = torch.cuda.is_available()
     for a, b in zip(rows0, rows64):
+        assert math.isfinite(b["grad_norm"]) and b["grad_norm"] > 0
+        if cuda:  # bf16; step 2's rollout already follows a bf16-noisy update
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+            assert b["loss"] == pytest.approx(a["loss"], abs=1e-3)
+            assert b["kl"] == pytest.approx(a["kl"], rel=0.25, abs=1e-4)
+            continue
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
-    if backend == "flex":
+    if backend == "flex":  # bf16 on CUDA: the engine's and the trainer's logprobs differ more
         for r in rows64:
-            assert r["is_token_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-            assert r["is_token_outside_0.9_1.1"] == 0.0
+            assert r["is_token_ratio_mean"] == pytest.approx(1.0, abs=5e-3 if cuda else 1e-5)
+            assert r["is_token_outside_0.9_1.1"] <= (0.05 if cuda else 0.0)

@@ -657,4 +657,14 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # session 7, last minutes: phase 2's flex row at the Qwen3-4B shape after the default change
     "n7p": (["notebooks", "trl"], ["tok", "gsm8k"], [
         (P2, {"backends": "[flex]"}, 130, 200, 0)]),
+    # session 21: the GPU half of 75e9fb9 (pad_to_multiple_of without SDPA's cuDNN backend; the
+    # dapo_math fast-fail) and the probe's hook; needs m2n, m2t, the four GGUF parts and the
+    # SmolLM2 folder converted (``python3 -m nbhelpers fetch smollm2-135m-instruct``) first
+    "t20": ([], [], [
+        (SUITE, {"args": "--paths tests/unit/test_pad_to_multiple_of.py,tests/unit/test_data.py,"
+                 "tests/unit/test_fa4_probe_hook.py --tb=short"}, 90, 200, 0)]),
+    # the FA4 CB probe at workload W only (the small shape finished in both graph modes in
+    # session 17; session 20's graphs=True rows were the probe's own hook syncing in a capture)
+    "f4w": ([], ["fa42"], [
+        ("scripts/device/fa4_probe.py", {"args": "--shapes w --out $OUT"}, 240, 330, 0)]),
 }

@@ -1,0 +1,38 @@
+"""scripts/device/fa4_probe.py's LM-head hook: it must not read logits back inside a CUDA graph
+capture (session 20's probe failed every graphs=True configuration that way on an H100)."""
+
+from pathlib import Path
+import importlib
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts/device"))
+    return importlib.import_module("fa4_probe")
+
+
+def test_eager_calls_count_non_finite_logits(probe):
+    hook = probe.NonFinite()
+    hook(None, (), torch.tensor([[0.0, 1.0]]))
+    hook(None, (), torch.tensor([[float("nan"), 1.0]]))
+    assert (hook.calls, hook.bad, hook.captured) == (2, 1, 0)
+
+
+def test_a_captured_forward_is_counted_and_not_read_back(probe, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    class NoReadBack:
+        is_cuda = True
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the hook read the logits back during a capture")
+
+    monkeypatch.setattr(torch, "isfinite", refuse)
+    hook = probe.NonFinite()
+    hook(None, (), NoReadBack())
+    assert (hook.calls, hook.bad, hook.captured) == (0, 0, 1)

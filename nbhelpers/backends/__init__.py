@@ -28,6 +28,10 @@ _REGISTRY: dict[str, str] = {
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hf_cb_nograph": ("hf_cb", {"use_cuda_graph": False}),
     "hf_cb_fa4": ("hf_cb", {"attn_implementation": "paged|flash_attention_4"}),
+    # FA4 with CUDA graphs off: on Hopper, phase 1's workload W finishes this way and dies in
+    # the sampler with graphs on (fa4_probe.py, H100, 2026-12-07)
+    "hf_cb_fa4_nograph": ("hf_cb", {"attn_implementation": "paged|flash_attention_4",
+                                    "use_cuda_graph": False}),
     "cb_sync_nograph": ("cb_sync", {"use_cuda_graph": False}),
 }
 BACKENDS: tuple[str, ...] = tuple(_REGISTRY) + tuple(VARIANTS)

@@ -11,7 +11,9 @@ backend sizes itself from the first ``generate`` call, or earlier through
 does not shrink the cache).
 
 Engine options: ``attn_implementation`` (``paged|sdpa`` default; ``paged|flash_attention_4`` needs
-the ``fa4`` extra), ``use_cuda_graph`` (default: True on CUDA, False on CPU), ``block_size`` (256),
+the ``fa4`` extra), ``use_cuda_graph`` (default: True on CUDA, False on CPU; a bool, or a
+``[varlen, decode]`` pair of bools for transformers' two CB paths, its own tuple form since
+transformers PR #45323: prefill/mixed batches and decode-only batches), ``block_size`` (256),
 ``q_padding_interval_size`` (32), ``kv_padding_interval_size`` (2048), ``headroom`` (1.25),
 ``num_blocks`` / ``max_batch_tokens`` / ``max_requests_per_batch`` (override the sizing),
 ``allow_block_sharing`` (False), ``device``, ``adapter_path``, ``seed``.
@@ -27,6 +29,27 @@ from nbhelpers.backends import _common
 from nbhelpers.backends.base import Completion
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams, resolve_sampling
 from nbhelpers.engine.llm_checks import check_generate_kwargs
+
+
+def cuda_graph_setting(value: Any, name: str = "hf_cb") -> bool | tuple[bool, bool]:
+    """``use_cuda_graph`` as transformers' ``ContinuousBatchingConfig`` takes it: a bool (both
+    paths) or a ``(varlen, decode)`` pair (a list from a YAML/``-p`` value becomes a tuple).
+
+    The pair exists for FlashAttention-4 on Hopper: phase 1's workload W with CUDA graphs on
+    died in the sampler (NaN probabilities, then a device-side assert) while the same run with
+    graphs off finished (``scripts/device/fa4_probe.py``, H100, 2026-12-07); graphs on one path
+    only says which path's replay is wrong. Raises ``ValueError`` naming the accepted forms."""
+    if isinstance(value, bool):
+        return value
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, bool) for v in value)):
+        return (value[0], value[1])
+    raise ValueError(f"{name}: use_cuda_graph={value!r}: use true, false or a [varlen, decode] "
+                     "pair of booleans, e.g. [false, true] for graphs on decode batches only.")
+
+
+def _any_graph(value: bool | tuple[bool, bool]) -> bool:
+    return any(value) if isinstance(value, tuple) else value
 
 CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
               "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
@@ -105,6 +128,8 @@ class HFCBBackend:
                 "q_padding_interval_size": 32, "kv_padding_interval_size": 2048,
                 "allow_block_sharing": False, **engine_options}
         check_attn(opts["attn_implementation"])
+        if "use_cuda_graph" in opts:  # checked before the model loads
+            opts["use_cuda_graph"] = cuda_graph_setting(opts["use_cuda_graph"], self.name)
         from nbhelpers.shims import transformers_cb_cache_zero
 
         self.cache_zero_fill = transformers_cb_cache_zero.apply()  # NaN-free warm-up
@@ -113,7 +138,7 @@ class HFCBBackend:
             adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))
         is_cuda = next(self.model.parameters()).device.type == "cuda"
         opts.setdefault("use_cuda_graph", is_cuda)
-        if opts["use_cuda_graph"] and not is_cuda:
+        if _any_graph(opts["use_cuda_graph"]) and not is_cuda:
             raise ValueError(f"{self.name}: use_cuda_graph=True needs a CUDA device; pass "
                              "use_cuda_graph=False on the CPU.")
         self.options = opts
@@ -145,7 +170,7 @@ class HFCBBackend:
             allow_block_sharing=o["allow_block_sharing"],
             q_padding_interval_size=o["q_padding_interval_size"],
             kv_padding_interval_size=o["kv_padding_interval_size"],
-            use_cuda_graph=bool(o["use_cuda_graph"]), seed=sampling.seed or 0)
+            use_cuda_graph=o["use_cuda_graph"], seed=sampling.seed or 0)
 
     def _manager_key(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple:
         """What a cached manager depends on (its logits processors and cache are fixed at
@@ -190,7 +215,9 @@ class HFCBBackend:
     def _common_info(self) -> dict[str, Any]:
         """Engine info every CB driver records: attention, CUDA graphs, sizing, the cache shim."""
         return {"attn": self.options["attn_implementation"],
-                "use_cuda_graph": bool(self.options["use_cuda_graph"]),
+                "use_cuda_graph": (list(self.options["use_cuda_graph"])
+                                   if isinstance(self.options["use_cuda_graph"], tuple)
+                                   else self.options["use_cuda_graph"]),
                 "sizing": vars(self.sizing) if self.sizing else None,
                 "cb_cache_zero_fill": self.cache_zero_fill}
 

@@ -667,4 +667,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # session 17; session 20's graphs=True rows were the probe's own hook syncing in a capture)
     "f4w": ([], ["fa42"], [
         ("scripts/device/fa4_probe.py", {"args": "--shapes w --out $OUT"}, 240, 330, 0)]),
+    # session 21's f4w: FA4 at W finished with graphs off and died in the sampler with graphs
+    # on; next: graphs on the varlen path only / the decode path only (sdpa eager as reference),
+    # then phase 1's FA4 row with graphs off (the hf_cb_fa4_nograph variant)
+    "f4s": ([], ["fa42"], [
+        ("scripts/device/fa4_probe.py", {"args": "--shapes w --only-split --out $OUT"}, 150, 240,
+         0),
+        (P1, {"backends": "[hf_cb_fa4_nograph]", "without_lora": "false"}, 150, 220, 0)]),
 }

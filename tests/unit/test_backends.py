@@ -250,3 +250,46 @@ def test_gpu_engines_generate_every_token_with_lora(name):
     outs = b.generate(PROMPTS, GREEDY)
     b.close()
     assert [len(c.token_ids) for c in outs] == [GREEDY.max_new_tokens] * len(PROMPTS)
+
+
+def test_fa4_nograph_variant_needs_cuda():
+    from nbhelpers.run.host_checks import needs_cuda
+    assert resolve("hf_cb_fa4_nograph") == ("hf_cb", {
+        "attn_implementation": "paged|flash_attention_4", "use_cuda_graph": False})
+    assert needs_cuda("hf_cb_fa4_nograph") and needs_cuda("hf_cb_fa4")
+    assert not needs_cuda("hf_cb_nograph")
+
+
+@pytest.mark.parametrize("value,expected", [
+    (True, True), (False, False), ([False, True], (False, True)), ((True, False), (True, False))])
+def test_cuda_graph_setting_accepts_a_bool_or_a_varlen_decode_pair(value, expected):
+    from nbhelpers.backends.hf_cb import cuda_graph_setting
+    assert cuda_graph_setting(value) == expected
+
+
+@pytest.mark.parametrize("value", ["yes", 1, [True], [True, False, True], [1, 0], None])
+def test_a_bad_use_cuda_graph_is_refused_before_the_model_loads(value, monkeypatch):
+    def no_load(*_a, **_k):
+        raise AssertionError("the model loaded before the option was checked")
+
+    monkeypatch.setattr(_common, "load_hf", no_load)
+    with pytest.raises(ValueError, match=r"use_cuda_graph=.*\[varlen, decode\] pair"):
+        get_backend("hf_cb").load(SPEC, None, device="cpu", use_cuda_graph=value)
+
+
+def test_the_pair_reaches_transformers_config_and_the_sidecar_info():
+    models.fetch_assets("tiny-qwen3")
+    b = get_backend("hf_cb")
+    try:
+        b.load(SPEC, None, device="cpu", use_cuda_graph=[False, False])
+        b.size_for_workload(PROMPTS, GREEDY)
+        assert b.cb_config(GREEDY).use_cuda_graph == (False, False)
+        assert b.info["use_cuda_graph"] == [False, False]
+        out = b.generate(PROMPTS, GREEDY)
+        assert [len(c.token_ids) for c in out] == [GREEDY.max_new_tokens] * len(PROMPTS)
+        assert b.info["use_cuda_graph"] == [False, False]
+    finally:
+        b.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_cuda_graph=True needs a CUDA device"):
+            get_backend("hf_cb").load(SPEC, None, device="cpu", use_cuda_graph=[False, True])

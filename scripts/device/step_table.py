@@ -488,6 +488,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"@profile": "h200_realistic", "backends": "[vllm]"}, 300, 420, 0)]),
     "rf1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 400, 0)]),
+    # the memory goal at the realistic preset (flex <= hf_generate's peak + 2 GiB): flex with its
+    # KV pool and graphs freed while the trainer runs (rf1 kept them: 124.5 GiB, session 15)
+    "rf1s": ([], [], [
+        (P2, {"@profile": "h200_realistic", "backends": "[flex]",
+              "flex_sleep_between_rollouts": "true"}, 260, 400, 0)]),
     # issue 13 part 1: SmolLM2 real weights (GGUF joined by n18), vLLM and flex live, gated
     # against session 6's hf_generate row (same request: checked on the CPU, 2026-12-02)
     "rv5": ([], [], [

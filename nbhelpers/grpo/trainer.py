@@ -340,17 +340,22 @@ def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -
 def _load_inputs(plan: BackendPlan, model_name: str, settings: GRPOSettings, dataset: str,
                  n_questions: int, attn_implementation: str | None = None
                  ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-    """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run; the
-    questions load first, so a dataset that cannot load (``dapo_math`` offline) fails before
-    the model's weights are read."""
-    from nbhelpers import data
+    """``(model, tokenizer, peft_config, train_dataset, dataset_stats)`` for one run. The
+    questions load and the prompts are filtered by ``max_prompt_length`` (with the model's
+    tokenizer alone) before the weights are read, so a dataset that cannot load (``dapo_math``
+    offline) or a ``max_prompt_length`` no prompt fits fails in seconds (before, the latter
+    failed after the model had loaded: helper-15's trial, 2026-12-07). The rows hold text, so
+    the dataset built with that tokenizer is the one the trainer gets."""
+    from nbhelpers import data, models
     from nbhelpers.grpo import setup
     questions = setup.load_questions(dataset, n_questions, settings.seed)
+    pre_tok = models.load_tokenizer(model_name)
+    data.apply_reference_chat_template(pre_tok)
+    train_ds, ds_stats = build_dataset(dataset, pre_tok, n_questions, settings.max_prompt_length,
+                                       settings.seed, questions=questions)
     model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda(),
                                    attn_implementation=attn_implementation)
     data.apply_reference_chat_template(tok)
-    train_ds, ds_stats = build_dataset(dataset, tok, n_questions, settings.max_prompt_length,
-                                       settings.seed, questions=questions)
     return model, tok, peft, train_ds, ds_stats
 
 

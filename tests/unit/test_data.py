@@ -189,3 +189,21 @@ def test_trainer_loads_the_questions_before_the_model(monkeypatch):
         trainer._load_inputs(BackendPlan("hf_generate"), "tiny-llama", GRPOSettings(),
                              "dapo_math", 4)
     assert loaded == []
+
+
+def test_a_max_prompt_length_no_prompt_fits_fails_before_the_model(monkeypatch):
+    """``trainer._load_inputs`` filters the prompts with the tokenizer alone, so a
+    ``max_prompt_length`` below the shortest prompt fails before ``load_policy`` reads any
+    weights (it failed after the model loaded: helper-15's trial, 2026-12-07)."""
+    from nbhelpers import models
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import trainer
+    from nbhelpers.grpo.plans import BackendPlan
+    models.fetch_assets("tiny-llama")
+    loaded = []
+    monkeypatch.setattr(trainer, "load_policy", lambda *a, **k: loaded.append(a))
+    settings = GRPOSettings(max_prompt_length=5)
+    with pytest.raises(ValueError, match="max_prompt_length") as err:
+        trainer._load_inputs(BackendPlan("hf_generate"), "tiny-llama", settings, "gsm8k", 8)
+    assert loaded == []
+    assert "raise" in str(err.value) or "increase" in str(err.value), str(err.value)

@@ -675,6 +675,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # session 21's f4w: FA4 at W finished with graphs off and died in the sampler with graphs
     # on; next: graphs on the varlen path only / the decode path only (sdpa eager as reference),
     # then phase 1's FA4 row with graphs off (the hf_cb_fa4_nograph variant)
+    # phase 1's FA4 row that can run (graphs off), alone: a short window's call (~90 s)
+    "f4n": ([], ["fa42"], [
+        (P1, {"backends": "[hf_cb_fa4_nograph]", "without_lora": "false"}, 110, 200, 0)]),
     "f4s": ([], ["fa42"], [
         ("scripts/device/fa4_probe.py", {"args": "--shapes w --only-split --out $OUT"}, 150, 240,
          0),

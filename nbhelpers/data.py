@@ -166,12 +166,9 @@ def load_dapo_math(n: int | None = None) -> list[dict[str, str]]:
     import datasets
 
     name, config, split = DAPO_DATASET
-    if not _env_true("HF_HUB_OFFLINE") and not _env_true("HF_DATASETS_OFFLINE") \
-            and not hub_reachable():
-        raise RuntimeError(f"Could not load {name}: the Hugging Face hub ({':'.join(map(str, _hub_host()))}) is not "
-                           "reachable from this machine. Offline, use dataset gsm8k or "
-                           "gsm_symbolic (nbhelpers.data.load_gsm8k() / gsm_symbolic()); if the "
-                           "dataset is in your local Hugging Face cache, set HF_HUB_OFFLINE=1.")
+    problem = dapo_math_unreachable()
+    if problem:
+        raise RuntimeError(problem)
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # datasets raises many types (ConnectionError, OSError, HfHubHTTP...)
@@ -181,6 +178,20 @@ def load_dapo_math(n: int | None = None) -> list[dict[str, str]]:
     ds = ds.select(range(min(n, len(ds)))) if n is not None else ds
     return [{"question": x["prompt"], "answer": str(x["solution"]), "id": f"dapo-{i}"}
             for i, x in enumerate(ds)]
+
+
+def dapo_math_unreachable() -> str | None:
+    """Why ``dapo_math`` cannot load here, or ``None``: without ``HF_HUB_OFFLINE`` /
+    ``HF_DATASETS_OFFLINE`` set (a local cache), the hub host must accept a TCP connection
+    (:func:`hub_reachable`). Phase 2's runner asks before launch
+    (``nbhelpers.run.host_checks.check_dataset_host``), :func:`load_dapo_math` at load."""
+    if _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE") or hub_reachable():
+        return None
+    host = ":".join(map(str, _hub_host()))
+    return (f"Could not load {DAPO_DATASET[0]}: the Hugging Face hub ({host}) is not reachable "
+            "from this machine. Offline, use dataset gsm8k or gsm_symbolic "
+            "(nbhelpers.data.load_gsm8k() / gsm_symbolic()); if the dataset is in your local "
+            "Hugging Face cache, set HF_HUB_OFFLINE=1.")
 
 
 def _env_true(name: str) -> bool:

@@ -51,6 +51,50 @@ def cuda_graph_setting(value: Any, name: str = "hf_cb") -> bool | tuple[bool, bo
 def _any_graph(value: bool | tuple[bool, bool]) -> bool:
     return any(value) if isinstance(value, tuple) else value
 
+
+def check_cb_options(options: dict[str, Any], name: str = "hf_cb", *, cuda: bool,
+                     extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Check continuous-batching engine options before any model loads; returns them with
+    ``use_cuda_graph`` normalised (:func:`cuda_graph_setting`).
+
+    ``cuda``: whether the model will be on a CUDA device; ``extra``: keys a driver adds to
+    :data:`CB_OPTIONS` (``cb_sync``'s ``watchdog_s``). Used by :meth:`HFCBBackend.load` and by
+    phase 1's pre-launch check (``nbhelpers.run.host_checks.check_cb_backend_options``: a bad
+    option used to start a kernel and archive a failed run 15-20 s later, helper-16's trial).
+
+    Raises:
+        ValueError: an unknown key (with the closest known one), a bad ``use_cuda_graph``, CUDA
+            graphs asked for off CUDA, or an unknown ``attn_implementation``.
+        BackendNotInstalled: ``paged|flash_attention_4`` without the fa4 extra.
+    """
+    import difflib
+    known = CB_OPTIONS | extra
+    unknown = sorted(set(options) - known)
+    if unknown:
+        hints = [f"{k!r}: did you mean {c[0]!r}?" for k in unknown
+                 if (c := difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.7))]
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise ValueError(f"{name}: unknown engine options {unknown}{hint}; use {sorted(known)}.")
+    out = dict(options)
+    if "attn_implementation" in out:
+        check_attn(out["attn_implementation"])
+    if "use_cuda_graph" in out:
+        out["use_cuda_graph"] = cuda_graph_setting(out["use_cuda_graph"], name)
+        if _any_graph(out["use_cuda_graph"]) and not cuda:
+            raise ValueError(f"{name}: use_cuda_graph={options['use_cuda_graph']!r} needs a CUDA "
+                             "device (use_cuda_graph=True needs a CUDA device); pass "
+                             "use_cuda_graph=False on the CPU.")
+    return out
+
+
+def will_be_cuda(device: Any) -> bool:
+    """Where :func:`nbhelpers.backends._common.load_hf` puts the model: ``device``, else CUDA
+    when torch sees one."""
+    if device is not None:
+        return str(device).startswith("cuda")
+    import torch
+    return torch.cuda.is_available()
+
 CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
               "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
               "max_requests_per_batch", "allow_block_sharing", "device", "adapter_path", "seed"}
@@ -120,16 +164,12 @@ class HFCBBackend:
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
         _common.require("transformers.generation.continuous_batching", self.name, "cpu")
-        unknown = set(engine_options) - CB_OPTIONS
-        if unknown:
-            raise ValueError(f"{self.name}: unknown engine options {sorted(unknown)}; use "
-                             f"{sorted(CB_OPTIONS)}.")
+        engine_options = check_cb_options(  # before the model loads
+            engine_options, self.name, cuda=will_be_cuda(engine_options.get("device")))
         opts = {"attn_implementation": "paged|sdpa", "block_size": 256, "headroom": 1.25,
                 "q_padding_interval_size": 32, "kv_padding_interval_size": 2048,
                 "allow_block_sharing": False, **engine_options}
         check_attn(opts["attn_implementation"])
-        if "use_cuda_graph" in opts:  # checked before the model loads
-            opts["use_cuda_graph"] = cuda_graph_setting(opts["use_cuda_graph"], self.name)
         from nbhelpers.shims import transformers_cb_cache_zero
 
         self.cache_zero_fill = transformers_cb_cache_zero.apply()  # NaN-free warm-up
@@ -138,9 +178,10 @@ class HFCBBackend:
             adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))
         is_cuda = next(self.model.parameters()).device.type == "cuda"
         opts.setdefault("use_cuda_graph", is_cuda)
-        if _any_graph(opts["use_cuda_graph"]) and not is_cuda:
-            raise ValueError(f"{self.name}: use_cuda_graph=True needs a CUDA device; pass "
-                             "use_cuda_graph=False on the CPU.")
+        if _any_graph(opts["use_cuda_graph"]) and not is_cuda:  # a device the pre-check missed
+            self.model = self.tokenizer = None  # a failed load keeps no model
+            raise ValueError(f"{self.name}: use_cuda_graph={opts['use_cuda_graph']!r} needs a "
+                             "CUDA device; pass use_cuda_graph=False on the CPU.")
         self.options = opts
         self.info = self._common_info()
         self.eos = _common.eos_ids(self.model, self.tokenizer)

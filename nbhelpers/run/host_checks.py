@@ -141,6 +141,53 @@ def check_flex_backend_options(params: dict[str, Any], where: Callable[[str], st
         raise UserInputError(f"{where('engine_options')}: engine_options['flex']: {exc}") from exc
 
 
+def check_cb_backend_options(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    """Phase 1's continuous-batching backends (``hf_cb``, ``cb_sync`` and their variants,
+    :func:`nbhelpers.backends.resolve`): each one's variant defaults plus its
+    ``engine_options[<backend>]`` (harness keys aside) through
+    :func:`nbhelpers.backends.hf_cb.check_cb_options`, with CUDA as this host has it. A bad key
+    or value (``use_cuda_graph: yes`` off CUDA, ``blok_size``) started a kernel and archived a
+    failed run 15-20 s later (helper-16's trial, 2026-12-07). Raises :class:`UserInputError`."""
+    opts, backends = params.get("engine_options"), params.get("backends")
+    if not isinstance(backends, list):
+        return
+    opts = opts if isinstance(opts, dict) else {}
+    from nbhelpers.backends import resolve
+    from nbhelpers.backends.base import BackendNotInstalled
+    from nbhelpers.backends.hf_cb import check_cb_options
+    from nbhelpers.bench.rollout import HARNESS_KEYS
+    for backend in backends:
+        try:
+            engine, defaults = resolve(backend)
+        except ValueError:
+            continue  # the value checks name an unknown backend
+        given = opts.get(backend)
+        if engine not in ("hf_cb", "cb_sync") or not isinstance(given, dict):
+            continue
+        merged = {**defaults, **{k: v for k, v in given.items() if k not in HARNESS_KEYS}}
+        extra = frozenset({"watchdog_s"}) if engine == "cb_sync" else frozenset()
+        try:
+            check_cb_options(merged, backend, cuda=cuda_available(), extra=extra)
+        except (ValueError, BackendNotInstalled) as exc:
+            raise UserInputError(f"{where('engine_options')}: engine_options[{backend!r}]: "
+                                 f"{exc}") from exc
+
+
+def check_dataset_host(params: dict[str, Any], where: Callable[[str], str]) -> None:
+    """Phase 2's ``dataset dapo_math`` needs the Hugging Face hub (or a local cache with
+    ``HF_HUB_OFFLINE=1``): asked here before launch (:func:`nbhelpers.data.dapo_math_unreachable`,
+    a 3 s connect), since offline it started a kernel, failed 31 s later and archived a failed
+    run and sidecars that a later 29_compare read (helper-16's trial, 2026-12-07). Raises
+    :class:`UserInputError`."""
+    if params.get("dataset") != "dapo_math":
+        return
+    from nbhelpers.data import dapo_math_unreachable
+    problem = dapo_math_unreachable()
+    if problem:
+        raise UserInputError(f"{where('dataset')}: dataset='dapo_math': {problem} "
+                             "(-p dataset gsm8k)")
+
+
 CPU_BACKENDS = {"phase1": "hf_generate, hf_cb", "phase2": "hf_generate, flex"}
 """What the CUDA check offers instead when every backend of the run needs CUDA, per phase (the
 CPU configs' backends; phase 1's CPU config leaves flex out: slow on 2 cores)."""
@@ -253,8 +300,10 @@ def check_host(params: dict[str, Any], phase: str, where: Callable[[str], str],
     Raises :class:`UserInputError` naming the parameter and the fix."""
     if phase == "phase1":
         check_flex_backend_options(params, where)
+        check_cb_backend_options(params, where)
     if phase == "phase2":
         check_attn_host(params, where)
+        check_dataset_host(params, where)
     if phase in ("phase1", "phase2"):
         check_cuda_backends(params, where, phase)
         _check_size(params, where, phase)

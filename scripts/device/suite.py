@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
         say(f"order: longest first by {env['NBH_SUITE_DURATIONS'] or '(no junit: as collected)'}")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                preexec_fn=_sigint_default)
+                                preexec_fn=_sigint_default)  # noqa: PLW1509 (no threads yet)
         stopped = []
         signal.signal(signal.SIGTERM, lambda *_: _interrupt(proc, stopped, say))
         for line in proc.stdout:

@@ -293,3 +293,19 @@ def test_the_pair_reaches_transformers_config_and_the_sidecar_info():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="use_cuda_graph=True needs a CUDA device"):
             get_backend("hf_cb").load(SPEC, None, device="cpu", use_cuda_graph=[False, True])
+
+
+def test_graphs_on_the_cpu_are_refused_before_the_model_loads(monkeypatch):
+    """``device='cpu'`` with any CUDA graph path on: refused naming the value given, before
+    ``load_hf`` (helper-16's trial: the model loaded first and stayed on the failed backend)."""
+    def no_load(*_a, **_k):
+        raise AssertionError("the model loaded before the option was checked")
+
+    monkeypatch.setattr(_common, "load_hf", no_load)
+    for value in (True, [False, True], (True, False)):
+        b = get_backend("hf_cb")
+        with pytest.raises(ValueError, match=r"use_cuda_graph=.* needs a CUDA device"):
+            b.load(SPEC, None, device="cpu", use_cuda_graph=value)
+        assert b.model is None
+    with pytest.raises(ValueError, match=r"'watchdgo_s': did you mean 'watchdog_s'"):
+        get_backend("cb_sync").load(SPEC, None, device="cpu", watchdgo_s=3)

@@ -1,8 +1,8 @@
 """scripts/device/fa4_probe.py's LM-head hook: it must not read logits back inside a CUDA graph
 capture (session 20's probe failed every graphs=True configuration that way on an H100)."""
 
-from pathlib import Path
 import importlib
+from pathlib import Path
 
 import pytest
 import torch

@@ -144,3 +144,45 @@ def test_34_parity_engine_options_are_refused_before_anything_is_claimed(tmp_pat
     """A bad parity option failed in cell 11 after HF and the noise floor ran, leaving a failed
     notebook, sidecar and INDEX row (fresh-user trial, 2026-12-02)."""
     _plans_or_is_refused(N34, over, want, "parity_engine_options", tmp_path)
+
+
+N20 = "notebooks/phase2_grpo/20_grpo_equivalence.ipynb"
+
+
+@pytest.mark.parametrize("over,want", [
+    ({"backends": ["hf_cb"], "engine_options": {"hf_cb": {"use_cuda_graph": True}}},
+     (r"-p engine_options \(10_lora_rollout.ipynb\): engine_options\['hf_cb'\]: hf_cb: "
+      r"use_cuda_graph=True needs a CUDA device")),
+    ({"backends": ["hf_cb"], "engine_options": {"hf_cb": {"use_cuda_graph": [False, True]}}},
+     r"use_cuda_graph=\[False, True\] needs a CUDA device"),
+    ({"backends": ["hf_cb"], "engine_options": {"hf_cb": {"use_cuda_graph": "banana"}}},
+     r"use_cuda_graph='banana': use true, false or a \[varlen, decode\] pair"),
+    ({"backends": ["hf_cb_nograph"], "engine_options": {"hf_cb_nograph": {"blok_size": 64}}},
+     r"unknown engine options \['blok_size'\] \('blok_size': did you mean 'block_size'\?\)"),
+    ({"backends": ["cb_sync"], "engine_options": {"cb_sync": {"watchdog_s": 30,
+                                                              "rounds": 1}}}, None),
+    ({"backends": ["hf_cb_nograph"], "engine_options": {"hf_cb_nograph": {"rounds": 1,
+                                                                          "block_size": 64}}},
+     None),
+])
+def test_phase1_cb_options_are_refused_before_anything_is_claimed(monkeypatch, tmp_path, over,
+                                                                   want):
+    """A bad hf_cb / cb_sync option started a kernel and archived a failed run 15-20 s later
+    (helper-16's trial, 2026-12-07)."""
+    monkeypatch.setattr(host_checks, "cuda_available", lambda: False)
+    _plans_or_is_refused(N10, over, want, "engine_options", tmp_path)
+
+
+def test_dapo_math_without_the_hub_is_refused_before_launch(monkeypatch, tmp_path):
+    """Offline, ``-p dataset dapo_math`` started a kernel, failed 31 s later and archived a failed
+    run (helper-16's trial); with ``HF_HUB_OFFLINE=1`` (a local cache) it plans."""
+    from nbhelpers import data
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "hub_reachable", lambda timeout_s=3.0: False)
+    _plans_or_is_refused(N20, {"dataset": "dapo_math"},
+                         (r"-p dataset \(20_grpo_equivalence.ipynb\): dataset='dapo_math': Could "
+                          r"not load .*not reachable.*HF_HUB_OFFLINE=1.*\(-p dataset gsm8k\)"),
+                         "dataset", tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _plans_or_is_refused(N20, {"dataset": "dapo_math"}, None, "dataset", tmp_path)

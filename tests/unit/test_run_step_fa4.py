@@ -46,7 +46,7 @@ def test_the_fa4_steps_stage_parts_in_order_and_run_its_tests(run_step):
     assert run_step.STEPS["f4a"][1] == ["fa40"] and run_step.STEPS["f4m"][1] == ["fa41"]
     for step in ("f4b", "f4p", "f4c"):  # each runs after f4a, f4m: the last part restores
         assert run_step.STEPS[step][1][0] == "fa42", step
-    sets, extra, jobs = run_step.STEPS["f4b"]
+    sets, _, jobs = run_step.STEPS["f4b"]
     assert "notebooks" in sets
     assert "test_prefill_fa4" in jobs[0][1]["args"] and "prefill_attention: fa4" in \
         jobs[1][1]["variants"]

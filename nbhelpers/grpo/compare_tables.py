@@ -120,9 +120,13 @@ def _max(vals: list[Any]) -> float | None:
 
 
 def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
-    """``pass`` | ``FAIL`` | ``not staged`` (every check skipped) | ``interrupted`` (skipped: the
-    run was stopped before it finished, :func:`nbhelpers.grpo.gate.is_interrupted`) for
-    ``gates[name]``; ``None`` when the backend was not gated."""
+    """``pass`` | ``pass (untrained)`` | ``FAIL`` | ``not staged`` (every check skipped) |
+    ``interrupted`` (skipped: the run was stopped before it finished,
+    :func:`nbhelpers.grpo.gate.is_interrupted`) for ``gates[name]``; ``None`` when the backend
+    was not gated. ``pass (untrained)``: the gate passed but its ``learning_signal`` check saw
+    ``grad_norm`` 0 at every step (every reward tied), so the backends were compared untrained
+    (a 2-step CPU run with padding read "gate pass" with no gradient at all: helper-16's trial,
+    2026-12-07)."""
     if not gates or name not in gates:
         return None
     from nbhelpers.grpo.gate import is_interrupted
@@ -132,7 +136,12 @@ def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
         if not all(c["status"] == "skip" for c in g["checks"]):
             return "FAIL"
         return "interrupted" if is_interrupted(g["error"]) else "not staged"
-    return "pass" if g["passed"] else "FAIL"
+    if not g["passed"]:
+        return "FAIL"
+    signal = next((c for c in g["checks"] if c.get("name") == "learning_signal"), None)
+    if signal is not None and str(signal.get("detail", "")).startswith("grad_norm > 0 at 0/"):
+        return "pass (untrained)"
+    return "pass"
 
 
 def steps_long(runs: dict[str, dict[str, Any]]):

@@ -334,3 +334,15 @@ def test_29_prints_every_failed_cross_run_check_in_full_and_says_why():
         "display(grpo_compare.gate_frame(cross))")
     assert "gate_conclusion(runs, cross, reference_backend)" in code
     assert "grpo_compare.gate_headline(cross)" in code
+
+
+def test_a_pass_without_any_gradient_is_labelled_untrained():
+    """Every step at grad_norm 0 (every reward tied): the gate passes, but the summary says the
+    backends were compared untrained (helper-16's 2-step padded CPU run read "gate pass")."""
+    from nbhelpers.grpo.compare_tables import gate_word
+    flat = {"rows": [r | {"grad_norm": 0.0} for r in rows()]}
+    moving = {"rows": rows()}
+    gates = check_runs({"hf_generate": flat, "flex": flat}, "hf_generate", TH)
+    assert gate_word(gates, "flex") == "pass (untrained)"
+    gates = check_runs({"hf_generate": moving, "flex": moving}, "hf_generate", TH)
+    assert gate_word(gates, "flex") == "pass"

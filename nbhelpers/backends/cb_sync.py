@@ -40,7 +40,7 @@ import sys
 from typing import Any
 
 from nbhelpers.backends import _common
-from nbhelpers.backends.hf_cb import HFCBBackend, check_cb_options, will_be_cuda
+from nbhelpers.backends.hf_cb import HFCBBackend, check_cb_options
 from nbhelpers.config import LoraSpec, ModelSpec, SamplingParams
 
 
@@ -132,8 +132,9 @@ class CBSyncBackend(HFCBBackend):
         self.driver: SyncCBDriver | None = None
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
+        device = engine_options.get("device") or _common.default_device()
         check_cb_options(engine_options, self.name, extra=frozenset({"watchdog_s"}),
-                         cuda=will_be_cuda(engine_options.get("device")))
+                         cuda=device.startswith("cuda"))
         self.watchdog_s = float(engine_options.pop("watchdog_s", 600.0))
         super().load(model, lora, **engine_options)
 

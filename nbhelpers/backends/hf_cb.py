@@ -48,10 +48,6 @@ def cuda_graph_setting(value: Any, name: str = "hf_cb") -> bool | tuple[bool, bo
                      "pair of booleans, e.g. [false, true] for graphs on decode batches only.")
 
 
-def _any_graph(value: bool | tuple[bool, bool]) -> bool:
-    return any(value) if isinstance(value, tuple) else value
-
-
 def check_cb_options(options: dict[str, Any], name: str = "hf_cb", *, cuda: bool,
                      extra: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Check continuous-batching engine options before any model loads; returns them with
@@ -79,21 +75,13 @@ def check_cb_options(options: dict[str, Any], name: str = "hf_cb", *, cuda: bool
     if "attn_implementation" in out:
         check_attn(out["attn_implementation"])
     if "use_cuda_graph" in out:
-        out["use_cuda_graph"] = cuda_graph_setting(out["use_cuda_graph"], name)
-        if _any_graph(out["use_cuda_graph"]) and not cuda:
+        graphs = out["use_cuda_graph"] = cuda_graph_setting(out["use_cuda_graph"], name)
+        if (any(graphs) if isinstance(graphs, tuple) else graphs) and not cuda:
             raise ValueError(f"{name}: use_cuda_graph={options['use_cuda_graph']!r} needs a CUDA "
                              "device (use_cuda_graph=True needs a CUDA device); pass "
                              "use_cuda_graph=False on the CPU.")
     return out
 
-
-def will_be_cuda(device: Any) -> bool:
-    """Where :func:`nbhelpers.backends._common.load_hf` puts the model: ``device``, else CUDA
-    when torch sees one."""
-    if device is not None:
-        return str(device).startswith("cuda")
-    import torch
-    return torch.cuda.is_available()
 
 CB_OPTIONS = {"attn_implementation", "use_cuda_graph", "block_size", "q_padding_interval_size",
               "kv_padding_interval_size", "headroom", "num_blocks", "max_batch_tokens",
@@ -164,12 +152,11 @@ class HFCBBackend:
 
     def load(self, model: ModelSpec, lora: LoraSpec | None, **engine_options: Any) -> None:
         _common.require("transformers.generation.continuous_batching", self.name, "cpu")
-        engine_options = check_cb_options(  # before the model loads
-            engine_options, self.name, cuda=will_be_cuda(engine_options.get("device")))
         opts = {"attn_implementation": "paged|sdpa", "block_size": 256, "headroom": 1.25,
                 "q_padding_interval_size": 32, "kv_padding_interval_size": 2048,
                 "allow_block_sharing": False, **engine_options}
-        check_attn(opts["attn_implementation"])
+        device = opts.get("device") or _common.default_device()  # where load_hf puts it
+        opts = check_cb_options(opts, self.name, cuda=device.startswith("cuda"))  # before loading
         from nbhelpers.shims import transformers_cb_cache_zero
 
         self.cache_zero_fill = transformers_cb_cache_zero.apply()  # NaN-free warm-up
@@ -177,11 +164,7 @@ class HFCBBackend:
             model, lora, device=opts.get("device"), attn_implementation=opts["attn_implementation"],
             adapter_path=opts.get("adapter_path"), seed=opts.get("seed", 0))
         is_cuda = next(self.model.parameters()).device.type == "cuda"
-        opts.setdefault("use_cuda_graph", is_cuda)
-        if _any_graph(opts["use_cuda_graph"]) and not is_cuda:  # a device the pre-check missed
-            self.model = self.tokenizer = None  # a failed load keeps no model
-            raise ValueError(f"{self.name}: use_cuda_graph={opts['use_cuda_graph']!r} needs a "
-                             "CUDA device; pass use_cuda_graph=False on the CPU.")
+        opts.setdefault("use_cuda_graph", is_cuda)  # a given value was checked before loading
         self.options = opts
         self.info = self._common_info()
         self.eos = _common.eos_ids(self.model, self.tokenizer)

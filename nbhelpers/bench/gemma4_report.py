@@ -68,15 +68,18 @@ def kv_bytes_per_token(model: Any, dtype_bytes: int = 2) -> dict[str, int]:
 
 
 def decode_limit_tok_per_s(model: str, batch: int, prompt_tokens: float, max_new_tokens: int,
-                           param_bytes: int = 2, kv_bytes: int = 2) -> float:
+                           param_bytes: int = 2, kv_bytes: int = 2,
+                           bandwidth_bytes_per_s: float | None = None) -> float:
     """Memory-bandwidth ceiling of Gemma-4 decode (tokens/s), prefill ignored.
 
     Per step: every weight once *except* the per-layer-input table (only ``batch`` rows of it are
     gathered: 2.35 B of E2B's 4.63 B parameters), plus each layer's read of its (store layer's)
     K/V: ``min(ctx, window)`` tokens on sliding layers, ``ctx`` on full ones, averaged over the
-    decode (``ctx = prompt + t``, t = 1..max_new_tokens). Step time >= bytes / bandwidth, at the
-    H200's measured copy bandwidth (``nbhelpers.bench.rollout.H200_COPY_BANDWIDTH_BYTES_PER_S``, DESIGN.md
-    "Reference workloads"); the same formula as ``bench.decode_limit_tok_per_s`` otherwise.
+    decode (``ctx = prompt + t``, t = 1..max_new_tokens). Step time >= bytes / bandwidth, at
+    ``bandwidth_bytes_per_s`` (the run's card, :func:`nbhelpers.bench.floor.read_bandwidth`), else
+    the H200's measured copy bandwidth (``nbhelpers.bench.rollout.H200_COPY_BANDWIDTH_BYTES_PER_S``,
+    DESIGN.md "Reference workloads"); the same formula as ``bench.decode_limit_tok_per_s``
+    otherwise.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,17 +97,22 @@ def decode_limit_tok_per_s(model: str, batch: int, prompt_tokens: float, max_new
         ctx = sum(min(prompt_tokens + t, window) for t in steps) / max_new_tokens
         kv += 2 * row["kv_heads"] * row["head_dim"] * kv_bytes * ctx
     step_bytes = weights * param_bytes + batch * kv
-    return batch * H200_COPY_BANDWIDTH_BYTES_PER_S / step_bytes
+    return batch * (bandwidth_bytes_per_s or H200_COPY_BANDWIDTH_BYTES_PER_S) / step_bytes
 
 
-def limits_for(model: str, sides: list[dict]) -> dict[int, float]:
-    """:func:`decode_limit_tok_per_s` per batch, from each sidecar's actual prompt mean."""
+def limits_for(model: str, sides: list[dict],
+               bandwidth_bytes_per_s: float | None = None) -> dict[int, float]:
+    """:func:`decode_limit_tok_per_s` per batch, from each sidecar's actual prompt mean, at
+    ``bandwidth_bytes_per_s`` (``None``: the H200 constant). The H100 run of 2026-12-07
+    (``executed/phase3_flex/34_gemma4/20261207T103600Z_h100_d658f26*``) used the H200 constant:
+    its limit column is the H200's, not that card's."""
     out: dict[int, float] = {}
     for side in sides:
         w, batch = side.get("workload") or {}, side.get("batch")
         if batch is not None and batch not in out and w.get("prompt_tokens_mean"):
             out[batch] = decode_limit_tok_per_s(model, batch, w["prompt_tokens_mean"],
-                                                w["max_new_tokens"])
+                                                w["max_new_tokens"],
+                                                bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     return out
 
 
@@ -256,7 +264,8 @@ def throughput_figure(frame: Any, limits: dict[int, float] | None = None) -> Any
                 color=color(name.removesuffix("_lora")))
     if limits:
         xs = sorted(limits)
-        ax.plot(xs, [limits[b] for b in xs], "k--", label="bandwidth limit")
+        ax.plot(xs, [limits[b] for b in xs], "k--", label="bandwidth limit (this card's read "
+                "bandwidth)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (prompts decoded together)")
     ax.set_ylabel("output tok/s (median round)")

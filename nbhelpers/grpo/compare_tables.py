@@ -129,7 +129,7 @@ def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
     2026-12-07)."""
     if not gates or name not in gates:
         return None
-    from nbhelpers.grpo.gate import is_interrupted
+    from nbhelpers.grpo.gate import is_interrupted, untrained
     g = gates[name]
     g = g if isinstance(g, dict) else g.as_dict()
     if g.get("error"):
@@ -138,10 +138,7 @@ def gate_word(gates: dict[str, Any] | None, name: str) -> str | None:
         return "interrupted" if is_interrupted(g["error"]) else "not staged"
     if not g["passed"]:
         return "FAIL"
-    signal = next((c for c in g["checks"] if c.get("name") == "learning_signal"), None)
-    if signal is not None and str(signal.get("detail", "")).startswith("grad_norm > 0 at 0/"):
-        return "pass (untrained)"
-    return "pass"
+    return "pass (untrained)" if untrained(g) else "pass"
 
 
 def steps_long(runs: dict[str, dict[str, Any]]):

@@ -309,7 +309,19 @@ def _check_signal(rows: list[dict[str, Any]]) -> Check:
     moved = sum(1 for r in rows if _finite(r.get("grad_norm")) and r["grad_norm"] > 0)
     note = "" if moved else ": every reward tie gives zero advantages, so the KL checks compare " \
                             "untrained policies (use a model that scores, or more steps)"
-    return Check("learning_signal", "info", f"grad_norm > 0 at {moved}/{len(rows)} steps{note}")
+    return Check("learning_signal", "info", f"{_SIGNAL}{moved}/{len(rows)} steps{note}")
+
+
+_SIGNAL = "grad_norm > 0 at "
+"""The ``learning_signal`` detail's start (:func:`_check_signal`, :func:`untrained`)."""
+
+
+def untrained(gate: dict[str, Any]) -> bool:
+    """Whether a gate's (:meth:`GateResult.as_dict`, or a sidecar's ``gate``)
+    ``learning_signal`` check saw ``grad_norm`` 0 at every step (the backends were compared
+    untrained)."""
+    return any(c.get("name") == "learning_signal" and c.get("detail", "").startswith(
+        f"{_SIGNAL}0/") for c in gate.get("checks", []))
 
 
 def check_run(backend: str, rows: list[dict[str, Any]], thresholds: Thresholds,

@@ -42,6 +42,7 @@ from probe_log import say
 
 CONFIGS = (("paged|sdpa", False), ("paged|sdpa", True), ("paged|flash_attention_4", False),
            ("paged|flash_attention_4", True))
+"""(attention, CUDA graphs) per run; the first is every shape's token reference."""
 SPLIT_CONFIGS = (("paged|flash_attention_4", (True, False)),
                  ("paged|flash_attention_4", (False, True)))
 """``--split``: FA4 with CUDA graphs on one of transformers' two CB paths only ((varlen, decode),
@@ -63,7 +64,6 @@ def parse_graphs(arg: str) -> bool | tuple[bool, bool]:
     if len(arg) == 2 and set(arg) <= {"0", "1"}:
         return (arg[0] == "1", arg[1] == "1")
     raise ValueError(f"GRAPHS {arg!r}: use 0, 1, 10 or 01")
-"""(attention, CUDA graphs) per run; the first is every shape's token reference."""
 
 
 class NonFinite:

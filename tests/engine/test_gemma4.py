@@ -220,3 +220,16 @@ def test_decode_limit_skips_the_per_layer_input_table_and_caps_sliding_reads():
     kv = 2 * (2 * 16 * 2) * 14.5 + 2 * (2 * 32 * 2) * 15.5
     expected = H200_COPY_BANDWIDTH_BYTES_PER_S / (weights + kv)
     assert decode_limit_tok_per_s("tiny-gemma4", 1, 10, 10) == pytest.approx(expected)
+
+
+def test_decode_limit_uses_the_card_bandwidth_it_is_given():
+    """34 passes the run's measured read bandwidth (its H100 run of 2026-12-07 plotted the H200
+    constant as its limit)."""
+    from nbhelpers.bench.gemma4_report import decode_limit_tok_per_s, limits_for
+    h200 = decode_limit_tok_per_s("tiny-gemma4", 4, 10, 10)
+    card = decode_limit_tok_per_s("tiny-gemma4", 4, 10, 10, bandwidth_bytes_per_s=3.0e12)
+    from nbhelpers.bench.rollout import H200_COPY_BANDWIDTH_BYTES_PER_S
+    assert card == pytest.approx(h200 * 3.0e12 / H200_COPY_BANDWIDTH_BYTES_PER_S)
+    sides = [{"batch": 4, "workload": {"prompt_tokens_mean": 10, "max_new_tokens": 10}}]
+    assert limits_for("tiny-gemma4", sides, 3.0e12) == {4: pytest.approx(card)}
+    assert limits_for("tiny-gemma4", sides) == {4: pytest.approx(h200)}

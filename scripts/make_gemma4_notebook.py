@@ -98,7 +98,12 @@ noise_floor"""
 THROUGHPUT = """sides = g4.throughput_sweep(backends, model, batch_sizes, workload, runs,
                             {"flex": flex_options}, timeout_s=timeout_s)
 frame = g4.throughput_frame(sides)
-limits = g4.limits_for(model, sides) if device == "cuda" else None  # H200 bandwidth ceiling
+limits = None  # the decode ceiling at this card's read bandwidth, measured here
+if device == "cuda":
+    from nbhelpers.bench.floor import read_bandwidth
+    bandwidth = read_bandwidth(device)["bytes_per_s"]
+    print(f"read bandwidth of {gpu_name()}: {bandwidth / 1e12:.2f} TB/s (this run)")
+    limits = g4.limits_for(model, sides, bandwidth)
 display(frame)
 display(g4.speedup_table(frame, limits=limits))
 g4.throughput_figure(frame, limits)"""

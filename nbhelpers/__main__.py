@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute notebooks into executed/")
-    run.add_argument("target", help="phase0|phase1|phase2|phase3 or notebooks/...ipynb")
+    run.add_argument("target", help="a phase (phase0|phase1|phase2|phase3), its folder "
+                     "(phase2_grpo or notebooks/phase2_grpo/: every notebook in it) or one "
+                     "notebook (notebooks/<phase folder>/NAME.ipynb)")
     run.add_argument("--profile", default="cpu",
                      help="configs/<stem>.<profile>.yaml: " + "|".join(_profile_names())
                      + " (default: cpu)")

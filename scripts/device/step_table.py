@@ -508,6 +508,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # step ~20 of 30 (~14 s a GRPO step, generation 13.8-14.7 s): a call of its own, ~560 s
     "s14h": ([], [], [
         (P2, _real_weights("[hf_cb]", HF_GENERATE_ROW), 480, 565, 0)]),
+    # session 22: unsloth on SmolLM2 real weights with the format warm-up (issue 13 part 1: the
+    # warm-up runs on the HF policy, its merged folder is what FastLanguageModel loads); after
+    # m2n, m2t and the GGUF staging (m2a..m2h + `nbhelpers fetch smollm2-135m-instruct`)
+    "u22": (["unsloth"], [], [
+        (P2, _real_weights("[unsloth]", HF_GENERATE_ROW), 240, 420, 0)]),
     "rh1": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[hf_generate]"}, 400, 560, 0)]),
     # session 13, after the rv chain (vLLM realistic): the prefill-graph GPU tests and A/B (n19)

@@ -68,6 +68,8 @@ def test_resolve_notebooks_phase_path_and_errors(repo):
     assert [p.name for p in runner.resolve_notebooks("phase0", repo)] == ["00_ok.ipynb"]
     path = "notebooks/phase0_reference/00_ok.ipynb"
     assert runner.resolve_notebooks(path, repo) == [repo / path]
+    for folder in ("phase0_reference", "notebooks/phase0_reference/"):  # the forms --help names
+        assert runner.resolve_notebooks(folder, repo) == [repo / path]
     with pytest.raises(ValueError, match="unknown phase"):
         runner.resolve_notebooks("phase9", repo)
     with pytest.raises(ValueError, match="no notebooks yet"):
@@ -501,3 +503,12 @@ def test_executed_folder_that_cannot_be_written_is_a_user_error(repo, tmp_path):
     blocker.write_text("x")
     with pytest.raises(runner.UserInputError, match="cannot create or write there"):
         runner.run("phase0", repo=repo, executed=blocker / "sub")
+
+
+def test_run_help_names_every_target_form():
+    """``run --help`` names the forms :func:`runner.resolve_notebooks` takes: a phase, its
+    folder and one notebook (helper-16's trial: the help named no folder form)."""
+    from nbhelpers.__main__ import _parser
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices["run"]
+    text = next(a for a in sub._actions if a.dest == "target").help
+    assert all(w in text for w in ("phase0", "phase2_grpo", "notebooks/phase2_grpo/", ".ipynb"))

@@ -70,7 +70,7 @@ flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs wh
 flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
 cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest; 0: default)
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
-format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged (not unsloth)
+format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged into the base
 reuse_runs: dict = {}  # backend -> earlier <run>__<backend>.json, read not trained (same setup)
 sidecar_path: str = ""  # summary sidecar to write (+ one per backend beside it); empty: none"""
 
@@ -106,8 +106,8 @@ for name, run in runs.items():
         losses = warm["losses"] or [float("nan")]
         print(f"  format warm-up: {warm['steps']} SFT steps in {warm['wall_s']:.0f} s, loss "
               f"{losses[0]:.2f} -> {losses[-1]:.2f}")
-        if warm.get("vllm_model_folder"):
-            print(f"  vLLM started from the merged warm-up folder {warm['vllm_model_folder']}")
+        if folder := warm.get("model_folder") or warm.get("vllm_model_folder"):
+            print(f"  {name} started from the merged warm-up folder {folder}")
     if run["error"] and run.get("traceback"):
         print("  traceback (tail):\\n" + run["traceback"][-2500:])"""
 

@@ -11,7 +11,9 @@ every backend's rollout into TRL's ``generate_s`` metric.
   ``vllm_gpu_memory_utilization``). TRL builds ``LLM(model=model.name_or_path)``, so the policy is
   loaded from :func:`nbhelpers.models.model_folder` (weights written once for random kinds); after
   a format warm-up :func:`point_policy_at` points it at the warmed, merged folder instead.
-* ``unsloth``: Unsloth ``FastLanguageModel(fast_inference=False)`` + its patched TRL trainer.
+* ``unsloth``: Unsloth ``FastLanguageModel(fast_inference=False)`` + its patched TRL trainer,
+  loaded from :func:`nbhelpers.models.model_folder` (after a format warm-up: from the warmed,
+  merged folder, :data:`WARMUP_RELOAD_BACKENDS`).
 * ``flex``: our engine on the policy's own tensors through TRL's ``rollout_func``
   (:mod:`nbhelpers.grpo.flex_rollout`).
 
@@ -37,18 +39,27 @@ from nbhelpers.grpo.setup import check_backend, fixed_batch_size, peft_config
 log = logging.getLogger(__name__)
 
 VLLM_ONLY = ("vllm_sleep_mode", "vllm_gpu_memory_utilization")
-WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex", "vllm")
-"""Backends whose policy is an in-process HF model that :func:`train`'s format warm-up trains and
-merges (Unsloth loads its own model class, ``FastLanguageModel``: refused)."""
+WARMUP_BACKENDS = ("hf_generate", "hf_cb", "flex", "vllm", "unsloth")
+"""Backends :func:`train`'s format warm-up runs for (every GRPO backend): it trains and merges a
+LoRA adapter on an in-process HF policy, the backend's own for all but
+:data:`WARMUP_RELOAD_BACKENDS`."""
+WARMUP_RELOAD_BACKENDS = ("unsloth",)
+"""Backends that load their own model class (Unsloth's ``FastLanguageModel``), so the format
+warm-up runs on the plain HF policy (:func:`load_policy` of ``hf_generate``), the warmed weights
+are saved merged (:data:`WARMUP_FOLDER_BACKENDS`), that model is freed and the backend's policy is
+loaded from the folder (:func:`load_policy`'s ``folder``). ``warmup_adapter="merge"`` only: the
+backend trains a fresh adapter of its own on the merged weights."""
 CUDA_BACKENDS = ("vllm", "unsloth")
 """Backends that train only on a CUDA GPU (vLLM's engine and Unsloth's kernels): the runner
 refuses them on a host without CUDA before the notebook starts
 (:func:`nbhelpers.run.host_checks.check_host`)."""
-WARMUP_FOLDER_BACKENDS = ("vllm",)
-"""Backends whose engine loads its weights from ``model.name_or_path`` when it starts (TRL's
-colocate ``LLM(model=model.name_or_path)``): after the format warm-up :func:`train` saves the
-warmed weights, adapter merged in, as an HF folder and points the policy at it
-(:func:`nbhelpers.grpo.sft_warmup.save_merged_folder`, :func:`point_policy_at`)."""
+WARMUP_FOLDER_BACKENDS = ("vllm", "unsloth")
+"""Backends that start from a folder of weights rather than the warmed model in memory: after the
+format warm-up :func:`train` saves the warmed weights, adapter merged in, as an HF folder
+(:func:`nbhelpers.grpo.sft_warmup.save_merged_folder`) and points the policy at it
+(:func:`point_policy_at`). vLLM's engine loads ``model.name_or_path`` when it starts (TRL's
+colocate ``LLM(model=model.name_or_path)``); Unsloth's policy is loaded from the folder
+(:data:`WARMUP_RELOAD_BACKENDS`)."""
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_4")
 """``train(attn_implementation=...)`` words: the policy model's attention (``auto`` or ``None``:
 transformers' default, ``sdpa`` for the phase-2 models)."""
@@ -219,23 +230,33 @@ def loaded_attn(model: Any) -> str | None:
 
 
 def load_policy(backend: str, model_name: str, settings: GRPOSettings, on_gpu: bool, *,
-                attn_implementation: str | None = None) -> tuple[Any, Any, Any]:
+                attn_implementation: str | None = None,
+                folder: str | os.PathLike | None = None) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, peft_config or None)`` as ``backend`` needs them.
 
-    ``unsloth`` returns its own PEFT model (``peft_config`` None); ``vllm`` points the model's
-    ``name_or_path`` at an HF folder with weights (TRL's colocate ``LLM`` loads it).
+    ``unsloth`` returns its own PEFT model (``peft_config`` None), loaded from ``folder`` (an HF
+    folder with weights; ``None``: ``models.model_folder(model_name, with_weights=True)``; after
+    a format warm-up :func:`~nbhelpers.grpo.trainer.train` passes the warmed, merged folder).
+    Every other backend loads ``model_name`` with :func:`nbhelpers.models.load_model` (bf16 on
+    CUDA when ``on_gpu``, else fp32 on the CPU; seed ``settings.seed``); ``vllm`` points the
+    model's ``name_or_path`` at an HF folder with weights (TRL's colocate ``LLM`` loads it).
     ``attn_implementation`` (:func:`check_attn_implementation`'s result) goes to
     :func:`nbhelpers.models.load_model`; ``None``: transformers' default.
 
     Raises:
-        ValueError: an ``attn_implementation`` with ``unsloth`` (it loads its own class).
+        ValueError: an ``attn_implementation`` with ``unsloth`` (it loads its own class), or a
+            ``folder`` with a backend other than ``unsloth`` (they load ``model_name``).
     """
     from nbhelpers import models
     if backend == "unsloth":
         if attn_implementation is not None:
             raise ValueError(f"attn_implementation={attn_implementation!r}: backend 'unsloth' "
                              f"picks its own attention; use one of {ATTN_BACKENDS}.")
-        return _load_unsloth(model_name, settings, on_gpu)
+        return _load_unsloth(model_name, settings, on_gpu, folder)
+    if folder is not None:
+        raise ValueError(f"load_policy(folder={str(folder)!r}) with backend={backend!r}: only "
+                         f"'unsloth' loads its policy from a folder; pass folder=None (the model "
+                         f"is loaded from model_name={model_name!r}).")
     model, tok = models.load_model(model_name, dtype="bfloat16" if on_gpu else "float32",
                                    device="cuda" if on_gpu else "cpu", seed=settings.seed,
                                    attn_implementation=attn_implementation)
@@ -254,14 +275,20 @@ def point_policy_at(model: Any, folder: str | os.PathLike) -> None:
     base.config._name_or_path = str(folder)
 
 
-def _load_unsloth(model_name: str, settings: GRPOSettings, on_gpu: bool) -> tuple[Any, Any, None]:
+def _load_unsloth(model_name: str, settings: GRPOSettings, on_gpu: bool,
+                  folder: str | os.PathLike | None = None) -> tuple[Any, Any, None]:
+    """Unsloth's PEFT policy, tokenizer and ``None`` (no ``peft_config``: the model carries its
+    adapter), loaded from ``folder`` (``None``: ``models.model_folder(model_name,
+    with_weights=True)``)."""
     from nbhelpers import models
     from nbhelpers.backends.unsloth import peft_kwargs, unsloth_env
     for key, value in unsloth_env().items():
         os.environ.setdefault(key, value)
     from unsloth import FastLanguageModel  # before trl's trainer is used: Unsloth patches it
+    if folder is None:
+        folder = models.model_folder(model_name, with_weights=True)
     model, tok = FastLanguageModel.from_pretrained(
-        model_name=str(models.model_folder(model_name, with_weights=True)),
+        model_name=str(folder),
         max_seq_length=settings.max_prompt_length + settings.max_completion_length,
         dtype=None if on_gpu else "float32", load_in_4bit=False, fast_inference=False)
     kwargs = peft_kwargs(settings.lora) | {

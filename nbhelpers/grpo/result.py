@@ -39,8 +39,9 @@ class GRPOResult:
         dataset_stats: the prompt-length filter's stats.
         wall_s: seconds from trainer construction to the end of ``train()``.
         format_warmup: the SFT format warm-up's report (:func:`nbhelpers.grpo.sft_warmup.format_warmup`:
-            steps, wall_s, losses, before/after completions; ``vllm_model_folder``: the merged
-            folder vLLM started from, ``None`` for other backends); empty when it did not run.
+            steps, wall_s, losses, before/after completions; ``model_folder``: the merged
+            folder the backend started from, ``vllm`` and ``unsloth``, ``None`` for the others;
+            ``vllm_model_folder``: the same for ``vllm`` only); empty when it did not run.
     """
 
     model_name: str

@@ -15,11 +15,11 @@ into generate-and-score, loss forward+backward, optimizer and the rest
 ``flex/*`` split per rollout). A backend whose engine is not
 installed raises :class:`~nbhelpers.backends.base.BackendNotInstalled` naming the pip extra.
 
-Format warm-up. ``format_warmup_steps`` > 0 (backends of
-:data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`: all but ``unsloth``, which loads its own model
-class) first runs that many SFT steps of a LoRA adapter on GSM8K worked solutions in the reference
-format (:mod:`nbhelpers.grpo.sft_warmup`, the reference notebook's "pre fine-tune for
-formatting"), in this process on the HF policy, the same seed, rows and probe for every backend.
+Format warm-up. ``format_warmup_steps`` > 0 (every backend:
+:data:`~nbhelpers.grpo.plans.WARMUP_BACKENDS`) first runs that many SFT steps of a LoRA adapter on
+GSM8K worked solutions in the reference format (:mod:`nbhelpers.grpo.sft_warmup`, the reference
+notebook's "pre fine-tune for formatting"), in this process on an HF policy
+(:func:`nbhelpers.models.load_model`), the same seed, rows and probe for every backend.
 ``warmup_adapter`` then decides what GRPO starts from:
 
 * ``"continue"`` (the default, the reference notebook's recipe and phase 0's): GRPO keeps
@@ -31,13 +31,21 @@ formatting"), in this process on the HF policy, the same seed, rows and probe fo
   policy and a model that scores: rewards vary within a group and the KL checks compare
   trained policies.
 
-vLLM (:data:`~nbhelpers.grpo.plans.WARMUP_FOLDER_BACKENDS`) starts its engine from the folder at
-``model.name_or_path``, not from the trainer's tensors, so after the warm-up the warmed weights are
-saved, adapter merged into the base (``"continue"``: into a copy; the trainer keeps its unmerged
-adapter, which TRL merges into vLLM at every weight sync), to
+Backends of :data:`~nbhelpers.grpo.plans.WARMUP_FOLDER_BACKENDS` (``vllm``, ``unsloth``) start
+from a folder of weights, not from the trainer's tensors, so after the warm-up the warmed weights
+are saved, adapter merged into the base (``"continue"``: into a copy; the trainer keeps its
+unmerged adapter, which TRL merges into vLLM at every weight sync), to
 ``<output_dir>/format_warmup/merged`` (``merged_rank<R>`` when ranks share ``output_dir``) and
 the policy's ``name_or_path`` / ``config._name_or_path`` point there; the warm-up report's
-``vllm_model_folder`` names it (``None`` for the other backends).
+``model_folder`` names it (``None`` for the other backends), and ``vllm_model_folder`` too for
+``vllm`` (``None`` for the others; sidecars before unsloth's warm-up have only that key).
+vLLM starts its engine from ``model.name_or_path``. Unsloth
+(:data:`~nbhelpers.grpo.plans.WARMUP_RELOAD_BACKENDS`) loads its own model class,
+``FastLanguageModel``: the warm-up runs on the plain HF policy (bf16 on CUDA, fp32 on the CPU, as
+:func:`~nbhelpers.grpo.plans.load_policy` loads the other backends'), which is freed once the
+folder is saved, and Unsloth's policy, with a fresh adapter, is loaded from the folder. So
+``unsloth`` takes ``warmup_adapter="merge"`` only (``"continue"``: ``ValueError`` before anything
+loads).
 
 More than one process. ``num_processes`` > 1, or ``vllm_mode="server"``, hands the run to
 :func:`nbhelpers.grpo.distributed.launch`: ``accelerate launch`` starts one rank per GPU (CPU
@@ -64,6 +72,7 @@ from nbhelpers.config import GRPOSettings
 from nbhelpers.grpo.plans import (
     WARMUP_BACKENDS,
     WARMUP_FOLDER_BACKENDS,
+    WARMUP_RELOAD_BACKENDS,
     BackendPlan,
     check_attn_implementation,
     instrument_generation,
@@ -131,9 +140,9 @@ def train(model_name: str, settings: GRPOSettings, *, backend: str = "hf_generat
             ``compile_dynamic`` / ``compile_scope`` word /
             ``warmup_adapter``, an ``attn_implementation`` not in ``ATTN_IMPLEMENTATIONS``, or
             not ``auto`` with ``unsloth``, or ``flash_attention_4`` on a host without CUDA,
-            no prompt fits, or a format warm-up with a backend outside
-            ``WARMUP_BACKENDS`` (``unsloth``) or with ``n_questions`` > 60 (its questions would
-            overlap),
+            no prompt fits, or a format warm-up with ``warmup_adapter="continue"`` and a
+            backend of ``WARMUP_RELOAD_BACKENDS`` (``unsloth``: pass ``"merge"``) or with
+            ``n_questions`` > 60 (its questions would overlap),
             ``skip_first`` < 0 (all checked before any step runs).
         TypeError: ``settings`` is not a :class:`~nbhelpers.config.GRPOSettings`, or a keyword
             that is neither one of train's nor a ``GRPOConfig`` field
@@ -224,12 +233,10 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                         flex_options=dict(opts["flex_options"] or {}), attn_implementation=attn)
     if hooks is not None:
         hooks.plan(plan)
-    model, tok, peft, train_ds, ds_stats = _load_inputs(plan, model_name, settings,
-                                                         opts["dataset"], opts["n_questions"],
-                                                         attn)
+    model, tok, peft, train_ds, ds_stats, warm = _load_warmed(plan, model_name, settings, opts,
+                                                               attn)
     loaded = loaded_attn(model)  # what transformers resolved (auto: sdpa for most models)
     sdpa_guard = _padding_sdpa_guard(settings, model, plan.notes)
-    model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
     trainer, parts = _build_trainer(plan, model, tok, peft, train_ds, settings,
                                     opts["output_dir"], opts["progress"], opts["reward_funcs"],
                                     opts["callbacks"], config_overrides)
@@ -255,19 +262,61 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                    opts["skip_first"], extra, warm)
 
 
+def _load_warmed(plan: BackendPlan, model_name: str, settings: GRPOSettings,
+                 opts: dict[str, Any], attn: str | None
+                 ) -> tuple[Any, Any, Any, Any, dict[str, Any], dict[str, Any]]:
+    """``(model, tokenizer, peft_config, train_dataset, dataset_stats, warm-up report or {})``:
+    :func:`_load_inputs`, then :func:`_maybe_warmup` on that policy. A backend of
+    ``WARMUP_RELOAD_BACKENDS`` (``unsloth``) with a warm-up gets the plain HF policy
+    (``load_policy`` of ``hf_generate``) for it; once the merged folder is saved that model is
+    freed (the seconds it took are logged) and the backend's policy is loaded from the folder
+    (module docstring)."""
+    reload = bool(opts["format_warmup_steps"]) and plan.backend in WARMUP_RELOAD_BACKENDS
+    model, tok, peft, train_ds, ds_stats = _load_inputs(
+        BackendPlan("hf_generate") if reload else plan, model_name, settings, opts["dataset"],
+        opts["n_questions"], attn)
+    model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
+    if reload:
+        from nbhelpers import data
+        from nbhelpers.grpo import setup
+        t0 = time.perf_counter()
+        del model  # the last reference: the warmed HF policy's memory goes back before Unsloth's
+        _release_memory()
+        log.info("format warm-up: the warmed HF policy freed in %.1f s; %s loads its policy from "
+                 "%s", time.perf_counter() - t0, plan.backend, warm["model_folder"])
+        model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda(),
+                                       attn_implementation=attn, folder=warm["model_folder"])
+        data.apply_reference_chat_template(tok)
+    return model, tok, peft, train_ds, ds_stats, warm
+
+
+def _release_memory() -> None:
+    """Collect garbage and, on CUDA, return the allocator's cached blocks to the card."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _maybe_warmup(model: Any, tok: Any, peft: Any, settings: GRPOSettings, opts: dict[str, Any],
                   train_ds: Any) -> tuple[Any, Any, dict[str, Any]]:
     """``(model, peft_config, warm-up report or {})``: :func:`_format_warmup` when asked, then
-    for a backend of ``WARMUP_FOLDER_BACKENDS`` the warmed folder (module docstring)."""
+    for a backend of ``WARMUP_FOLDER_BACKENDS`` the warmed folder, named by the report's
+    ``model_folder`` (and ``vllm_model_folder`` for ``vllm``; both ``None`` where no folder is
+    written: module docstring)."""
     if not opts["format_warmup_steps"]:
         return model, peft, {}
     out = Path(opts["output_dir"]) / "format_warmup"
     model, peft, warm = _format_warmup(model, tok, settings, opts["format_warmup_steps"],
                                        opts["n_questions"], train_ds[0]["prompt"][-1]["content"],
                                        out, opts["warmup_adapter"])
-    warm["vllm_model_folder"] = None
+    folder = None
     if opts["backend"] in WARMUP_FOLDER_BACKENDS:
-        warm["vllm_model_folder"] = str(_warm_folder(model, tok, out))
+        folder = str(_warm_folder(model, tok, out))
+    warm["model_folder"] = folder
+    warm["vllm_model_folder"] = folder if opts["backend"] == "vllm" else None
     return model, peft, warm
 
 
@@ -282,8 +331,9 @@ def _warm_folder(model: Any, tok: Any, out: Path) -> Path:
     t0 = time.perf_counter()
     folder = sft_warmup.save_merged_folder(model, tok, out / name)
     point_policy_at(model, folder)
-    log.info("format warm-up: merged weights saved to %s in %.1f s; the vLLM engine starts "
-             "from there", folder, time.perf_counter() - t0)
+    log.info("format warm-up: merged weights saved to %s in %.1f s; the backend's policy "
+             "(vLLM's engine, Unsloth's model) starts from there", folder,
+             time.perf_counter() - t0)
     return folder
 
 
@@ -323,6 +373,10 @@ def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = Non
 
 
 def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -> None:
+    """Raise ``ValueError`` (naming the fix) before anything loads for ``skip_first`` not an int
+    >= 0, ``format_warmup_steps`` < 0, a ``warmup_adapter`` outside ``WARMUP_ADAPTERS``, a
+    warm-up with a backend outside ``WARMUP_BACKENDS``, or one with a backend of
+    ``WARMUP_RELOAD_BACKENDS`` (``unsloth``) and ``warmup_adapter`` other than ``"merge"``."""
     if not isinstance(skip_first, int) or skip_first < 0:  # checked before any step runs
         raise ValueError(f"skip_first={skip_first!r}: must be an int >= 0 (warm-up steps left "
                          "out of the summary's medians).")
@@ -332,9 +386,14 @@ def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -
         raise ValueError(f"warmup_adapter={adapter!r}: use one of {WARMUP_ADAPTERS}.")
     if steps and backend not in WARMUP_BACKENDS:
         raise ValueError(f"format_warmup_steps={steps} with backend={backend!r}: the warm-up runs "
-                         f"in-process on the HF policy of backends {WARMUP_BACKENDS}, and "
-                         f"{backend!r} loads its own model class; for {backend!r} pass "
+                         f"for backends {WARMUP_BACKENDS}; for {backend!r} pass "
                          "format_warmup_steps=0 (or a warmed model folder as model).")
+    if steps and backend in WARMUP_RELOAD_BACKENDS and adapter != "merge":
+        raise ValueError(f"format_warmup_steps={steps} with backend={backend!r} and "
+                         f"warmup_adapter={adapter!r}: {backend} loads its own model class from "
+                         "the warmed weights saved with the adapter merged in, so there is no "
+                         "warm-up adapter to continue; pass warmup_adapter='merge' (phase 2's) "
+                         "or format_warmup_steps=0.")
 
 
 def _load_inputs(plan: BackendPlan, model_name: str, settings: GRPOSettings, dataset: str,

@@ -15,7 +15,7 @@ id / folder, ``dataset`` one of ``nbhelpers.grpo.setup.DATASETS``, ``backends`` 
 phase (each once), phase 1's ``engine_options`` keyed by backends of the run
 (:func:`_check_engine_options`), ``n_questions`` <= the GSM8K questions left after a format warm-up,
 a format warm-up only with backends that run it (``nbhelpers.grpo.plans.WARMUP_BACKENDS``: every
-GRPO backend but ``unsloth``; :func:`_check_warmup_backends`), phase 2's
+GRPO backend, ``unsloth`` included; :func:`_check_warmup_backends`), phase 2's
 ``attn_implementation`` one of ``nbhelpers.grpo.plans.ATTN_IMPLEMENTATIONS`` and, unless
 ``auto``, only with backends of ``ATTN_BACKENDS`` (:func:`_check_attn`), ``compile_mode`` /
 ``compile_dynamic`` / ``compile_scope`` one of their words (:mod:`nbhelpers.grpo.compile_report`;
@@ -268,9 +268,12 @@ def _check_backends(params: dict[str, Any], notebook: Path, where: Where) -> Non
 
 
 def _check_warmup_backends(params: dict[str, Any], notebook: Path, where: Where) -> None:
-    """Phase 2 with ``format_warmup_steps`` > 0: every backend must run the in-process warm-up
-    (:data:`nbhelpers.grpo.plans.WARMUP_BACKENDS`; ``vllm`` starts from the saved merged folder).
-    ``unsloth`` loads its own model class, so its row would fail after the other backends ran."""
+    """Phase 2 with ``format_warmup_steps`` > 0: every backend must run the warm-up
+    (:data:`nbhelpers.grpo.plans.WARMUP_BACKENDS`, today every GRPO backend: ``vllm`` and
+    ``unsloth`` start from the saved merged folder), else its row would fail after the other
+    backends ran. ``unsloth`` takes ``warmup_adapter="merge"`` only, which is what phase 2 passes
+    (``nbhelpers.grpo.compare.WARMUP_ADAPTER``; no notebook has a ``warmup_adapter`` parameter,
+    and phase 0's runs ``hf_generate`` alone), so nothing more is checked here."""
     steps, backends = params.get("format_warmup_steps"), params.get("backends")
     if phase_of(notebook) != "phase2" or not steps or not isinstance(backends, list):
         return
@@ -280,9 +283,8 @@ def _check_warmup_backends(params: dict[str, Any], notebook: Path, where: Where)
         fix = f"-p backends '[{', '.join(keep)}]'" if keep else f"backends of {WARMUP_BACKENDS}"
         raise UserInputError(
             f"{where('backends')}, {where('format_warmup_steps')}: backends {bad} with "
-            f"format_warmup_steps={steps}: the format warm-up runs on the HF policy of "
-            f"{WARMUP_BACKENDS} only ({bad} load their own model class); drop {bad} ({fix}) "
-            "or pass -p format_warmup_steps 0.")
+            f"format_warmup_steps={steps}: the format warm-up runs for {WARMUP_BACKENDS} "
+            f"only; drop {bad} ({fix}) or pass -p format_warmup_steps 0.")
 
 
 def _check_attn(params: dict[str, Any], notebook: Path, where: Where) -> None:

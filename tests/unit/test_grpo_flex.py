@@ -253,8 +253,9 @@ def test_compile_trainer_models_compiles_the_backbone_not_the_lm_head():
 def test_format_warmup_is_merged_then_grpo_trains_a_fresh_adapter(tmp_path):
     """Phase 2's format warm-up: SFT steps on a LoRA adapter, merged into the base, then GRPO
     (flex rollouts) on that base with a new adapter (no merged folder: flex reads the trainer's
-    tensors); unsloth, which loads its own model class, is refused naming the fix (vllm runs the
-    warm-up too: tests/unit/test_warmup_vllm_folder.py)."""
+    tensors); unsloth, which loads its own model class from the merged folder, is refused with
+    ``warmup_adapter="continue"`` naming the fix (vllm and unsloth run the merged warm-up too:
+    tests/unit/test_warmup_vllm_folder.py, tests/unit/test_warmup_unsloth.py)."""
     from nbhelpers.grpo import setup as grpo_setup
     torch.set_num_threads(1)
     settings = GRPOSettings(max_steps=1, num_generations=4, per_device_train_batch_size=4,
@@ -272,12 +273,13 @@ def test_format_warmup_is_merged_then_grpo_trains_a_fresh_adapter(tmp_path):
     assert warm["steps"] == 2 and len(warm["losses"]) == 2
     assert all(math.isfinite(x) for x in warm["losses"])
     assert len(result.records) == 1 and math.isfinite(result.records[0]["loss"])
-    assert warm["vllm_model_folder"] is None
+    assert warm["vllm_model_folder"] is None and warm["model_folder"] is None
     assert not (tmp_path / "format_warmup" / "merged").exists()
-    with pytest.raises(ValueError, match=r"format_warmup_steps=3 with backend='unsloth'.*"
-                                         r"pass format_warmup_steps=0"):
+    with pytest.raises(ValueError, match=r"format_warmup_steps=3 with backend='unsloth' and "
+                                         r"warmup_adapter='continue'.*pass "
+                                         r"warmup_adapter='merge'.*or format_warmup_steps=0"):
         train("tiny-llama", settings, backend="unsloth", output_dir=tmp_path,
-              format_warmup_steps=3)
+              format_warmup_steps=3)  # warmup_adapter: "continue", train's default
 
 
 def test_step_rows_split_the_step_and_the_engine(flex_run):

@@ -5,8 +5,10 @@ warm-up :func:`nbhelpers.grpo.trainer._maybe_warmup` runs for ``vllm`` writes
 ``<output_dir>/format_warmup/merged``, which transformers loads with the logits of the trainer's
 warmed model (the merged base for ``warmup_adapter="merge"``, base + live adapter for
 ``"continue"``), the policy's ``name_or_path`` / ``config._name_or_path`` point at it, the report
-names it, and the trainer's own model is untouched by the save. Before launch, vllm with a warm-up
-passes the runner's checks; unsloth is refused there and in ``train`` with the fix named.
+names it, and the trainer's own model is untouched by the save. Before launch, vllm and unsloth
+with a warm-up pass the runner's checks (a backend outside ``WARMUP_BACKENDS`` would be refused
+there with the fix named); ``train`` refuses unsloth with ``warmup_adapter="continue"`` naming
+``"merge"`` (the unsloth warm-up itself: tests/unit/test_warmup_unsloth.py).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def test_vllm_warmup_folder_holds_the_trainers_weights(tmp_path, monkeypatch, ad
 
     folder = (tmp_path / "format_warmup" / "merged").resolve()
     assert warm["steps"] == 2 and warm["vllm_model_folder"] == str(folder) != unwarmed_folder
+    assert warm["model_folder"] == str(folder)
     assert model.name_or_path == str(folder) and model.config._name_or_path == str(folder)
     saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     warmed = _logits(model, ids)
@@ -105,33 +108,42 @@ def test_ranks_sharing_an_output_dir_get_their_own_folder(tmp_path, monkeypatch)
         sft_warmup.save_merged_folder(torch.nn.Linear(2, 2), tok, tmp_path / "x")
 
 
-def test_train_accepts_vllm_warmup_and_refuses_unsloth_naming_the_fix():
+def test_train_accepts_vllm_and_unsloth_merge_warmups_and_refuses_unsloth_continue():
     trainer._check_warmup(60, "merge", "vllm")
     trainer._check_warmup(60, "continue", "vllm")
-    with pytest.raises(ValueError, match=r"backend='unsloth'.*loads its own model class.*pass "
-                                         r"format_warmup_steps=0"):
-        trainer._check_warmup(60, "merge", "unsloth")
+    trainer._check_warmup(60, "merge", "unsloth")
+    trainer._check_warmup(0, "continue", "unsloth")  # no warm-up: no adapter to continue
+    with pytest.raises(ValueError, match=r"backend='unsloth' and warmup_adapter='continue'.*"
+                                         r"loads its own model class.*pass "
+                                         r"warmup_adapter='merge'.*or format_warmup_steps=0"):
+        trainer._check_warmup(60, "continue", "unsloth")
 
 
-def test_runner_accepts_vllm_with_a_warmup_and_refuses_unsloth_before_launch():
+def test_runner_accepts_vllm_and_unsloth_with_a_warmup_before_launch(monkeypatch):
+    from nbhelpers.grpo import plans
     sources = {"backends": "-p backends", "format_warmup_steps": "-p format_warmup_steps"}
     params = {"backends": ["vllm", "flex"], "format_warmup_steps": 60, "n_questions": 60,
               "model": "smollm2-135m-instruct"}
     check_values(params, sources, NB20, REPO)
+    check_values(params | {"backends": ["vllm", "unsloth", "flex"]}, sources, NB20, REPO)
+    check_values(params | {"backends": ["unsloth"], "format_warmup_steps": 0}, sources, NB20,
+                 REPO)
+    # a GRPO backend without the warm-up would still be refused before launch, the fix named
+    monkeypatch.setattr(plans, "WARMUP_BACKENDS", ("hf_generate", "hf_cb", "flex", "vllm"))
     with pytest.raises(UserInputError, match=r"-p backends .*backends \['unsloth'\] with "
                        r"format_warmup_steps=60.*drop \['unsloth'\] \(-p backends "
                        r"'\[vllm, flex\]'\) or pass -p format_warmup_steps 0"):
         check_values(params | {"backends": ["vllm", "unsloth", "flex"]}, sources, NB20, REPO)
-    check_values(params | {"backends": ["unsloth"], "format_warmup_steps": 0}, sources, NB20,
-                 REPO)
 
 
-def test_notebook_20_plans_vllm_with_a_warmup_from_the_command_line():
-    """``-p backends '[vllm, flex]' -p format_warmup_steps 60`` (issue 13's row) is planned."""
+def test_notebook_20_plans_vllm_and_unsloth_with_a_warmup_from_the_command_line():
+    """``-p backends '[vllm, flex]' -p format_warmup_steps 60`` (issue 13's row) is planned, and
+    so is the issue's full list with unsloth."""
     from nbhelpers.run.params import parse_overrides, plan_parameters
     given = parse_overrides([("backends", "[vllm, flex]"), ("format_warmup_steps", "60"),
                              ("model", "smollm2-135m-instruct"), ("n_questions", "60")])
     ((_, params),) = plan_parameters([NB20], "cpu", given, REPO)
     assert params["backends"] == ["vllm", "flex"] and params["format_warmup_steps"] == 60
-    with pytest.raises(UserInputError, match=r"pass -p format_warmup_steps 0"):
-        plan_parameters([NB20], "cpu", given | {"backends": ["unsloth"]}, REPO)
+    every = ["hf_generate", "hf_cb", "unsloth", "vllm", "flex"]
+    ((_, params),) = plan_parameters([NB20], "cpu", given | {"backends": every}, REPO)
+    assert params["backends"] == every and params["format_warmup_steps"] == 60

@@ -168,7 +168,7 @@ def _check_side(backend: str, path: Path, side: dict[str, Any], want: dict[str, 
     where = f"reuse_runs[{backend!r}] ({path.name})"
     _check_usable(where, backend, side)
     gpu = (side.get("env") or {}).get("gpu") or "cpu"
-    mismatches = _diff(side["grpo_request"], want, "") + _diff(
+    mismatches = _diff(_predated_defaults(side["grpo_request"]), want, "") + _diff(
         {k: (side.get("model") or {}).get(k) for k in ("name", "weights")},
         {k: model_info.get(k) for k in ("name", "weights")}, "model_info.")
     if gpu != device:
@@ -192,6 +192,17 @@ def _check_usable(where: str, backend: str, side: dict[str, Any]) -> None:
         raise ValueError(f"{where}: no grpo_request (written before runs could be reused), so "
                          f"its settings cannot be checked; train {backend} again (leave it out "
                          "of reuse_runs).")
+
+
+def _predated_defaults(request: Any) -> Any:
+    """``request`` with every :class:`~nbhelpers.config.GRPOSettings` field its ``settings``
+    lack set to the field's default: a field added after the sidecar was written (e.g.
+    ``pad_to_multiple_of``, 2026-12-05) did not exist for that run, which ran with what the
+    default keeps (``pad_to_multiple_of=0``: no padding, TRL's ``None``). A value the sidecar
+    records, ``None`` included, is compared as written."""
+    if not isinstance(request, dict) or not isinstance(request.get("settings"), dict):
+        return request
+    return request | {"settings": asdict(GRPOSettings()) | request["settings"]}
 
 
 def _diff(got: Any, want: Any, prefix: str) -> list[str]:

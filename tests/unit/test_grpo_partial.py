@@ -126,6 +126,30 @@ def test_a_mismatched_reuse_is_a_value_error_naming_the_field(first_call, monkey
     assert field in str(err.value)
 
 
+@pytest.mark.parametrize("pad,reused", [(0, True), (64, False)])
+def test_a_sidecar_older_than_a_settings_field_matches_that_fields_default(
+        first_call, tmp_path, monkeypatch, pad, reused):
+    """The H200 reference row of 2026-12-01 predates ``pad_to_multiple_of`` (2026-12-05): its
+    request has no such key. A run that keeps the default (0, no padding: what that run did)
+    reuses it (session 22's unsloth row was refused with "sidecar None, this run 0"); a run
+    that pads is refused, naming the field."""
+    ref = json.loads((first_call / "run__hf_generate.json").read_text())
+    monkeypatch.setattr(grpo_compare, "run_isolated", lambda b, *a, **k: _shifted(ref, 0.0))
+    old = tmp_path / "old__hf_generate.json"
+    side = json.loads((first_call / "run__hf_generate.json").read_text())
+    del side["grpo_request"]["settings"]["pad_to_multiple_of"]
+    old.write_text(json.dumps(side))
+    settings = replace(SETTINGS, pad_to_multiple_of=pad)
+    call = lambda: grpo_compare.run_backends(  # noqa: E731
+        ["flex"], MODEL, settings, sidecar_path=tmp_path / "run.json",
+        reuse_runs={"hf_generate": old}, **KW)
+    if reused:
+        assert call()["hf_generate"]["reused_from"]["path"].endswith("old__hf_generate.json")
+    else:
+        with pytest.raises(ValueError, match="settings.pad_to_multiple_of: sidecar 0, this run 64"):
+            call()
+
+
 @pytest.mark.parametrize("edit,backend,message", [
     # a device this host is not (on the H200 a sidecar from "NVIDIA H200" would match)
     (lambda s: s["env"].update(gpu="NVIDIA A100-SXM4-80GB"), "hf_generate",

@@ -196,11 +196,15 @@ class LiveGroup:
         self._state = ()  # fuse again under the new mode
         self.refresh()
 
-    def set_lora_expand(self, mode: str) -> None:
+    def set_lora_expand(self, mode: str, one_part_rows: int = 0) -> None:
         """``"addmm"``, ``"triton"`` (see the class docstring) or ``"consumer"`` (as ``"triton"``,
         and :meth:`deferred` may leave B to the consumer kernel); raises ``ValueError`` as
-        :func:`check_lora_expand`."""
+        :func:`check_lora_expand`. ``one_part_rows`` (runner option
+        ``lora_consumer_one_part_rows``): in ``"consumer"`` mode a one-part group (o_proj,
+        down_proj) defers too from that many rows (0: never; :func:`.lora_pending.defers_rows`).
+        """
         self.lora_expand = check_lora_expand(mode)
+        self.one_part_rows = one_part_rows
         self._expand = self._shrink = None
         if mode in ("triton", "consumer", "epilogue"):  # imported here, not per call (traced)
             from nbhelpers.engine.kernels import lora_expand as expand_module

@@ -16,18 +16,22 @@ serve it, the caller calls :meth:`PendingLora.apply` first (the same result as w
 B is the module's own ``lora_B`` (or ``lora_shadow``'s copies), read at call time: live LoRA.
 No host sync and no allocation: capturable in a CUDA graph.
 
-Deferral applies to at most :data:`CONSUMER_MAX_ROWS` rows (decode batches) and only to groups
-of :data:`DEFER_MIN_PARTS` parts or more: q/k/v (``qk_rope_cache``: one program per (row, head),
-all r ranks of a half in one load; B re-read per row from L2, 0.8 MB fp32 / 0.4 MB bf16 a row a
-layer at Qwen3-4B) and gate_up (``lora_act_mul``: column blocks over all rows, B read once).
-o_proj and down_proj (one part) keep their expand launch: their consumer is add+RMSNorm, a
-reduction over the whole row, so its kernel runs one program per row and each of those R
-programs reads all of B (2560 x 32: 328 KB fp32) on its own SM; at batch 4 that is 4 of the
-132 SMs reading 1.3 MB where the expand kernel spreads 0.33 MB over 40 programs (issue 12: the
-first consumer mode, all four groups deferred, lost 0.9 ms a step at batch 4 in the elementwise
-class; the per-kernel reckoning is in ``kernels/lora_act_mul.py`` and the session report).
-Above the row bound, and for prefill (eager elementwise ops), the group adds B itself as in
-``lora_expand="triton"``. Whether 64 is the right bound is for the H200 A/B to say.
+Deferral applies to at most :data:`CONSUMER_MAX_ROWS` rows (decode batches). Groups of
+:data:`DEFER_MIN_PARTS` parts or more always defer there: q/k/v (``qk_rope_cache``: one program
+per (row, head), all r ranks of a half in one load; B re-read per row from L2, 0.8 MB fp32 /
+0.4 MB bf16 a row a layer at Qwen3-4B) and gate_up (``lora_act_mul``: column blocks over all
+rows, B read once). o_proj and down_proj (one part) keep their expand launch by default: their
+consumer is add+RMSNorm, a reduction over the whole row, so its kernel runs one program per row
+and each of those R programs reads all of B (2560 x 32: 328 KB fp32) on its own SM; at batch 4
+that is 4 of the 132 SMs reading 1.3 MB where the expand kernel spreads 0.33 MB over 40
+programs (issue 12: the first consumer mode, all four groups deferred, lost 0.9 ms a step at
+batch 4 in the elementwise class; the per-kernel reckoning is in ``kernels/lora_act_mul.py`` and
+the session report). At 32-64 rows those programs are many, so the trade may flip: with the
+runner option ``lora_consumer_one_part_rows`` above 0 (the group's ``one_part_rows``,
+``LiveGroup.set_lora_expand``) one-part groups also defer from that many rows up to
+:data:`CONSUMER_MAX_ROWS` (:func:`defers_rows`; 0, the default, never: until an H200 A/B says
+otherwise). Above the row bound, and for prefill (eager elementwise ops), the group adds B
+itself as in ``lora_expand="triton"``. Whether 64 is the right bound is for the H200 A/B to say.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ CONSUMER_MAX_ROWS = 64
 """Most rows a group defers its LoRA B for (the decode batch range the consumer mode is for)."""
 
 DEFER_MIN_PARTS = 2
-"""Fewest parts a group needs to defer (q/k/v 3, gate_up 2); one-part groups (o_proj,
-down_proj) feed add+RMSNorm, which cannot spread B's read over the GPU (module docstring).
-``fused_norm.add_norm(lora=...)`` still serves a one-part record (tested; 1 to measure it)."""
+"""Fewest parts a group needs to defer at any row count up to :data:`CONSUMER_MAX_ROWS` (q/k/v
+3, gate_up 2); one-part groups (o_proj, down_proj) feed add+RMSNorm, which cannot spread B's
+read over the GPU at few rows (module docstring), so they defer only from their group's
+``one_part_rows`` rows (runner option ``lora_consumer_one_part_rows``; 0: never).
+``fused_norm.add_norm(lora=...)`` serves a one-part record (tested)."""
 
 
 def add_lora_b(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],
@@ -96,19 +102,31 @@ class PendingLora:
                 and t2.data_ptr() == self.y[:, sum(self.sizes[:part]):].data_ptr())
 
 
+def defers_rows(num_parts: int, rows: int, one_part_rows: int = 0) -> bool:
+    """Whether a group of ``num_parts`` parts defers LoRA B for ``rows`` rows: at most
+    :data:`CONSUMER_MAX_ROWS`, and for fewer than :data:`DEFER_MIN_PARTS` parts only when
+    ``0 < one_part_rows <= rows`` (runner option ``lora_consumer_one_part_rows``)."""
+    if num_parts >= DEFER_MIN_PARTS:
+        return rows <= CONSUMER_MAX_ROWS
+    return 0 < one_part_rows <= rows <= CONSUMER_MAX_ROWS
+
+
 def defer(group: Any, x: Any) -> tuple[list[Any], PendingLora | None]:
     """``group(x)`` split as its ``__call__``, with LoRA B left out and returned as a
     :class:`PendingLora` when the group is in ``lora_expand="consumer"`` mode, has LoRA on every
-    part through one fused buffer, has at least :data:`DEFER_MIN_PARTS` parts, runs the cuBLAS
-    or skinny path (``lora_fused`` off), is not being traced by torch.compile, and ``x`` has at
-    most :data:`CONSUMER_MAX_ROWS` rows; else ``(group(x), None)``. ``x [..., in]``."""
+    part through one fused buffer (or its one part's live tensors), runs the cuBLAS or skinny
+    path (``lora_fused`` off), is not being traced by torch.compile, and ``x``'s row count
+    passes :func:`defers_rows` (at most :data:`CONSUMER_MAX_ROWS`; a group of fewer than
+    :data:`DEFER_MIN_PARTS` parts also needs ``group.one_part_rows`` > 0 and at least that many
+    rows); else ``(group(x), None)``. ``x [..., in]``."""
     import torch
+    x2 = x.reshape(-1, x.shape[-1])
     if group.lora_expand != "consumer" or group._lora_gemm.enabled \
-            or len(group.sizes) < DEFER_MIN_PARTS or torch.compiler.is_compiling():
+            or not defers_rows(len(group.sizes), x2.shape[0], group.one_part_rows) \
+            or torch.compiler.is_compiling():
         return group(x), None
     f = group._buffers()
-    x2 = x.reshape(-1, x.shape[-1])
-    if f is None or not f["lora"] or x2.shape[0] > CONSUMER_MAX_ROWS:
+    if f is None or not f["lora"]:
         return group(x), None
     y = group._base_gemm(x2, f)  # cuBLAS or the skinny kernel: [N, sum(out)] (+ [N, sum(r)])
     n = f["n_out"]

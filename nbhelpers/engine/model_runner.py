@@ -98,7 +98,7 @@ class ModelRunner:
         lora_fused = resolve_lora_fused(opt, on_cuda)  # lora_gemm kernels (runner_options)
         lora_dtype = resolve_lora_dtype(opt, on_cuda)
         for group in self.model.live_groups():
-            group.set_lora_expand(self.lora_expand)
+            group.set_lora_expand(self.lora_expand, opt.lora_consumer_one_part_rows)
             group.set_lora_fused(lora_fused)
             group.set_lora_dtype(lora_dtype)
         self.skinny = SkinnyLinear(resolve_skinny_gemm(opt, self.kernels_ok),  # decode GEMMs

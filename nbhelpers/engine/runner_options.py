@@ -58,8 +58,9 @@ class RunnerOptions:
     four groups deferred, had lost at batch 4, step ``n1c``, 2026-12-01), or ``"consumer"``:
     ``"triton"``, except that decode groups of at most
     ``lora_pending.CONSUMER_MAX_ROWS`` rows leave LoRA B to the kernel that reads the projection
-    next (add+RMSNorm for o/down, SiLU x up for gate_up, q/k norm + RoPE + KV write for
-    qkv), removing the four expand launches a decode layer; it needs
+    next (SiLU x up for gate_up, q/k norm + RoPE + KV write for qkv; add+RMSNorm for o/down
+    only from :attr:`lora_consumer_one_part_rows` rows), removing two expand launches a decode
+    layer (four there); it needs
     ``fused_elementwise="triton"`` (else, and for prefill, Gemma-4 and unsupported shapes, it
     runs as ``"triton"``: same result), or ``"epilogue"`` (opt-in, not yet measured on the
     H200): ``"triton"``, except that decode groups whose ``ext`` GEMM the skinny kernel serves
@@ -158,6 +159,19 @@ class RunnerOptions:
     fp32, nothing to shadow). Why: fp32 adapters cost +2.1 ms a decode step over cuBLAS alone at
     batch 4 on the H200 against +0.5 ms for bf16 ones (``scripts/device/ab_lora_gemm.py``,
     2026-12-01)."""
+    lora_consumer_one_part_rows: int = 0
+    """With ``lora_expand="consumer"`` (or ``"auto"`` resolving to it): the one-part groups
+    (o_proj, down_proj) also leave LoRA B to the add+RMSNorm kernel that reads their output next
+    (``kernels/fused_norm.py`` ``add_norm(lora=...)``) in decode batches of at least this many
+    rows and at most ``lora_pending.CONSUMER_MAX_ROWS`` (64); ``0`` (the default): never, they
+    keep their expand launch (``lora_pending.DEFER_MIN_PARTS``). An int >= 0; no effect with
+    another ``lora_expand``. Why ask: Qwen3-4B, LoRA r32, bf16 adapters, batch 64 (H200, git
+    2052410, 33_flex_vs_baselines, 2026-12-07): the LoRA kernels cost +0.45 ms a decode step,
+    0.21 ms of it the 72 ``_lora_expand_gemm`` launches of o_proj and down_proj. Their
+    add+RMSNorm runs one program per row, each reading all of B, which lost 0.9 ms a step at
+    batch 4 (issue 12, the first consumer mode); at 32-64 rows the programs are many and the
+    trade may flip. The default stays 0 until an H200 A/B (step ``n22c`` of
+    ``scripts/device/step_table.py``) says otherwise."""
     skinny_gemm: str = "auto"
     """Decode GEMMs of at most 16 rows (every projection group's base GEMM, LoRA A's ``ext``
     rows included, and the LM head; 16/32-bit weights, CUDA or ``TRITON_INTERPRET=1``) as one
@@ -334,6 +348,12 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
+        rows = self.lora_consumer_one_part_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"RunnerOptions.lora_consumer_one_part_rows={rows!r}: must be an int "
+                             ">= 0 (decode rows from which o_proj/down_proj leave LoRA B to "
+                             "add+RMSNorm with lora_expand='consumer'), e.g. 16; 0 (the "
+                             "default) keeps their expand launch.")
         check_skinny_gemm_max_rows(self.skinny_gemm_max_rows, "RunnerOptions.skinny_gemm_max_rows")
         check_skinny_gemm_cublas(self.skinny_gemm_cublas, "RunnerOptions.skinny_gemm_cublas")
         if self.skinny_gemm_cublas == "never" and self.skinny_gemm == "off":

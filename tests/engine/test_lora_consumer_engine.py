@@ -23,7 +23,7 @@ from nbhelpers.config import SamplingParams
 from nbhelpers.engine import LLM
 from nbhelpers.engine.kernels import lora_expand as le
 from nbhelpers.engine.lora import LiveGroup, check_lora_expand
-from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS
+from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS, defers_rows
 from nbhelpers.engine.runner_options import RunnerOptions
 from nbhelpers.engine.runner_resolve import resolve_kernels
 
@@ -69,7 +69,57 @@ def test_group_defers_only_in_range():
         assert LiveGroup(mods, lora_expand="consumer").deferred(big)[1] is None
 
 
+def test_one_part_group_defers_only_from_its_rows():
+    """o_proj alone (one part, below ``DEFER_MIN_PARTS``) in consumer mode: no record by default
+    (``one_part_rows=0``); with ``one_part_rows`` set, a record from that many rows up to
+    CONSUMER_MAX_ROWS, whose ``apply()`` equals the group's own call; none below or above that
+    range, nor in ``"triton"`` mode. Two-part groups keep deferring at any count in range."""
+    o_proj = peft_tiny(torch.float32).get_base_model().model.layers[0].self_attn.o_proj
+    group = LiveGroup([o_proj], lora_expand="consumer")
+    x = torch.randn(1, 5, o_proj.in_features, device=DEV)
+    with torch.no_grad():
+        want = LiveGroup([o_proj], lora_expand="triton")(x)[0]
+        assert group.one_part_rows == 0 and group.deferred(x)[1] is None  # today's behaviour
+        group.set_lora_expand("consumer", one_part_rows=1)
+        (out,), p = group.deferred(x)
+        assert p is not None and p.sizes == [o_proj.out_features] and p.ranks == [4]
+        assert not torch.allclose(out, want)  # base only so far
+        p.apply()
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        edge = torch.randn(CONSUMER_MAX_ROWS, o_proj.in_features, device=DEV)
+        assert group.deferred(edge)[1] is not None  # the bound itself is in range
+        big = torch.randn(1, CONSUMER_MAX_ROWS + 1, o_proj.in_features, device=DEV)
+        assert group.deferred(big)[1] is None
+        group.set_lora_expand("consumer", one_part_rows=6)
+        assert group.deferred(x)[1] is None  # 5 rows < 6
+        group.set_lora_expand("triton", one_part_rows=1)
+        assert group.deferred(x)[1] is None
+    assert [defers_rows(1, n, 16) for n in (15, 16, 64, 65)] == [False, True, True, False]
+    assert [defers_rows(2, n, 0) for n in (1, 64, 65)] == [True, True, False]
+    assert not defers_rows(1, 32, 0)
+
+
+def test_one_part_rows_option_values():
+    """``lora_consumer_one_part_rows``: 0 by default, any int >= 0 accepted (RunnerOptions and
+    the A/B scripts' option check, which lists the fields); -1, "16" and True refused with the
+    field's name and the fix."""
+    from nbhelpers.bench import flex_ab
+    assert RunnerOptions().lora_consumer_one_part_rows == 0
+    assert RunnerOptions(lora_consumer_one_part_rows=16).lora_consumer_one_part_rows == 16
+    assert flex_ab.check_engine_options({"lora_consumer_one_part_rows": 16}, "x") == {
+        "lora_consumer_one_part_rows": 16}
+    for bad in (-1, "16", True):
+        with pytest.raises(ValueError, match=r"RunnerOptions\.lora_consumer_one_part_rows="
+                           r".*must be an int >= 0.*e\.g\. 16; 0 \(the default\)"):
+            RunnerOptions(lora_consumer_one_part_rows=bad)
+
+
 # ----------------------------------------------------------------- the engine
+
+EXPAND_PER_LAYER = 2
+"""Expand launches per decode layer left in consumer mode: o_proj's and down_proj's (one-part
+groups keep theirs, ``lora_pending.DEFER_MIN_PARTS``); q/k/v and gate_up go to their consumers.
+With ``lora_consumer_one_part_rows`` at most the decode rows: none (all four groups defer)."""
 
 
 def _count_expand(monkeypatch):
@@ -90,17 +140,23 @@ def _assert_same(got, want, tol=1e-4):
         assert max(abs(a - b) for a, b in zip(glp, wlp)) < tol
 
 
-def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch):
+@pytest.mark.parametrize("one_part_rows,expand_per_layer", [(0, EXPAND_PER_LAYER), (1, 0)],
+                         ids=["default", "one_part_rows_1"])
+def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch, one_part_rows,
+                                                                 expand_per_layer):
     """Tiny fp32 Qwen3, LoRA r=4 on every projection: the same greedy tokens and logprobs
     (|dlogprob| < 1e-4, the lora_expand tests' bound) as ``lora_expand="triton"``, before and
     after an in-place optimizer step on the adapters (live LoRA); the decode steps launch
-    fewer expand kernels (prefill keeps them)."""
+    fewer expand kernels (prefill keeps them): o_proj's and down_proj's by default, none with
+    ``lora_consumer_one_part_rows=1`` (their add+RMSNorm adds B, the last layer's through the
+    final norm)."""
     model = peft_tiny(torch.float32)
     prompts = random_prompts(3, 5, 12, seed=2)
     calls = _count_expand(monkeypatch)
     kw = {"fused_elementwise": "triton"}
     llm_t = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="triton", **kw)
-    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer", **kw)
+    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer",
+                lora_consumer_one_part_rows=one_part_rows, **kw)
     counts = []
     for step in range(2):
         outs = []
@@ -116,24 +172,34 @@ def test_engine_consumer_matches_triton_before_and_after_update(monkeypatch):
     layers, steps = 2, GREEDY.max_new_tokens - 1  # the first token comes from prefill
     if COUNTS_PER_STEP:
         assert counts[0] == counts[2] == 4 * layers * steps  # qkv, o, gate_up, down per layer
-        assert counts[1] == counts[3] == EXPAND_PER_LAYER * layers * steps
+        assert counts[1] == counts[3] == expand_per_layer * layers * steps
 
 
+@pytest.mark.parametrize("one_part_rows", [0, 1])
 @pytest.mark.parametrize("lora_dtype", ["model", "adapter"])
-def test_engine_consumer_bf16_model_fp32_adapters(lora_dtype):
+def test_engine_consumer_bf16_model_fp32_adapters(monkeypatch, lora_dtype, one_part_rows):
     """TRL's case, a bf16 model with fp32 adapters: through the bf16 shadows
     (``lora_dtype="model"``, B read from ``lora_shadow``'s copies) or the fp32 tensors themselves
     (``"adapter"``: fp32 B, the add in fp32): the tokens of ``lora_expand="triton"`` and its
     logprobs to fp32 summation order, before and after an in-place update of the trainer's
-    tensors (the shadows re-copy on the version counters, no user call)."""
+    tensors (the shadows re-copy on the version counters, no user call); with
+    ``lora_consumer_one_part_rows=1`` o_proj's and down_proj's B too in add+RMSNorm (no decode
+    expand launch left)."""
     model = peft_tiny(torch.bfloat16)
     prompts = random_prompts(2, 6, 10, seed=5)
     kw = {"fused_elementwise": "triton", "lora_dtype": lora_dtype}
     llm_t = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="triton", **kw)
-    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer", **kw)
+    llm_c = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand="consumer",
+                lora_consumer_one_part_rows=one_part_rows, **kw)
+    calls = _count_expand(monkeypatch)
+    per_layer = 0 if one_part_rows else EXPAND_PER_LAYER
     seen = []
     for _ in range(2):
-        want, got = (llm.generate(prompts, GREEDY) for llm in (llm_t, llm_c))
+        want = llm_t.generate(prompts, GREEDY)
+        calls.clear()
+        got = llm_c.generate(prompts, GREEDY)
+        if COUNTS_PER_STEP:  # decode rows: the bucket of 2; 2 layers, the first token prefilled
+            assert sum(1 for n in calls if n <= 2) == per_layer * 2 * (GREEDY.max_new_tokens - 1)
         # CPU: bit-equal (seen here); GPU: tl.dot and the prologue sum r in their own order,
         # so a bf16 output may sit one ulp apart (2e-2 in logprob covers that)
         _assert_same([(o.token_ids, o.logprobs) for o in got],
@@ -141,11 +207,6 @@ def test_engine_consumer_bf16_model_fp32_adapters(lora_dtype):
         seen.append([o.token_ids for o in want])
         inplace_lora_step(model)
     assert seen[0] != seen[1]
-
-
-EXPAND_PER_LAYER = 2
-"""Expand launches per decode layer left in consumer mode: o_proj's and down_proj's (one-part
-groups keep theirs, ``lora_pending.DEFER_MIN_PARTS``); q/k/v and gate_up go to their consumers."""
 
 
 def test_engine_consumer_falls_back_without_triton_elementwise(monkeypatch):

@@ -151,9 +151,15 @@ def replay_ms(llm: Any, batch: int, iters: int = 20, back: int = 0) -> float | N
     return sorted(times)[len(times) // 2]
 
 
+ROUND_STALL_KEYS = ("graph_captures", "gc_s", "gc_collections", "gc_gen2", "gc_paused")
+"""``LLM.last_stats`` keys each timed round's row also records: a decode-graph capture or a
+Python garbage collection inside a timed round (:mod:`nbhelpers.engine.gc_watch`)."""
+
+
 def time_rounds(llm: Any, prompts: list[list[int]], sampling: SamplingParams, rounds: int,
                 warmup: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Timed rounds (schema-v1 ``rounds`` rows) and the breakdown of the last timed round."""
+    """Timed rounds (schema-v1 ``rounds`` rows, plus :data:`ROUND_STALL_KEYS` per round) and
+    the breakdown of the last timed round."""
     from nbhelpers.stats import timer
     for _ in range(warmup):
         llm.generate(prompts, sampling)
@@ -165,7 +171,9 @@ def time_rounds(llm: Any, prompts: list[list[int]], sampling: SamplingParams, ro
         st = dict(llm.last_stats)
         steps = max(1, st["decode_steps"])
         rows.append({"wall_s": t["s"], "new_tokens": sum(len(o.token_ids) for o in outs),
-                     "prompt_tokens": sum(len(p) for p in prompts) * sampling.n})
+                     "prompt_tokens": sum(len(p) for p in prompts) * sampling.n,
+                     # what can stall one round (gc_watch.py: 0.2-0.3 s once at fp32 b64)
+                     **{k: st.get(k) for k in ROUND_STALL_KEYS}})
         breakdown = {"prefill_s": st["prefill_s"], "decode_s": st["decode_s"],
                      "host_s": st["host_s"], "decode_steps": st["decode_steps"],
                      "decode_step_ms": 1e3 * st["decode_s"] / steps,

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from nbhelpers.config import Completion, SamplingParams, resolve_sampling
+from nbhelpers.engine.gc_watch import GcWatch
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.llm_checks import (
     check_causal_lm,
@@ -114,7 +115,10 @@ class LLM:
         ``prefill_s``, ``decode_s``, ``host_s`` (seconds; see
         :mod:`nbhelpers.engine.model_runner`), ``decode_steps``, ``prefill_tokens`` (tokens
         actually prefilled: shared prefixes once), ``graph_captures`` (decode),
-        ``prefill_graph_captures`` and ``prefill_graph_replays`` (``prefill_graphs`` resolved on).
+        ``prefill_graph_captures`` and ``prefill_graph_replays`` (``prefill_graphs`` resolved on),
+        and the Python garbage collections inside the scheduling loop: ``gc_s`` (seconds),
+        ``gc_collections``, ``gc_gen2`` (full collections), ``gc_paused`` (the ``pause_gc``
+        option: automatic collection off for the loop; :mod:`nbhelpers.engine.gc_watch`).
         Cumulative (since the engine was built or :meth:`reset_timings`): the same counters as
         ``total_<key>`` (``total_decode_s``...), which is what ``runner.timings`` holds. Before 2026-12-01 the
         unprefixed counters were the cumulative ones; every reader in the repo either called
@@ -140,16 +144,19 @@ class LLM:
         before = dict(self.runner.timings)
         t0 = time.perf_counter()
         self.runner.begin_generate()  # the live-weights check, once for the whole call
+        gc_watch = GcWatch(self.opt.pause_gc)
         try:
-            while not sched.is_done:
-                self._step(sched, sampling)
+            with gc_watch:
+                while not sched.is_done:
+                    self._step(sched, sampling)
         finally:
             self.runner.end_generate()
         total = dict(self.runner.timings)
         self.last_stats = {"wall_s": time.perf_counter() - t0,
                            "num_preemptions": sched.num_preemptions,
                            **{k: v - before.get(k, 0) for k, v in total.items()},
-                           **{f"total_{k}": v for k, v in total.items()}}
+                           **{f"total_{k}": v for k, v in total.items()},
+                           **gc_watch.stats()}
         return [Completion(list(s.prompt_ids), list(s.out_ids), [lp[0] for lp in s.out_logprobs],
                            s.finish_reason or "length",
                            full_logprobs=[lp[1] for lp in s.out_logprobs]) for s in seqs]

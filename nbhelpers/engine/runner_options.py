@@ -277,6 +277,14 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     warm-up, capture and eager steps; not prefill, Gemma-4's own attention block, the CPU,
     ``TRITON_INTERPRET=1`` or ``compile_decode``), silently off elsewhere
     (:func:`resolve_l2_prefetch`)."""
+    pause_gc: bool = False
+    """Automatic Python garbage collection off during ``LLM.generate``'s scheduling loop
+    (restored after it, exception or not; ``engine/gc_watch.py``). Every call reports the loop's
+    collections either way (``gc_s``, ``gc_collections``, ``gc_gen2`` in ``LLM.last_stats``).
+    Why ask: single timed rounds of the H200 run of 2026-12-07 (33, git 2052410) took 0.2-0.3 s
+    longer than their twin with no kernel to show for it; vLLM freezes its heap after warm-up
+    against such pauses (``vllm/utils/gc_utils.py`` ``freeze_gc_heap``). Off by default until an
+    H200 A/B shows what it changes."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128

@@ -477,6 +477,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"variants": "[{name: default, options: {}}, {name: one_part16, options: "
                            "{lora_consumer_one_part_rows: 16}}]", "lora_modes": "[fp32, bf16]"},
          360, 560, 0)]),
+    # session 22: the slow timed rounds (fp32 b64 2.83 then 3.03 s on the H200): each round's
+    # row now records graph captures and GC time (flex_sweep.ROUND_STALL_KEYS); A/B of the
+    # pause_gc option against the default, one process per variant
+    "n22g": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}, {name: pause_gc, options: "
+                           "{pause_gc: true}}]", "lora_modes": "[fp32, bf16]"},
+         360, 560, 0)]),
     "n16d": ([], [], [
         (BENCH, {"args": N16D_BENCH}, 220, 300, 0),
         (BENCH, {"args": N16E_BENCH}, 80, 120, 0)]),

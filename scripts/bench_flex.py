@@ -92,15 +92,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     '{...}};{"name": "new", "options": {}}\' (RunnerOptions fields)')
     ap.add_argument("--no-floor-gemms", action="store_true",
                     help="A/B mode: skip the cold-weight GEMM times (bandwidth + bytes still)")
+    ap.add_argument("--check-only", action="store_true",
+                    help="check the arguments as a run would (not the host's GPU), print "
+                    "'arguments ok' and exit: what scripts/device/run_step.py --dry-run does")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: one A/B child
     args = ap.parse_args(argv)
     if args.one:  # the parent checked this child's job
         return args
     try:
-        return flex_args.check_args(args)
+        args = flex_args.check_args(args, host=not args.check_only)
     except (ValueError, TypeError) as err:  # one line naming the fix, before anything is built or written
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.check_only:
+        print("arguments ok")
+        raise SystemExit(0)
+    return args
 
 
 def model_block(model, name: str) -> dict:

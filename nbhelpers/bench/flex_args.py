@@ -111,8 +111,10 @@ def check_host(args: argparse.Namespace) -> None:
                          "here; use --cpu-smoke (the tiny shape on the CPU) on this host.")
 
 
-def check_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the parsed values added (module docstring), every check passed.
+def check_args(args: argparse.Namespace, host: bool = True) -> argparse.Namespace:
+    """``args`` with the parsed values added (module docstring), every check passed;
+    ``host=False`` leaves out :func:`check_host` (``--check-only``: a device step's command line
+    checked on a host without the GPU it will run on).
 
     Raises:
         ValueError, TypeError: the first bad argument (the message names the flag and the fix).
@@ -126,5 +128,6 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"tiny:fp32:2 --variants '{ab.VARIANTS_EXAMPLE}'.")
     args.variant_list = ab.parse_variants(args.variants)
     args.decode_variant_list = decode_variants(args)
-    check_host(args)
+    if host:
+        check_host(args)
     return args

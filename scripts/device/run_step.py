@@ -107,7 +107,10 @@ def dry_run(step: str) -> int:
     bad += total > LIMIT_BYTES
     for nb, over, est, cap, lane in STEPS[step][2]:
         if nb.endswith(".py"):  # script job: its own argument parser checks the command line
-            cmd = [sys.executable, str(REPO / nb), *shlex.split(over.get("args", "")), "--help"]
+            # bench_flex.py checks its values too (points, variants, engine options); the others
+            # only parse (--help); either way without the device's GPU
+            check = "--check-only" if nb == BENCH else "--help"
+            cmd = [sys.executable, str(REPO / nb), *shlex.split(over.get("args", "")), check]
             ok = subprocess.run(cmd, capture_output=True, check=False).returncode == 0
             bad += not ok
             print(f"  lane {lane} script {nb} est {est} s cap {cap} s: {'ok' if ok else 'BAD'}")

@@ -484,6 +484,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"variants": "[{name: default, options: {}}, {name: pause_gc, options: "
                            "{pause_gc: true}}]", "lora_modes": "[fp32, bf16]"},
          360, 560, 0)]),
+    # session 22: issue 12's Llama-3.2-3B goal (W with LoRA >= 11,000 tok/s) has no row since
+    # the issue was filed (7,499 at 3ae45ee): W (150-token prompts, 512 new tokens) at batch 32
+    "n22l": ([], [], [
+        (BENCH, {"args": "--out $OUT/bench_llama --rounds 2 --max-new-tokens 512 --no-floor-gemms "
+                         "--points llama_3_2_3b:bf16:32,llama_3_2_3b:fp32:32,llama_3_2_3b:none:32 "
+                         "--variants '{\"name\": \"default\", \"options\": {}}'"},
+         150, 240, 0)]),
     "n16d": ([], [], [
         (BENCH, {"args": N16D_BENCH}, 220, 300, 0),
         (BENCH, {"args": N16E_BENCH}, 80, 120, 0)]),

@@ -153,3 +153,22 @@ def test_the_command_line_prints_no_traceback(argv, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stdout == "" and not out.exists()
+
+
+def test_check_only_checks_values_but_not_the_host(tmp_path, capsys, monkeypatch):
+    """``--check-only`` (what ``scripts/device/run_step.py --dry-run`` runs for a bench step on
+    this GPU-less host): the values are checked as a run would (session 22's ``n22l`` named
+    ``llama-3.2-3b``, which ``--help`` had let through), the host's missing GPU is not, and
+    nothing is built or written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+    monkeypatch.setattr(flex_ab, "run_ab", lambda *a, **k: built.append("run_ab"))
+    out = tmp_path / "out"
+    assert "unknown shape 'llama-3.2-3b' (did you mean 'llama_3_2_3b'?)" in _refused(
+        ["--points", "llama-3.2-3b:bf16:32", "--check-only"], out, capsys)
+    with pytest.raises(SystemExit) as exc:
+        bf.main(["--points", "llama_3_2_3b:bf16:32", "--variants",
+                 '{"name": "d", "options": {"pause_gc": true}}', "--check-only", "--out",
+                 str(out)])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == "arguments ok"
+    assert built == [] and not out.exists()

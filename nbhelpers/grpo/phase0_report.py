@@ -138,6 +138,9 @@ def result_line(result: GRPOResult, device: str) -> str:
     if n_flat:
         finite += (f"; {n_flat} of {len(result.records)} steps had zero advantage (all completions"
                    " scored alike, so no learning signal)")
+    elif result.records:  # said either way: silence read as "not counted" (helper-19's trial)
+        finite += (f"; none of the {len(result.records)} steps had zero advantage (rewards varied"
+                   " within a group at every step)")
     return (f"**Result:** {s['n_steps']} GRPO steps of `{result.model_name}` on {device} "
             f"({result.backend}): median step {fmt(s['step_time_s_median'], '.2f')} s after "
             f"{s['skip_first']} warm-up steps, peak memory {fmt(s['peak_mem_device_gib'], '.2f')}"

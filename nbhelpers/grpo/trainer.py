@@ -373,15 +373,18 @@ def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = Non
 
 
 def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -> None:
-    """Raise ``ValueError`` (naming the fix) before anything loads for ``skip_first`` not an int
-    >= 0, ``format_warmup_steps`` < 0, a ``warmup_adapter`` outside ``WARMUP_ADAPTERS``, a
+    """Raise ``ValueError`` (naming the fix) before anything loads for ``skip_first`` or
+    ``format_warmup_steps`` not an int >= 0 (a bool is not one), a ``warmup_adapter`` outside ``WARMUP_ADAPTERS``, a
     warm-up with a backend outside ``WARMUP_BACKENDS``, or one with a backend of
     ``WARMUP_RELOAD_BACKENDS`` (``unsloth``) and ``warmup_adapter`` other than ``"merge"``."""
-    if not isinstance(skip_first, int) or skip_first < 0:  # checked before any step runs
+    if not isinstance(skip_first, int) or isinstance(skip_first, bool) or skip_first < 0:
         raise ValueError(f"skip_first={skip_first!r}: must be an int >= 0 (warm-up steps left "
-                         "out of the summary's medians).")
-    if steps < 0:
-        raise ValueError(f"format_warmup_steps={steps}: must be >= 0.")
+                         "out of the summary's medians).")  # checked before any step runs
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        # a float passed this check and failed ~20 s later inside transformers' Trainer, a str
+        # raised a bare TypeError here, True ran one step (helper-19's trial, 2026-12-07)
+        raise ValueError(f"format_warmup_steps={steps!r}: must be an int >= 0 (SFT steps of "
+                         "the format warm-up; 0: none), e.g. format_warmup_steps=60.")
     if adapter not in WARMUP_ADAPTERS:
         raise ValueError(f"warmup_adapter={adapter!r}: use one of {WARMUP_ADAPTERS}.")
     if steps and backend not in WARMUP_BACKENDS:

@@ -20,4 +20,5 @@ def test_zero_advantage_steps_counts_flat_groups():
 def test_result_line_says_when_steps_had_no_learning_signal():
     flat = result_line(_result([0.0, 0.0, 0.3]), "cpu")
     assert "2 of 3 steps had zero advantage" in flat
-    assert "zero advantage" not in result_line(_result([0.3, 0.4]), "cpu")
+    every = result_line(_result([0.3, 0.4]), "cpu")
+    assert "none of the 2 steps had zero advantage" in every and "no learning signal" not in every

@@ -119,6 +119,24 @@ def test_train_accepts_vllm_and_unsloth_merge_warmups_and_refuses_unsloth_contin
         trainer._check_warmup(60, "continue", "unsloth")
 
 
+@pytest.mark.parametrize("steps", [2.5, "2", True, -1, None])
+def test_train_refuses_a_warmup_step_count_that_is_no_int_before_loading(steps, monkeypatch):
+    """``train(format_warmup_steps=...)`` from Python (the runner's ``-p`` checks its own): a
+    float used to load the model and fail ~20 s later inside transformers' Trainer, a str raised
+    a bare TypeError, True ran one step (helper-19's trial, 2026-12-07)."""
+    from nbhelpers.config import GRPOSettings
+    from nbhelpers.grpo import train
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the policy loaded before the check")
+
+    monkeypatch.setattr(trainer, "_load_inputs", loaded)
+    with pytest.raises(ValueError, match=r"format_warmup_steps=.*: must be an int >= 0 .*"
+                                         r"e\.g\. format_warmup_steps=60"):
+        train("tiny-llama", GRPOSettings(max_steps=1, max_completion_length=8), backend="flex",
+              format_warmup_steps=steps, output_dir="/tmp/never_written")
+
+
 def test_runner_accepts_vllm_and_unsloth_with_a_warmup_before_launch(monkeypatch):
     from nbhelpers.grpo import plans
     sources = {"backends": "-p backends", "format_warmup_steps": "-p format_warmup_steps"}

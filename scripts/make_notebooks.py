@@ -79,8 +79,10 @@ pd.set_option("display.max_colwidth", 300)
 print(device, model_info)
 settings"""
 
-TRAIN = """result = train(model, settings, backend="hf_generate", dataset=dataset,
-               n_questions=n_questions, output_dir=run_dir, progress=True,
+TRAIN = """# progress=False: each step prints its logged values as a line, which the runner's terminal
+# shows as it comes; TRL's progress bar in a kernel is an HTML table that only the notebook shows
+result = train(model, settings, backend="hf_generate", dataset=dataset,
+               n_questions=n_questions, output_dir=run_dir, progress=False,
                skip_first=skip_first, format_warmup_steps=format_warmup_steps)
 print(f"{len(result.records)} steps in {result.wall_s:.1f} s")
 result.dataset_stats"""
@@ -128,7 +130,8 @@ def phase0() -> nbformat.NotebookNode:
     """The phase 0 reference GRPO notebook."""
     return nbgen.build(PHASE0_TITLE, IMPORTS, PARAMETERS, [
         ("Derived values: the settings object every later cell uses.", DERIVED),
-        ("## Run GRPO\nTRL's progress bar shows the steps.", TRAIN),
+        (("## Run GRPO\nEach SFT warm-up step, then each GRPO step, prints one line: TRL's logged "
+          "values for that step (loss, rewards, KL, ...), as it happens."), TRAIN),
         (("## Format warm-up (SFT before GRPO)\nOne greedy completion of the first GRPO question "
           "before and after the SFT warm-up on the reference format (GSM8K worked solutions of "
           "questions 60-99, disjoint from GRPO's first `n_questions`)."), WARMUP),

@@ -15,8 +15,9 @@ TINY = {"model": "tiny-llama", "max_steps": 2, "max_completion_length": 8, "n_qu
 
 
 @pytest.mark.notebooks
-def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path):
+def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path, capfd):
     jobs = runner.run(NOTEBOOK, profile="cpu", overrides=TINY, executed=tmp_path)
+    _assert_steps_reach_the_terminal(capfd.readouterr().out)
     assert [j.status for j in jobs] == ["ok"], f"see {jobs[0].output}"
     side = json.loads(jobs[0].sidecar.read_text())
     validate_sidecar(side)
@@ -39,3 +40,17 @@ def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path):
                 for o in c.outputs if "text/markdown" in o.get("data", {})]
     assert markdown and markdown[-1].startswith("**Result:** 2 GRPO steps of `tiny-llama`")
     assert "| ok |" in (tmp_path / "INDEX.md").read_text()
+
+
+def _assert_steps_reach_the_terminal(terminal: str) -> None:
+    """Each SFT and GRPO step's logged values reach the runner's terminal once, as a line of
+    their own, before the train cell's closing line. Before: the train call's ``progress=True``
+    made transformers draw its notebook progress bar (an HTML table, which papermill never copies
+    to the terminal), so 8.5 min of GRPO steps showed nothing there (a new user, 2026-12-07)."""
+    lines = terminal.splitlines()
+    grpo = [i for i, ln in enumerate(lines) if ln.startswith("{'loss'") and "'reward'" in ln]
+    sft = [i for i, ln in enumerate(lines)
+           if ln.startswith("{'loss'") and "'mean_token_accuracy'" in ln]
+    done = [i for i, ln in enumerate(lines) if ln == "2 steps in" or ln.startswith("2 steps in ")]
+    assert len(grpo) == 2 and len(sft) == 1 and len(done) == 1, terminal
+    assert sft[0] < grpo[0] < grpo[1] < done[0], terminal

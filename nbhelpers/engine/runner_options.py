@@ -20,6 +20,7 @@ from nbhelpers.engine.lora import (
     check_lora_expand,
     check_lora_fused,
 )
+from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS  # pure python, no torch at import
 from nbhelpers.engine.prefill_fa4 import check_fa4_importable  # pure python, no torch
 from nbhelpers.engine.runner_option_hints import check_kernel_option_keys, with_yaml_bool_hint
 from nbhelpers.engine.sampler import check_sample_kernel  # torch imported lazily there
@@ -362,6 +363,16 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                              ">= 0 (decode rows from which o_proj/down_proj leave LoRA B to "
                              "add+RMSNorm with lora_expand='consumer'), e.g. 16; 0 (the "
                              "default) keeps their expand launch.")
+        if rows and self.lora_expand not in ("auto", "consumer"):  # an A/B would measure nothing
+            raise ValueError(f"RunnerOptions.lora_consumer_one_part_rows={rows} with "
+                             f"lora_expand={self.lora_expand!r}: only the consumer mode defers "
+                             "LoRA B; use lora_expand='consumer' (or 'auto'), or drop "
+                             "lora_consumer_one_part_rows.")
+        if rows > CONSUMER_MAX_ROWS:
+            raise ValueError(f"RunnerOptions.lora_consumer_one_part_rows={rows}: above "
+                             f"lora_pending.CONSUMER_MAX_ROWS={CONSUMER_MAX_ROWS}, the most rows "
+                             f"any group defers for, so it would never apply; use 1-"
+                             f"{CONSUMER_MAX_ROWS} (or 0: never).")
         check_skinny_gemm_max_rows(self.skinny_gemm_max_rows, "RunnerOptions.skinny_gemm_max_rows")
         check_skinny_gemm_cublas(self.skinny_gemm_cublas, "RunnerOptions.skinny_gemm_cublas")
         if self.skinny_gemm_cublas == "never" and self.skinny_gemm == "off":

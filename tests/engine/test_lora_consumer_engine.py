@@ -112,6 +112,16 @@ def test_one_part_rows_option_values():
         with pytest.raises(ValueError, match=r"RunnerOptions\.lora_consumer_one_part_rows="
                            r".*must be an int >= 0.*e\.g\. 16; 0 \(the default\)"):
             RunnerOptions(lora_consumer_one_part_rows=bad)
+    # values that could never apply (helper-19's trial: an A/B variant would measure nothing)
+    assert RunnerOptions(lora_consumer_one_part_rows=16, lora_expand="consumer")
+    for mode in ("addmm", "triton", "epilogue"):
+        with pytest.raises(ValueError, match=rf"=16 with lora_expand='{mode}': only the consumer "
+                           r"mode defers LoRA B; use lora_expand='consumer'"):
+            RunnerOptions(lora_consumer_one_part_rows=16, lora_expand=mode)
+    assert RunnerOptions(lora_consumer_one_part_rows=CONSUMER_MAX_ROWS)
+    with pytest.raises(ValueError, match=rf"above lora_pending.CONSUMER_MAX_ROWS="
+                       rf"{CONSUMER_MAX_ROWS}.*use 1-{CONSUMER_MAX_ROWS}"):
+        RunnerOptions(lora_consumer_one_part_rows=CONSUMER_MAX_ROWS + 1)
 
 
 # ----------------------------------------------------------------- the engine

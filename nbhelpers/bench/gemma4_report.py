@@ -288,13 +288,10 @@ def speedup_table(frame: Any, engine: str = "flex", limits: dict[int, float] | N
 
 
 def free_device_memory() -> None:
-    """``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()`` (after ``del`` of the model)."""
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()`` (after ``del`` of the model):
+    the backends' :func:`nbhelpers.backends._common.free_device_memory`, named here for 34."""
+    from nbhelpers.backends import _common
+    _common.free_device_memory()
 
 
 def runs_dir(out_dir: str, sidecar_path: str) -> Path:

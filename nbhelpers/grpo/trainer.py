@@ -278,26 +278,17 @@ def _load_warmed(plan: BackendPlan, model_name: str, settings: GRPOSettings,
     model, peft, warm = _maybe_warmup(model, tok, peft, settings, opts, train_ds)
     if reload:
         from nbhelpers import data
+        from nbhelpers.backends import _common
         from nbhelpers.grpo import setup
         t0 = time.perf_counter()
         del model  # the last reference: the warmed HF policy's memory goes back before Unsloth's
-        _release_memory()
+        _common.free_device_memory()
         log.info("format warm-up: the warmed HF policy freed in %.1f s; %s loads its policy from "
                  "%s", time.perf_counter() - t0, plan.backend, warm["model_folder"])
         model, tok, peft = load_policy(plan.backend, model_name, settings, setup.is_cuda(),
                                        attn_implementation=attn, folder=warm["model_folder"])
         data.apply_reference_chat_template(tok)
     return model, tok, peft, train_ds, ds_stats, warm
-
-
-def _release_memory() -> None:
-    """Collect garbage and, on CUDA, return the allocator's cached blocks to the card."""
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _maybe_warmup(model: Any, tok: Any, peft: Any, settings: GRPOSettings, opts: dict[str, Any],

@@ -66,7 +66,8 @@ prompts = rollout.prepare_prompts(model, workload)
 limits = rollout.workload_limits(model, workload, prompts, lora or LoraSpec(),
                                bandwidth_tb_s * 1e12)
 print(gpu_name(), out_dir, "prompt lengths:", sorted(map(len, prompts)))
-print({("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items()})"""
+print(f"bandwidth limit at bandwidth_tb_s={bandwidth_tb_s} TB/s (a parameter, not measured here):",
+      {("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items()})"""
 
 RUN_10 = """run_id = utc_stamp()
 sides = []

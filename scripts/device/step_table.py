@@ -484,6 +484,15 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"variants": "[{name: default, options: {}}, {name: pause_gc, options: "
                            "{pause_gc: true}}]", "lora_modes": "[fp32, bf16]"},
          360, 560, 0)]),
+    # session 23: n22c and n22g in one call (one process per variant x adapter dtype), at the
+    # batches where each option can move something: one_part16 applies from 16 rows (4 is the
+    # control), pause_gc targets the slow timed rounds seen at batch 64
+    "n23ab": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}, {name: one_part16, options: "
+                           "{lora_consumer_one_part_rows: 16}}, {name: pause_gc, options: "
+                           "{pause_gc: true}}]", "lora_modes": "[fp32, bf16]",
+               "batches": "[4, 32, 64]"},
+         380, 560, 0)]),
     # session 22: issue 12's Llama-3.2-3B goal (W with LoRA >= 11,000 tok/s) has no row since
     # the issue was filed (7,499 at 3ae45ee): W (150-token prompts, 512 new tokens) at batch 32
     "n22l": ([], [], [

@@ -492,7 +492,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                            "{lora_consumer_one_part_rows: 16}}, {name: pause_gc, options: "
                            "{pause_gc: true}}]", "lora_modes": "[fp32, bf16]",
                "batches": "[4, 32, 64]"},
-         380, 560, 0)]),
+         380, 480, 0),
+        (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[none]",
+               "batches": "[4, 32, 64]"},
+         60, 90, 0)]),  # the no-LoRA step of the same machine: LoRA's cost per variant
     # session 22: issue 12's Llama-3.2-3B goal (W with LoRA >= 11,000 tok/s) has no row since
     # the issue was filed (7,499 at 3ae45ee): W (150-token prompts, 512 new tokens) at batch 32
     "n22l": ([], [], [

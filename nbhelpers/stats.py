@@ -193,13 +193,23 @@ def peak_memory_gib() -> dict[str, float | None]:
 def rounds_summary(rounds: Sequence[dict[str, float]]) -> dict[str, float | None]:
     """Medians over timed rounds, each ``{"wall_s", "new_tokens", "prompt_tokens"}``.
 
-    ``decode_tok_per_s`` = new tokens / wall seconds of the whole round (prefill included, as in
-    vLLM's ``benchmark_throughput`` output tok/s); ``prompt_tok_per_s`` = prompt tokens / wall.
+    ``decode_tok_per_s`` = new tokens / generation seconds of the round (prefill included, as in
+    vLLM's ``benchmark_throughput`` output tok/s); ``prompt_tok_per_s`` = prompt tokens / the
+    same seconds. A round's generation seconds are its ``wall_s``, or its ``generate_s`` when it
+    has that key: a GRPO step round, whose wall also holds rewards and the loss forward/backward
+    (:func:`nbhelpers.grpo.phase0_report.grpo_rounds`); a ``generate_s`` of ``None`` (rollout not
+    timed) leaves the round out of both rates, never rated over the whole step.
     """
-    dec = [r["new_tokens"] / r["wall_s"] for r in rounds if r.get("wall_s")]
-    pro = [r.get("prompt_tokens", 0) / r["wall_s"] for r in rounds if r.get("wall_s")]
+    timed = [(r, _generation_s(r)) for r in rounds]
+    dec = [r["new_tokens"] / s for r, s in timed if s]
+    pro = [r.get("prompt_tokens", 0) / s for r, s in timed if s]
     return {"decode_tok_per_s_median": median(dec), "prompt_tok_per_s_median": median(pro),
             "wall_s_median": median([r["wall_s"] for r in rounds])}
+
+
+def _generation_s(round_: dict[str, float]) -> float | None:
+    """The seconds a round's token rates divide by (:func:`rounds_summary`)."""
+    return round_["generate_s"] if "generate_s" in round_ else round_.get("wall_s")
 
 
 def make_sidecar(*, phase: str, backend: str, model: dict[str, Any] | None = None,

@@ -96,11 +96,12 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
     finished (or stopped), before the notebook did
     (:func:`nbhelpers.grpo.compare_records.write_partial`);
     ``grpo_request``: what defines the run for reuse (``run["request"]``); ``reused_runs``: the
-    runs of earlier sidecars this run was gated beside (``{backend: reused_from}``).
+    runs of earlier sidecars this run was gated beside (``{backend: reused_from}``);
+    ``rates_note``: the token rates are over each step's rollout (``generate_s``), not the step.
     """
     from types import SimpleNamespace
 
-    from nbhelpers.grpo.phase0_report import grpo_rounds
+    from nbhelpers.grpo.phase0_report import RATES_NOTE, grpo_rounds
     from nbhelpers.stats import make_sidecar
     s, steps = run.get("summary") or {}, run.get("rows") or []
     rounds = grpo_rounds(SimpleNamespace(config=run["config"], records=steps),
@@ -125,6 +126,7 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
                "traceback_tail": (run.get("traceback") or "")[-4000:] or None,
                "grpo_wall_s": run.get("wall_s"), "grpo_completions_sample": run.get("completions"),
                "gate": gate_d, "importance_sampling": is_summary(run), **record,
+               "rates_note": RATES_NOTE,
                "headline": {"step_time_s_median": s.get("step_time_s_median"),
                             "peak_mem_gib": s.get("peak_mem_device_gib"),
                             "gate": gate_word({name: gate_d}, name) if gate_d else None}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from nbhelpers.stats import GIB, make_sidecar
+from nbhelpers.stats import GIB, finite_or_none, make_sidecar
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -63,21 +63,46 @@ def reference_table(result: GRPOResult, device: str) -> pd.DataFrame:
     return pd.DataFrame(rows).T
 
 
-def grpo_rounds(result: GRPOResult, skip_first: int) -> list[dict[str, float]]:
-    """Sidecar ``rounds``: one per post-warm-up step, ``wall_s``, ``new_tokens`` (mean completion
-    length x completions per step), ``prompt_tokens`` (TRL's ``num_tokens`` increase minus
-    them)."""
+def grpo_rounds(result: Any, skip_first: int) -> list[dict[str, float | None]]:
+    """Sidecar ``rounds``: one per step after the first ``skip_first`` (every step when none is
+    left, as the summary's ``note`` says). ``result``: ``.config`` and ``.records``, the step rows
+    (:func:`~nbhelpers.grpo.result.step_rows`: they carry TRL's ``generate_s``).
+
+    Each round: ``wall_s`` (the whole optimiser step: rollout, rewards, reference logprobs, loss
+    forward/backward, optimiser), ``generate_s`` (the step's rollout, ``GRPOTrainer._generate``;
+    ``None`` when the row has none), ``new_tokens`` (mean completion length x completions per
+    step), ``prompt_tokens`` (TRL's ``num_tokens`` increase minus them). The sidecar's token
+    rates divide by ``generate_s`` (:func:`nbhelpers.stats.rounds_summary`), never by the step.
+    """
+    from nbhelpers.grpo.result import GENERATE_KEY
     batch = result.config["generation_batch_size"]
     rounds, prev = [], 0.0
     for i, rec in enumerate(result.records):
         total = rec.get("num_tokens_total") or prev
         new = (rec.get("completion_length_mean_tokens") or 0.0) * batch
-        if i >= skip_first and rec.get("wall_s"):
-            rounds.append({"wall_s": rec["wall_s"], "new_tokens": new,
-                           "prompt_tokens": max(total - prev - new, 0.0)})
+        if rec.get("wall_s"):
+            rounds.append((i, {"wall_s": rec["wall_s"],
+                               "generate_s": finite_or_none(rec.get(GENERATE_KEY)),
+                               "new_tokens": new, "prompt_tokens": max(total - prev - new, 0.0)}))
         prev = total
-    return rounds or [{"wall_s": r["wall_s"], "new_tokens": 0.0, "prompt_tokens": 0.0}
-                      for r in result.records if r.get("wall_s")]
+    after = [r for i, r in rounds if i >= skip_first]
+    return after or [r for _, r in rounds]
+
+
+RATES_NOTE = ("decode_tok_per_s_median / prompt_tok_per_s_median: completion / prompt tokens per "
+              "second of each step's rollout (rounds' generate_s: GRPOTrainer._generate), not of "
+              "the whole step; None when no rollout was timed. wall_s_median: the whole step "
+              "(rollout, rewards, loss forward/backward, optimiser).")
+"""What a phase 0 sidecar's token rates divide by (its ``rates_note``)."""
+
+
+def rounds_note(result: GRPOResult, skip_first: int) -> str:
+    """Which steps a phase 0 sidecar's ``rounds`` hold (:func:`grpo_rounds`)."""
+    n = len(result.records)
+    if n > skip_first:
+        return f"steps {skip_first + 1}..{n} of {n} (the first skip_first={skip_first} left out)"
+    return (f"all {n} steps: none is left after skip_first={skip_first}, so the warm-up steps "
+            "are included")
 
 
 def headline(result: GRPOResult) -> dict[str, Any]:
@@ -92,17 +117,22 @@ def phase0_sidecar(result: GRPOResult, settings: GRPOSettings, model_info: dict[
                    skip_first: int) -> dict[str, Any]:
     """The schema-v1 sidecar of a phase 0 run (``phase0``, ``hf_generate``); GRPO stats as
     extras."""
+    from types import SimpleNamespace
+
+    from nbhelpers.grpo.result import step_rows
     s = result.summary
     prompt_tokens_mean = result.dataset_stats.get("prompt_tokens_mean")
+    rows = SimpleNamespace(config=result.config, records=step_rows(result))
     workload = {"n_prompts": result.config["generation_batch_size"] // settings.num_generations,
                 "prompt_tokens_mean": prompt_tokens_mean,
                 "max_new_tokens": settings.max_completion_length, "ignore_eos": False,
                 "sampling": settings.sampling_params().to_dict()}
     return make_sidecar(
         phase="phase0", backend=result.backend, model=model_info, lora=asdict(settings.lora),
-        workload=workload, rounds=grpo_rounds(result, skip_first),
+        workload=workload, rounds=grpo_rounds(rows, skip_first),
         peak_mem={"allocated": s["peak_mem_allocated_gib"], "device": s["peak_mem_device_gib"]},
         extra={**result.sidecar_extra(), "headline": headline(result),
+               "rates_note": RATES_NOTE, "rounds_note": rounds_note(result, skip_first),
                "torch_num_threads": _torch_threads()})
 
 

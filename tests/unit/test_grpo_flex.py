@@ -306,6 +306,19 @@ def test_step_rows_split_the_step_and_the_engine(flex_run):
     assert len(rollout.engine_stats) == len(rollout.generate_s) == 2
 
 
+def test_sidecar_rates_divide_tokens_by_the_real_rollout_seconds(flex_run):
+    """The sidecar's decode tok/s is over each step's rollout (``generate_s``), which the real
+    run logs, and so above the whole step's tokens per second (fresh-user trial, 2026-12-07)."""
+    from nbhelpers.grpo.phase0_report import phase0_sidecar
+    result, _, _, _ = flex_run
+    side = phase0_sidecar(result, GRPOSettings(), {"name": "tiny-llama"}, skip_first=0)
+    rounds = side["rounds"]
+    assert len(rounds) == 2 and all(0 < r["generate_s"] < r["wall_s"] for r in rounds)
+    assert all(r["new_tokens"] > 0 for r in rounds)
+    per_step = sorted(r["new_tokens"] / r["wall_s"] for r in rounds)
+    assert side["decode_tok_per_s_median"] > sum(per_step) / 2
+
+
 def test_flex_plan_pads_prefill_to_the_prompt_limit_so_attention_compiles_once():
     from nbhelpers.grpo.plans import prefill_pad_for
     assert [prefill_pad_for(n) for n in (1, 128, 129, 256, 300)] == [128, 128, 256, 256, 384]

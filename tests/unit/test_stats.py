@@ -94,3 +94,13 @@ def test_labels_and_timer():
     assert info["gpu"] == (torch.cuda.get_device_name(0) if on_gpu else "cpu")
     assert stats.device_tag() == stats.device_tag(info["gpu"])
     assert info["torch"] and info["git_sha"]
+
+
+def test_rounds_summary_rates_a_grpo_round_over_its_rollout_seconds():
+    rounds = [{"wall_s": 30.0, "generate_s": 10.0, "new_tokens": 400, "prompt_tokens": 200},
+              {"wall_s": 30.0, "generate_s": None, "new_tokens": 400, "prompt_tokens": 200}]
+    got = stats.rounds_summary(rounds)
+    assert got["decode_tok_per_s_median"] == pytest.approx(40.0)  # the untimed round left out
+    assert got["prompt_tok_per_s_median"] == pytest.approx(20.0)
+    assert got["wall_s_median"] == 30.0
+    assert stats.rounds_summary(rounds[1:])["decode_tok_per_s_median"] is None

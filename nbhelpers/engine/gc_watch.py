@@ -1,4 +1,5 @@
-"""Python garbage-collection time inside one ``LLM.generate`` call, and an optional pause.
+"""Python garbage-collection time inside one ``LLM.generate`` call, an optional pause, and
+vLLM's heap freeze.
 
 Contract: ``with GcWatch(pause) as gw: ...`` counts every collection CPython runs inside the block
 (``gw.collections``, by generation in ``gw.by_generation``) and the seconds they took
@@ -17,6 +18,19 @@ warm-up is done for that reason, "to reduce GC overhead from static objects duri
 time": ``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``, ``gc.collect()`` then ``gc.freeze()``;
 SGLang has a ``freeze_gc`` of its own); a decode-graph re-capture is the other
 (``graph_captures`` in ``LLM.last_stats``). These counters say which.
+
+:func:`freeze_gc_heap` is vLLM's ``freeze_gc_heap`` (``vllm/utils/gc_utils.py``; called once at
+the end of ``EngineCore.__init__``, ``vllm/v1/engine/core.py``, after the model, KV cache and
+warm-up are built, "to reduce GC overhead from static objects during serving time"): collect
+generations 0, 1 and 2, then ``gc.freeze()``, which moves every object the collector tracks into
+the permanent generation that no later collection scans. Measured (H100, git 8d7b0e1,
+2026-12-07, ``33_flex_vs_baselines``, step ``n23ab``): the timed rounds of one process took
+3.148 then 2.837 s (PEFT fp32 adapters, batch 32) and 3.126 then 2.629 s (no LoRA, batch 32), the
+slow round holding 0.318 s / 0.479 s of garbage collection (``gc_s``), the other 0.003 s; on this
+project's CPU host a process with torch, transformers, trl and SmolLM2's engine tracks ~402,000
+objects and one full collection took 0.19 s, 0.0 s after the freeze. Frozen objects are still
+freed by reference counting; only reference cycles among them are never collected (vLLM accepts
+that for its process; in a TRL colocate run its engine core freezes the trainer's heap too).
 
 Run: ``python -c "import gc; from nbhelpers.engine.gc_watch import GcWatch; g = GcWatch();
 exec('with g: gc.collect()'); print(g.stats())"``.
@@ -74,3 +88,16 @@ class GcWatch:
         "gc_paused": pause}`` (what ``LLM.last_stats`` carries)."""
         return {"gc_s": self.seconds, "gc_collections": self.collections,
                 "gc_gen2": self.by_generation[2], "gc_paused": self.pause}
+
+
+def freeze_gc_heap() -> dict[str, Any]:
+    """vLLM's ``freeze_gc_heap`` (module docstring): ``gc.collect(0)``, ``gc.collect(1)``,
+    ``gc.collect(2)``, then ``gc.freeze()``. Returns ``{"gc_frozen": objects in the permanent
+    generation after the call (``gc.get_freeze_count()``), "gc_freeze_s": seconds the four calls
+    took}``. Process-wide and cumulative: ``gc.unfreeze()`` undoes it."""
+    t0 = time.perf_counter()
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+    return {"gc_frozen": gc.get_freeze_count(), "gc_freeze_s": time.perf_counter() - t0}

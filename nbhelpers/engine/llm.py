@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from nbhelpers.config import Completion, SamplingParams, resolve_sampling
-from nbhelpers.engine.gc_watch import GcWatch
+from nbhelpers.engine.gc_watch import GcWatch, freeze_gc_heap
 from nbhelpers.engine.kv_cache import PagePool
 from nbhelpers.engine.llm_checks import (
     check_causal_lm,
@@ -96,6 +96,7 @@ class LLM:
         self.last_stats: dict[str, Any] = {}
         self.trace: list[dict[str, Any]] | None = None  # set to [] to record the schedule
         self._next_id = 0
+        self._gc_frozen = False  # RunnerOptions.freeze_gc: done after the first generate
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: list[list[int]] | list[dict[str, list[int]]],
@@ -118,7 +119,9 @@ class LLM:
         ``prefill_graph_captures`` and ``prefill_graph_replays`` (``prefill_graphs`` resolved on),
         and the Python garbage collections inside the scheduling loop: ``gc_s`` (seconds),
         ``gc_collections``, ``gc_gen2`` (full collections), ``gc_paused`` (the ``pause_gc``
-        option: automatic collection off for the loop; :mod:`nbhelpers.engine.gc_watch`).
+        option: automatic collection off for the loop; :mod:`nbhelpers.engine.gc_watch`); with
+        the ``freeze_gc`` option, the first call also gets ``gc_frozen`` and ``gc_freeze_s``
+        (the heap freeze that follows its loop, not counted in ``wall_s``).
         Cumulative (since the engine was built or :meth:`reset_timings`): the same counters as
         ``total_<key>`` (``total_decode_s``...), which is what ``runner.timings`` holds. Before 2026-12-01 the
         unprefixed counters were the cumulative ones; every reader in the repo either called
@@ -157,6 +160,9 @@ class LLM:
                            **{k: v - before.get(k, 0) for k, v in total.items()},
                            **{f"total_{k}": v for k, v in total.items()},
                            **gc_watch.stats()}
+        if self.opt.freeze_gc and not self._gc_frozen:  # vLLM's heap freeze, after warm-up
+            self._gc_frozen = True
+            self.last_stats.update(freeze_gc_heap())
         return [Completion(list(s.prompt_ids), list(s.out_ids), [lp[0] for lp in s.out_logprobs],
                            s.finish_reason or "length",
                            full_logprobs=[lp[1] for lp in s.out_logprobs]) for s in seqs]

@@ -286,6 +286,17 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     longer than their twin with no kernel to show for it; vLLM freezes its heap after warm-up
     against such pauses (``vllm/utils/gc_utils.py`` ``freeze_gc_heap``). Off by default until an
     H200 A/B shows what it changes."""
+    freeze_gc: bool = False
+    """After the first ``LLM.generate`` of this engine (its warm-up: kernels compiled, decode
+    graphs captured, the pool built), freeze the process's Python heap as vLLM's engine core
+    does once it is built (``engine/gc_watch.py`` :func:`~nbhelpers.engine.gc_watch.
+    freeze_gc_heap`: collect every generation, then ``gc.freeze()``), so later full collections
+    no longer walk the model's, the trainer's and the libraries' long-lived objects. Once per
+    ``LLM``; that call's ``last_stats`` gets ``gc_frozen`` (objects frozen) and ``gc_freeze_s``.
+    Why ask: a full collection held 0.32-0.48 s of single timed rounds on the H100 (33, git
+    8d7b0e1, 2026-12-07; numbers in ``gc_watch.py``), and vLLM colocate runs with its heap frozen.
+    Process-wide: reference cycles among objects alive at that moment are never collected. Off
+    by default until an A/B on the H200 (step ``n24g`` of ``scripts/device/step_table.py``)."""
     prefill_kernel_options: dict | None = field(default_factory=lambda: {
         "BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4})
     """flex prefill tiles on CUDA: the default config needed 256 KiB shared memory for head_dim 128

@@ -70,7 +70,8 @@ class StatisticsCallback(TrainerCallback):
 
     With a ``timer`` (:class:`~nbhelpers.grpo.step_timing.StepTimer`, set by
     :func:`nbhelpers.grpo.trainer.train`) each record also gets its split of ``wall_s``:
-    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS`.
+    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS`, and the step's Python garbage collection:
+    :data:`~nbhelpers.grpo.step_timing.GC_KEYS`.
 
     ``records`` is a list of flat dicts, one per step, ready for ``pandas.DataFrame``.
     """
@@ -95,6 +96,7 @@ class StatisticsCallback(TrainerCallback):
                    peak_mem_device_gib=mem["device"], peak_mem_device_max_gib=mem["device_max"])
         if self.timer is not None:
             rec.update(self.timer.split(wall_s))
+            rec.update(self.timer.gc_split())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "train_runtime" in logs:  # the end-of-training summary is not a step

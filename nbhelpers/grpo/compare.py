@@ -230,8 +230,12 @@ def _death_cause(exit_code: int | None) -> str:
 
 
 def flex_options(sleep_between_rollouts: bool = False,
-                 compile_attention: str = "auto") -> dict[str, Any] | None:
+                 compile_attention: str = "auto",
+                 freeze_gc: bool = False) -> dict[str, Any] | None:
     """``train(flex_options=...)`` from notebook parameters; None when all are defaults.
+
+    ``freeze_gc``: the engine's ``RunnerOptions.freeze_gc`` (vLLM's heap freeze after the first
+    rollout; :mod:`nbhelpers.engine.gc_watch`).
 
     ``compile_attention``: ``auto`` (engine default: on iff CUDA) | ``on`` | ``off``. On the CPU
     ``on`` pays a ~20 s compile once and then decodes ~6x faster than the eager flex_attention
@@ -248,6 +252,8 @@ def flex_options(sleep_between_rollouts: bool = False,
         out["sleep_between_rollouts"] = True
     if choices[compile_attention] is not None:
         out["compile_attention"] = choices[compile_attention]
+    if freeze_gc:
+        out["freeze_gc"] = True
     return out or None
 
 

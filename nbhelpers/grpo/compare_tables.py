@@ -90,16 +90,17 @@ def summary_frame(runs: dict[str, dict[str, Any]], gates: dict[str, Any] | None 
 
 def step_split_frame(runs: dict[str, dict[str, Any]]):
     """Where each backend's step goes: one row per run, for ``wall_s``, ``generate_s``,
-    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS` and (flex)
+    :data:`~nbhelpers.grpo.step_timing.TIME_KEYS`, ``time/gc_s`` (Python garbage collection
+    inside the step, from 2026-12-07) and (flex)
     :data:`~nbhelpers.grpo.step_timing.FLEX_KEYS` the median over the run's own step rows after
     its summary's ``skip_first`` (the steps in the summary's medians; seconds, ``decode_steps``
     a count, ``decode_ms_per_step`` ms). ``None`` where a run never logged the key (``flex/*``
     for other backends, ``time/*`` for records from before 2026-12-02)."""
     import pandas as pd
 
-    from nbhelpers.grpo.step_timing import FLEX_KEYS, TIME_KEYS
+    from nbhelpers.grpo.step_timing import FLEX_KEYS, GC_KEYS, TIME_KEYS
     from nbhelpers.stats import median
-    cols = ("wall_s", "generate_s", *TIME_KEYS, *FLEX_KEYS)
+    cols = ("wall_s", "generate_s", *TIME_KEYS, GC_KEYS[0], *FLEX_KEYS)
     rows = []
     for name, run in runs.items():
         steps = (run.get("rows") or [])[(run.get("summary") or {}).get("skip_first", 0):]

@@ -15,6 +15,14 @@ is on a CUDA device, plain wall time on the CPU):
 * ``time/other_s``: the step wall (:class:`~nbhelpers.grpo.callbacks.StatisticsCallback`'s
   ``wall_s``) minus the three, clipped at 0: data loading, grad clip, scheduler, callbacks.
 
+Beside the split (:meth:`StepTimer.gc_split`, :data:`GC_KEYS`; inside the parts above, not
+added to them): ``time/gc_s``, the seconds CPython's cyclic garbage collector ran during the
+step (``gc.callbacks``, :class:`nbhelpers.engine.gc_watch.GcWatch`), ``gc/collections`` and
+``gc/gen2`` (full collections). Why: a full collection walks every tracked object of the
+process, 0.19 s for the ~402,000 of torch + transformers + trl + SmolLM2 on the CPU host and
+0.32-0.48 s inside single timed rounds of the H100 benchmark process (2026-12-07,
+``engine/gc_watch.py``); vLLM freezes that heap at engine start, so its runs pay less.
+
 :func:`engine_split` turns the flex engine's ``LLM.last_stats`` (:meth:`nbhelpers.engine.llm.LLM.
 generate`) and the rollout's own clocks into the ``flex/*`` keys that
 :class:`~nbhelpers.grpo.flex_rollout.FlexRollout` logs per rollout. Costs: two synchronises per
@@ -34,6 +42,8 @@ from transformers import TrainerCallback
 TIME_KEYS = ("time/generate_and_score_s", "time/loss_fwd_bwd_s", "time/optimizer_s",
              "time/other_s")
 """Step-row keys of :meth:`StepTimer.split` (seconds per optimiser step)."""
+GC_KEYS = ("time/gc_s", "gc/collections", "gc/gen2")
+"""Step-row keys of :meth:`StepTimer.gc_split`: GC seconds, collections, full collections."""
 FLEX_KEYS = ("flex/rollout_s", "flex/generate_wall_s", "flex/prefill_s", "flex/decode_s",
              "flex/host_s", "flex/other_s", "flex/decode_steps", "flex/decode_ms_per_step")
 """Step-row keys of :func:`engine_split` (seconds unless named otherwise)."""
@@ -58,9 +68,11 @@ class StepTimer(TrainerCallback):
     """
 
     def __init__(self) -> None:
+        from nbhelpers.engine.gc_watch import GcWatch
         self.sync = False
         self._acc = {"gen": 0.0, "loss": 0.0, "opt": 0.0}
         self._opt_t0: float | None = None
+        self._gc = GcWatch()  # entered in install, left at on_train_end
 
     def _now(self) -> float:
         if self.sync:
@@ -91,7 +103,28 @@ class StepTimer(TrainerCallback):
         trainer._generate_and_score_completions = timed_generate
         trainer.training_step = timed_step
         trainer.add_callback(self)
+        self._gc.__enter__()  # counts every collection from here to on_train_end
         return self
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._gc_reset()  # what ran between steps (setup, logging, evaluation) is no step's
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def _gc_reset(self) -> None:
+        self._gc.seconds, self._gc.collections, self._gc.by_generation = 0.0, 0, [0, 0, 0]
+
+    def close(self) -> None:
+        """Stop counting collections (removes the ``gc.callbacks`` hook; idempotent)."""
+        self._gc.__exit__(None, None, None)
+
+    def gc_split(self) -> dict[str, float | int]:
+        """This step's :data:`GC_KEYS` (collections since ``on_step_begin``); resets the
+        counters."""
+        st = self._gc.stats()
+        self._gc_reset()
+        return dict(zip(GC_KEYS, (st["gc_s"], st["gc_collections"], st["gc_gen2"])))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._opt_t0 = self._now()

@@ -357,10 +357,25 @@ def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = Non
     """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``."""
     from nbhelpers.grpo.compile_report import compile_trainer_models
     t0 = time.perf_counter()
-    with watch:
-        compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic, scope=scope)
-        trainer.train()
+    try:
+        with watch:
+            compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic,
+                                              scope=scope)
+            trainer.train()
+    finally:  # a failed run must not leave the step timer's gc.callbacks hook behind
+        timer = getattr(_stats_callback(trainer), "timer", None)
+        if timer is not None:
+            timer.close()
     return time.perf_counter() - t0, compiled
+
+
+def _stats_callback(trainer: Any) -> Any:
+    """The run's :class:`~nbhelpers.grpo.callbacks.StatisticsCallback` among ``trainer``'s
+    callbacks (``None`` without one)."""
+    from nbhelpers.grpo.callbacks import StatisticsCallback
+    handler = getattr(trainer, "callback_handler", None)
+    return next((cb for cb in getattr(handler, "callbacks", []) if isinstance(cb,
+                 StatisticsCallback)), None)
 
 
 def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -> None:

@@ -443,6 +443,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # tests/engine held 1,275 of the 1,951 test-seconds): engine tests first, with n11a's staging
     "n14a": ([], ["gguf2"], [
         (SUITE, {"args": "--paths tests/engine --tb=short --durations=30"}, 380, 560, 0)]),
+    # session 23 (a short H100 window): n14b's GPU-phase-2 and unit tests only
+    "n23b": ([], [], [
+        (SUITE, {"args": "--paths tests/gpu,tests/unit --tb=short --durations=30"}, 200, 330, 0)]),
     "n14b": ([], [], [
         (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "
                  "--durations=30"}, 380, 560, 0)]),  # session 16: 380 s, stopped at 375
@@ -526,6 +529,20 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (P2, {"@profile": "h200_realistic", "backends": "[flex]"}, 250, 400, 0)]),
     # the memory goal at the realistic preset (flex <= hf_generate's peak + 2 GiB): flex with its
     # KV pool and graphs freed while the trainer runs (rf1 kept them: 124.5 GiB, session 15)
+    # session 23: vLLM's heap freeze (RunnerOptions.freeze_gc) against the default, PEFT fp32
+    # adapters, one process each; the H100 run of n23ab saw 0.32-0.48 s full collections inside
+    # single timed rounds at batch 32 (gc_s in each round row)
+    "n24g": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}, {name: freeze_gc, options: "
+                           "{freeze_gc: true}}]", "lora_modes": "[fp32, none]",
+               "batches": "[4, 32, 64]"},
+         220, 330, 0)]),
+    # session 23: the realistic flex step with the heap frozen after the first rollout (the
+    # step rows now carry time/gc_s: were rf1s's two 8.3 s steps garbage collection?); after
+    # m2n, m2t
+    "rf1g": ([], [], [
+        (P2, {"@profile": "h200_realistic", "backends": "[flex]",
+              "flex_sleep_between_rollouts": "true", "flex_freeze_gc": "true"}, 260, 400, 0)]),
     "rf1s": ([], [], [
         (P2, {"@profile": "h200_realistic", "backends": "[flex]",
               "flex_sleep_between_rollouts": "true"}, 260, 400, 0)]),

@@ -120,3 +120,59 @@ def test_bench_rounds_record_what_can_stall_a_round():
         assert set(flex_sweep.ROUND_STALL_KEYS) <= row.keys()
         assert row["graph_captures"] == 0 and row["gc_paused"] is True  # no graphs on the CPU
         assert row["gc_s"] >= 0.0 and row["gc_collections"] >= row["gc_gen2"] >= 0
+
+
+@pytest.fixture
+def _unfreeze_after():
+    """A frozen heap is process-wide: give later tests of this worker the collector as before."""
+    before = gc.get_freeze_count()
+    yield
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0 or before > 0
+
+
+def test_freeze_gc_heap_is_vllms_collect_then_freeze(_unfreeze_after):
+    """Every generation collected first (cyclic garbage is not frozen), then every tracked
+    object moved to the permanent generation: a full collection afterwards walks none of
+    them, so it finds nothing to free among them."""
+    from nbhelpers.engine.gc_watch import freeze_gc_heap
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a reference cycle, garbage once the names go
+    del a, b
+    st = freeze_gc_heap()
+    assert st["gc_frozen"] >= gc.get_freeze_count() > 1000 and st["gc_freeze_s"] > 0.0
+    assert not any(type(o).__name__ == "Node" for o in gc.get_objects())  # collected, not frozen
+    assert gc.get_objects() == [] or len(gc.get_objects()) < st["gc_frozen"] // 10
+    watch = GcWatch()
+    with watch:
+        gc.collect()
+    assert watch.stats()["gc_gen2"] == 1
+
+
+def test_freeze_gc_option_freezes_once_after_the_first_generate(_unfreeze_after):
+    """``freeze_gc=True``: the first ``generate`` (the warm-up) ends with the freeze and reports
+    it; later calls do not freeze again; the tokens are those of an engine without it."""
+    model = tiny_model("qwen3", seed=1)
+    prompts = random_prompts(2, 4, 8, seed=3)
+    kw = dict(page_size=16, num_pages=8, max_model_len=64, use_cuda_graphs=False)
+    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, GREEDY)]
+    assert gc.get_freeze_count() == 0  # the default engine freezes nothing
+    llm = LLM(model, freeze_gc=True, **kw)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+    first = llm.last_stats
+    # frozen objects still die by reference count: the count can only have fallen since
+    assert first["gc_frozen"] >= gc.get_freeze_count() > 1000 and first["gc_freeze_s"] > 0.0
+    gc.unfreeze()  # a second call must not freeze again
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert "gc_frozen" not in llm.last_stats and gc.get_freeze_count() == 0
+
+
+def test_freeze_gc_option_is_checked():
+    assert RunnerOptions().freeze_gc is False  # measured first on the H200 (step n24g)
+    with pytest.raises(TypeError, match="freeze_gc='on': pass True or False"):
+        RunnerOptions(freeze_gc="on")

@@ -215,8 +215,20 @@ def test_flex_options_from_notebook_parameters():
     from nbhelpers.grpo.compare import flex_options
     assert flex_options() is None
     assert flex_options(True, "on") == {"sleep_between_rollouts": True, "compile_attention": True}
+    assert flex_options(freeze_gc=True) == {"freeze_gc": True}  # RunnerOptions.freeze_gc
     with pytest.raises(ValueError, match="auto | on | off"):
         flex_options(compile_attention="yes")
+
+
+def test_flex_freeze_gc_reaches_the_engine():
+    """``flex_options={"freeze_gc": True}`` (phase 2's ``flex_freeze_gc``) is a name the flex
+    backend's option check accepts and the engine's RunnerOptions holds."""
+    from nbhelpers.backends.flex import check_engine_options
+    from nbhelpers.engine.runner_options import RunnerOptions
+    check_engine_options({"freeze_gc": True})
+    assert RunnerOptions(freeze_gc=True).freeze_gc is True
+    with pytest.raises((TypeError, ValueError), match="freeze_gc"):
+        check_engine_options({"freeze_gc": "yes"})
 
 
 def test_gate_latest_gates_runs_of_separate_calls_against_the_reference(tmp_path):

@@ -190,7 +190,8 @@ def test_the_runner_takes_reuse_runs_from_the_command_line(first_call):
 
 def test_hf_generate_step_rows_carry_the_step_split(first_call):
     """Issue 13: the trainer split (time/*) is in every hf_generate step row of the sidecar,
-    non-negative, its parts within the step wall; no flex/* keys for a non-flex backend."""
+    non-negative, its parts within the step wall; no flex/* keys for a non-flex backend; the
+    step's GC seconds and collections (``step_timing.GC_KEYS``) are there too."""
     from nbhelpers.grpo.step_timing import TIME_KEYS
     side = json.loads((first_call / "run__hf_generate.json").read_text())
     for row in side["grpo_steps"]:
@@ -198,6 +199,8 @@ def test_hf_generate_step_rows_carry_the_step_split(first_call):
         assert sum(row[k] for k in TIME_KEYS[:3]) <= row["wall_s"] + 1e-3
         assert row["generate_s"] <= row["time/generate_and_score_s"] + 1e-3
         assert not [k for k in row if k.startswith("flex/")]
+        # the step's Python garbage collection (GC_KEYS), inside the split: never above the wall
+        assert 0.0 <= row["time/gc_s"] <= row["wall_s"] and row["gc/collections"] >= row["gc/gen2"] >= 0
     table = grpo_compare.step_split_frame({"hf_generate": {"rows": side["grpo_steps"],
                                                           "summary": side["grpo_summary"]}})
     assert table.loc["hf_generate", "n_steps"] == len(side["grpo_steps"])

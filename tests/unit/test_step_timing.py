@@ -59,3 +59,30 @@ def test_step_split_frame_takes_medians_after_skip_first():
     assert table.loc["a", "n_steps"] == 3 and table.loc["a", "wall_s"] == 2.0
     assert table.loc["a", "time/optimizer_s"] == 0.2
     assert table.loc["a", "flex/decode_s"] is None and table.loc["b", "n_steps"] == 0
+
+
+def test_step_timer_counts_the_steps_garbage_collection_and_stops_at_close():
+    """``gc_split`` gives the step's GC seconds and collections (inside the split's parts, not
+    added to them) and restarts from zero; after ``close`` (the end of training) the hook is
+    gone from ``gc.callbacks``."""
+    import gc
+
+    from nbhelpers.grpo.step_timing import GC_KEYS
+    timer = StepTimer().install(FakeTrainer())
+    try:
+        gc.collect()  # one full collection
+        gc.collect(0)
+        got = timer.gc_split()
+        assert set(got) == set(GC_KEYS)
+        assert got["gc/collections"] >= 2 and got["gc/gen2"] >= 1 and got["time/gc_s"] > 0.0
+        again = timer.gc_split()  # nothing ran since: zero, not the running total
+        assert again["gc/gen2"] == 0 and again["time/gc_s"] <= got["time/gc_s"]
+        gc.collect()  # between two steps (setup, logging): not the next step's
+        timer.on_step_begin(None, None, None)
+        assert timer.gc_split()["gc/gen2"] == 0
+    finally:
+        timer.close()
+    assert timer._gc._callback not in gc.callbacks
+    timer.close()  # idempotent
+    gc.collect()
+    assert timer.gc_split()["gc/collections"] == 0

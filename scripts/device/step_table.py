@@ -443,6 +443,10 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # tests/engine held 1,275 of the 1,951 test-seconds): engine tests first, with n11a's staging
     "n14a": ([], ["gguf2"], [
         (SUITE, {"args": "--paths tests/engine --tb=short --durations=30"}, 380, 560, 0)]),
+    # the rest of n14b that session 23's window could not run: notebooks and browser tests
+    "n24n": ([], [], [
+        (SUITE, {"args": "--paths tests/notebooks,tests/browser --tb=short --durations=30"},
+         240, 400, 0)]),
     # session 23 (a short H100 window): n14b's GPU-phase-2 and unit tests only
     "n23b": ([], [], [
         (SUITE, {"args": "--paths tests/gpu,tests/unit --tb=short --durations=30"}, 200, 330, 0)]),

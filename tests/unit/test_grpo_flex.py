@@ -326,3 +326,12 @@ def test_flex_plan_pads_prefill_to_the_prompt_limit_so_attention_compiles_once()
     assert rollout.engine_options["prefill_pad"] == 256
     mine = plan_backend("flex", GRPOSettings(), flex_options={"prefill_pad": 64}).rollout
     assert mine.engine_options["prefill_pad"] == 64
+
+
+def test_flex_freeze_gc_travels_from_flex_options_to_the_engine():
+    """Phase 2's ``-p flex_freeze_gc true`` (``compare.flex_options(freeze_gc=True)``) reaches
+    the rollout's engine options, which ``build_llm`` hands to ``RunnerOptions.freeze_gc``."""
+    from nbhelpers.grpo.compare import flex_options
+    rollout = plan_backend("flex", GRPOSettings(), flex_options=flex_options(freeze_gc=True)).rollout
+    assert rollout.engine_options["freeze_gc"] is True
+    assert "freeze_gc" not in plan_backend("flex", GRPOSettings()).rollout.engine_options

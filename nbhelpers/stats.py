@@ -4,7 +4,8 @@ Contract: one JSON sidecar per measurement. ``make_sidecar`` fills the schema's 
 writes it atomically next to the executed notebook, ``read_sidecars`` loads every sidecar under a
 folder for the comparison notebooks (``sidecar_root``: their folder parameter as they read it;
 ``no_runs_why``: why one holds no runs). Values that are not finite are stored as ``None``
-(never inf/NaN).
+(never inf/NaN). A sidecar's ``run_id`` defaults to :func:`run_stamp`: the runner's start stamp
+(the one in the executed notebook's file name) when the runner launched the kernel.
 
 Run: ``python -c "from nbhelpers.stats import env_info; print(env_info())"``.
 """
@@ -38,6 +39,17 @@ GIB = 1024**3
 def utc_stamp() -> str:
     """UTC time as ``YYYYmmddTHHMMSSZ`` (sortable, filename-safe)."""
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+RUN_ID_ENV = "NBHELPERS_RUN_ID"
+"""Environment variable the runner sets for the kernel: the UTC stamp of the run's file names."""
+
+
+def run_stamp() -> str:
+    """The run's id: ``$NBHELPERS_RUN_ID`` (``nbhelpers.run.execute`` sets it to the stamp that
+    starts the executed notebook's and sidecar's file names, taken when the run started), else
+    :func:`utc_stamp` now (a notebook run by hand)."""
+    return os.environ.get(RUN_ID_ENV) or utc_stamp()
 
 
 def git_sha(repo: str | os.PathLike | None = None, short: bool = True) -> str:
@@ -224,7 +236,7 @@ def make_sidecar(*, phase: str, backend: str, model: dict[str, Any] | None = Non
     """
     peak_mem = peak_mem or {}
     side: dict[str, Any] = {
-        "schema": SCHEMA_VERSION, "run_id": run_id or utc_stamp(), "phase": phase,
+        "schema": SCHEMA_VERSION, "run_id": run_id or run_stamp(), "phase": phase,
         "backend": backend, "model": model, "lora": lora, "workload": workload,
         "rounds": [dict(r) for r in rounds], **rounds_summary(rounds),
         "peak_mem_allocated_gib": finite_or_none(peak_mem.get("allocated")),

@@ -54,9 +54,9 @@ def write_partial(name: str, run: dict[str, Any], settings: GRPOSettings,
     with a warning when it cannot be written (the run itself stays in memory for the notebook's
     final write)."""
     from nbhelpers.grpo.compare_sidecars import backend_sidecar
-    from nbhelpers.stats import utc_stamp, write_sidecar
+    from nbhelpers.stats import run_stamp, write_sidecar
     path = Path(sidecar_path)
-    side = backend_sidecar(name, run, settings, model_info, run_id=f"{utc_stamp()}_{name}",
+    side = backend_sidecar(name, run, settings, model_info, run_id=f"{run_stamp()}_{name}",
                            partial=True)
     try:
         return write_sidecar(side, path.with_name(f"{path.stem}__{name}.json"))

@@ -192,8 +192,8 @@ def write_sidecars(runs: dict[str, dict[str, Any]], gates: dict[str, Any],
     ``all``: per-backend table, gate, failures, ``reused``). A run reused from an earlier sidecar
     (``reused_from``) gets no sidecar of its own (its source holds it): ``reused`` names it."""
     from nbhelpers.grpo.gate import GateFailed, assert_gate
-    from nbhelpers.stats import make_sidecar, utc_stamp, write_sidecar
-    path, run_id = Path(sidecar_path), utc_stamp()
+    from nbhelpers.stats import make_sidecar, run_stamp, write_sidecar
+    path, run_id = Path(sidecar_path), run_stamp()  # the file name's stamp under the runner
     reused = {n: r["reused_from"] for n, r in runs.items() if r.get("reused_from")}
     written = []
     for name, run in runs.items():

@@ -31,7 +31,7 @@ from typing import Any
 
 from nbhelpers.run.interrupted import finish_notebook
 from nbhelpers.run.phases import phase_of
-from nbhelpers.stats import make_sidecar, write_sidecar
+from nbhelpers.stats import RUN_ID_ENV, make_sidecar, write_sidecar
 
 log = logging.getLogger("nbhelpers.run.runner")
 
@@ -101,11 +101,13 @@ def repo_path(path: Path, repo: Path = PACKAGE_ROOT) -> str:
 
 def execute(job: Job, repo: Path = PACKAGE_ROOT) -> int:
     """Run ``job`` in a subprocess (its own ``CUDA_VISIBLE_DEVICES``, ``NBHELPERS_GIT_SHA`` =
-    the run's sha); on failure put the notebook's exception in the sidecar's ``error``."""
+    the run's sha, ``NBHELPERS_RUN_ID`` = its file names' stamp, :func:`run_stamp_of`); on
+    failure put the notebook's exception in the sidecar's ``error``."""
     env = kernel_env(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     if job.sha:
         env["NBHELPERS_GIT_SHA"] = job.sha
+    env[RUN_ID_ENV] = run_stamp_of(job)
     if job.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.gpu
     with tempfile.TemporaryDirectory(prefix="nbhelpers-run-") as tmp:
@@ -133,6 +135,13 @@ def execute(job: Job, repo: Path = PACKAGE_ROOT) -> int:
     return proc.returncode
 
 
+def run_stamp_of(job: Job) -> str:
+    """The UTC stamp that starts ``job``'s file names (``<UTC>_<device>_<sha>[_N]``, taken when
+    the run was planned): every sidecar of the run records it as its ``run_id``
+    (:func:`nbhelpers.stats.run_stamp`), so the id and the file name agree."""
+    return job.sidecar.stem.split("_", 1)[0]
+
+
 def interrupt_log(job: Job) -> Path:
     """``<run>.interrupt.log`` beside the job's notebook: what reached the papermill child's
     stderr after the stop signal (the kernel's shutdown); written only when something did."""
@@ -147,7 +156,8 @@ def mark_failed(job: Job, error: str) -> None:
     else:
         phase = phase_of(job.notebook) or job.notebook.parent.name  # its folder names it
         side = make_sidecar(phase=phase, backend=str(job.parameters.get("backend", "unknown")),
-                            error=error, extra={"notebook": job.notebook.name})
+                            error=error, run_id=run_stamp_of(job),
+                            extra={"notebook": job.notebook.name})
     side["status"] = "failed"
     write_sidecar(side, job.sidecar)
 

@@ -15,7 +15,8 @@ logged note, while a single-notebook target without one is an error. A phase's c
 (``19_compare``, ``29_compare``: it reads the others' sidecars) starts after the rest of the phase
 and is skipped, with a logged line naming the fix and no file left behind, when one of them
 failed. The git sha is read once per run: it names the files and reaches the kernel as ``NBHELPERS_GIT_SHA`` (the notebook's sidecar
-records the same one). A failed notebook's sidecar ``error`` is its exception (``ename: evalue``,
+records the same one); so does the UTC stamp, as ``NBHELPERS_RUN_ID``: every sidecar's
+``run_id`` is the stamp of its file name (the run's start). A failed notebook's sidecar ``error`` is its exception (``ename: evalue``,
 cell index) and the repo-relative path of the partial notebook. Bad input raises
 :class:`~nbhelpers.run.params.UserInputError` (the CLI prints ``error: ...``, exit 2).
 :func:`write_index` regenerates ``executed/INDEX.md`` from the sidecars. One job's process (papermill

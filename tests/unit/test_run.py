@@ -99,11 +99,16 @@ def test_run_ok_and_failed_notebooks(repo, monkeypatch):
     _notebook(repo / "notebooks/phase0_reference/01_fail.ipynb", FAIL_SOURCE)
     monkeypatch.setattr(runner, "REPO", repo)
     monkeypatch.setattr(runner, "git_sha", lambda repo=None: "abc1234")  # read once per run
+    monkeypatch.setattr(runner, "utc_stamp", lambda: "20200101T000000Z")  # the run's start
     assert main(["run", "phase0", "-p", "answer", "42"]) == 1  # one failure -> non-zero
     ok, failed = (sorted((repo / "executed/phase0_reference" / s).glob("*.json"))
                   for s in ("00_ok", "01_fail"))
     side_ok, side_fail = json.loads(ok[0].read_text()), json.loads(failed[0].read_text())
     assert side_ok["error"] is None and side_ok["headline"]["answer"] == 42
+    # run_id is the file name's stamp (the run's start), not the time the sidecar was written,
+    # both for the notebook's own sidecar and the one the runner writes for a failed notebook
+    assert ok[0].stem.startswith("20200101T000000Z_") and side_ok["run_id"] == "20200101T000000Z"
+    assert side_fail["run_id"] == "20200101T000000Z"
     assert side_ok["env"]["git_sha"] == "abc1234" and ok[0].stem.endswith("_abc1234")
     error = side_fail["error"]
     assert error.startswith("RuntimeError: boom in cell (cell 3,") and side_fail["status"] == "failed"

@@ -104,3 +104,10 @@ def test_rounds_summary_rates_a_grpo_round_over_its_rollout_seconds():
     assert got["prompt_tok_per_s_median"] == pytest.approx(20.0)
     assert got["wall_s_median"] == 30.0
     assert stats.rounds_summary(rounds[1:])["decode_tok_per_s_median"] is None
+
+
+def test_run_id_is_the_runners_stamp_when_it_set_one(monkeypatch):
+    monkeypatch.setenv(stats.RUN_ID_ENV, "20261207T160121Z")
+    assert _side()["run_id"] == "20261207T160121Z" and _side(run_id="x")["run_id"] == "x"
+    monkeypatch.delenv(stats.RUN_ID_ENV)
+    assert re.fullmatch(r"\d{8}T\d{6}Z", _side()["run_id"])

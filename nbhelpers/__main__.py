@@ -2,8 +2,9 @@
 
 - ``run TARGET [--profile cpu|h200|...] [--gpus 0,1] [-p NAME VALUE ...]``: execute a phase
   (``phase0``...) or one notebook path through papermill into ``executed/`` (nbhelpers.run.runner);
-  exits 1 when any notebook failed (a phase's compare notebook is then skipped, with a line
-  saying why). Every notebook's config and ``-p`` values are checked
+  prints ``ok``/``failed``/``skipped`` and the path per notebook, and under an ``ok`` one the
+  notebook's Result line (nbhelpers.run.result_line); exits 1 when any notebook failed (a
+  phase's compare notebook is then skipped, with a line saying why). Every notebook's config and ``-p`` values are checked
   against its ``parameters`` cell (names, types, and the ranges of nbhelpers.run.values) before
   anything runs; a ``-p`` goes to the notebooks of the run that declare it; in a phase run, a notebook without a
   config for the profile is skipped with a note (``19_compare`` is CPU-only).
@@ -98,8 +99,12 @@ def _run(args: argparse.Namespace) -> int:
     jobs = run.run(args.target, profile=args.profile, gpus=parse_gpus(args.gpus),
                    overrides=run.parse_overrides(args.parameter),
                    executed=Path(args.executed) if args.executed else None)
+    from nbhelpers.run.result_line import result_line
     for job in jobs:
         print(f"{job.status:6} {job.skipped or job.output}")
+        line = result_line(job.output, job.sidecar) if job.status == "ok" else None
+        if line:  # what was measured, without opening the notebook
+            print(f"{'':6} result: {line}")
     failed = [j for j in jobs if j.status == "failed"]
     if failed:
         print(f"{len(failed)} of {len(jobs)} notebook(s) failed; their partial output is kept.",

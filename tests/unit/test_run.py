@@ -95,7 +95,7 @@ def test_load_parameters_profile_and_overrides(repo):
 
 
 @pytest.mark.notebooks
-def test_run_ok_and_failed_notebooks(repo, monkeypatch):
+def test_run_ok_and_failed_notebooks(repo, monkeypatch, capsys):
     _notebook(repo / "notebooks/phase0_reference/01_fail.ipynb", FAIL_SOURCE)
     monkeypatch.setattr(runner, "REPO", repo)
     monkeypatch.setattr(runner, "git_sha", lambda repo=None: "abc1234")  # read once per run
@@ -109,6 +109,10 @@ def test_run_ok_and_failed_notebooks(repo, monkeypatch):
     # both for the notebook's own sidecar and the one the runner writes for a failed notebook
     assert ok[0].stem.startswith("20200101T000000Z_") and side_ok["run_id"] == "20200101T000000Z"
     assert side_fail["run_id"] == "20200101T000000Z"
+    out = capsys.readouterr().out.splitlines()  # what was measured, under its ok line
+    at = next(i for i, line in enumerate(out) if line.startswith("ok "))
+    assert out[at + 1].split() == ["result:", "answer=42,", "step_time_s_median=1.5"]
+    assert not any("result:" in line for line in out if line.startswith("failed"))
     assert side_ok["env"]["git_sha"] == "abc1234" and ok[0].stem.endswith("_abc1234")
     error = side_fail["error"]
     assert error.startswith("RuntimeError: boom in cell (cell 3,") and side_fail["status"] == "failed"

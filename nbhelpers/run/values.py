@@ -24,7 +24,8 @@ GRPO backend, ``unsloth`` included; :func:`_check_warmup_backends`), phase 2's
 prompt + completion limits within the model's context (:func:`model_context`), each
 ``reuse_runs`` path a readable phase-2 sidecar of its backend that did not fail
 (:func:`nbhelpers.grpo.compare_records.check_reusable`; whether its settings match this run is
-checked in the notebook, which knows the model and device).
+checked in the notebook, which knows the model and device), ``output_dir`` a folder that exists
+or can be created, not a file (:func:`nbhelpers.run.path_checks.check_output_dir`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from nbhelpers.config import GRPOSettings, LoraSpec, SamplingParams, Workload
 from nbhelpers.run.errors import UserInputError
+from nbhelpers.run.path_checks import check_output_dir
 from nbhelpers.run.phases import phase_of
 
 
@@ -410,5 +412,6 @@ def check_values(params: dict[str, Any], sources: dict[str, str], notebook: Path
     _check_engine_options(params, sources, notebook, where)
     _check_compile(params, where)
     _check_reuse_runs(params, where, repo or notebook.resolve().parents[2])
+    check_output_dir(params, where, repo or notebook.resolve().parents[2])
     from nbhelpers.run.host_checks import check_engine_options_param  # phase 3's flex options
     check_engine_options_param(params, phase_of(notebook), where)

@@ -308,6 +308,21 @@ def test_cli_user_errors_are_one_line_exit_2(repo, monkeypatch, capsys, argv, ma
     assert not (repo / "executed").exists()
 
 
+def test_output_dir_that_is_a_file_is_one_error_line_before_anything_runs(
+        repo, monkeypatch, capsys):
+    """Fresh-user trial 2026-12-07: ``-p output_dir README.md`` failed 25 s in, in cell 7."""
+    _notebook(repo / "notebooks/phase0_reference/00_ok.ipynb", OK_SOURCE,
+              "answer = 1  # help\noutput_dir = ''  # folder\nsidecar_path = ''")
+    (repo / "README.md").write_text("a file\n")
+    monkeypatch.setattr(runner, "REPO", repo)
+    monkeypatch.setattr(runner, "execute", lambda job, repo: pytest.fail("it ran"))
+    assert main(["run", "phase0", "-p", "output_dir", "README.md"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: -p output_dir (00_ok.ipynb): output_dir='README.md' is an "
+                          "existing file") and "\n" not in err and "-p output_dir ''" in err
+    assert not (repo / "executed").exists()
+
+
 def test_gpus_beyond_the_visible_count_are_refused(monkeypatch):
     from nbhelpers import __main__ as cli
 
@@ -355,6 +370,11 @@ REAL_REPO = Path(__file__).resolve().parents[2]
     ("phase2_grpo/20_grpo_equivalence", {"n_questions": 150}, "ships 100 questions"),
     ("phase0_reference/00_reference_grpo", {"n_questions": 80}, "would overlap the warm-up"),
     ("phase0_reference/00_reference_grpo", {"sidecar_path": "/tmp/s.json"}, "--executed DIR"),
+    ("phase0_reference/00_reference_grpo", {"output_dir": "README.md"},
+     (r"^-p output_dir \(00_reference_grpo\.ipynb\): output_dir='README\.md' is an existing "
+      r"file, not a folder: pass a folder .* or -p output_dir '' for a fresh temporary folder\.$")),
+    ("phase0_reference/00_reference_grpo", {"output_dir": "README.md/grpo"},
+     r"output_dir='README\.md/grpo' lies under the existing file README\.md, not a folder"),
     ("phase2_grpo/20_grpo_equivalence", {"reference_backend": "nope"},
      "reference_backend='nope': use one of"),
     ("phase2_grpo/20_grpo_equivalence", {"backends": []}, r"backends=\[\]: name at least one"),
@@ -377,6 +397,8 @@ def test_values_are_checked_before_anything_runs(nb, over, match):
     ("phase3_flex/30_engine_walkthrough", {"num_generations": 1}),  # SamplingParams.n >= 1
     ("phase1_rollout/10_lora_rollout", {"lora_rank": 0}),  # phase 1: 0 = no adapter
     ("phase0_reference/00_reference_grpo", {"skip_first": 20}),  # >= max_steps is allowed
+    ("phase0_reference/00_reference_grpo", {"output_dir": "docs"}),  # an existing folder
+    ("phase0_reference/00_reference_grpo", {"output_dir": "executed/no/such/folder"}),  # created
     ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_dynamic": "on"}),
     ("phase2_grpo/20_grpo_equivalence", {"compile_mode": "default", "compile_scope": "layers",
                                          "backends": ["flex", "vllm"]}),

@@ -32,6 +32,11 @@ def test_phase0_notebook_runs_and_writes_its_sidecar(tmp_path, capfd):
     assert side["grpo_completions_sample"][0]["completion"] is not None
     assert side["headline"]["steps"] == 2
     assert side["format_warmup"]["steps"] == 1 and side["format_warmup"]["after"] is not None
+    # token rates over the rollout (TRL's generate_s), run_id = the file name's stamp
+    (only,) = side["rounds"]  # skip_first=1 of 2 steps
+    assert 0 < only["generate_s"] < only["wall_s"] and only["new_tokens"] > 0
+    assert side["decode_tok_per_s_median"] == only["new_tokens"] / only["generate_s"]
+    assert side["run_id"] == jobs[0].sidecar.stem.split("_")[0]
     nb = nbformat.read(jobs[0].output, as_version=4)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if "image/png" in o.get("data", {})]

@@ -68,6 +68,7 @@ vllm_sleep_mode: bool = False  # vLLM only: sleep between rollouts (TRL vllm_ena
 vllm_gpu_memory_utilization: float = 0.3  # vLLM only: fraction of the card vLLM reserves
 flex_sleep_between_rollouts: bool = False  # flex only: free KV pool + graphs while training
 flex_compile_attention: str = "auto"  # flex only: auto (on iff CUDA) | on | off
+flex_freeze_gc: bool = False  # flex only: freeze the Python heap after the first rollout (vLLM does)
 cpu_threads: int = 1  # CPU hosts: torch threads per run (tiny GEMMs: 1 is fastest; 0: default)
 kl_tolerance: float = 0.015  # gate: max per-step |KL - KL_reference|
 format_warmup_steps: int = 0  # SFT steps on the answer format before GRPO, merged into the base
@@ -95,7 +96,8 @@ EQ_RUN = """runs = grpo_compare.run_backends(
     compile_scope=compile_scope, attn_implementation=attn_implementation,
     vllm_sleep_mode=vllm_sleep_mode,
     vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
-    flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention),
+    flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts, flex_compile_attention,
+                                         flex_freeze_gc),
     format_warmup_steps=format_warmup_steps, progress=False,
     sidecar_path=sidecar_path, model_info=model_info, reuse_runs=reuse_runs)
 for name, run in runs.items():
@@ -160,7 +162,7 @@ def rerun(backends, max_steps):
         vllm_sleep_mode=vllm_sleep_mode,
         vllm_gpu_memory_utilization=vllm_gpu_memory_utilization, cpu_threads=cpu_threads,
         flex_options=grpo_compare.flex_options(flex_sleep_between_rollouts,
-                                               flex_compile_attention),
+                                               flex_compile_attention, flex_freeze_gc),
         format_warmup_steps=format_warmup_steps, progress=False)
     return grpo_compare.summary_frame(got, check_runs(got, reference_backend, thresholds))
 

@@ -275,6 +275,21 @@ eb.pct_figure(sweep, run_id)"""),
          """(eb.kernels_figure(sweep, run_id) if sweep["gemm_ms"].notna().any() else
  Markdown("No kernel profile in this run (profile=False or CPU); with profile=True the aten "
           "ops per step are in the table above."))"""),
+        (("## Decode GEMMs against the floor\nEvery decode GEMM shape this run's tuner timed with "
+          "cold weights (`skinny_tuner` in each point's sidecar): the chosen kernel's "
+          "microseconds, its weight bytes at the read bandwidth measured in the same process "
+          "(`floor_us`) and the rest (`fixed_us`: ramp-up, the last wave's tail, the split-K "
+          "fix-up); then per row count the decode step's sum (a layer GEMM once per layer, the "
+          "LM head once). `fixed_ms` is what streaming a whole layer without launch boundaries "
+          "could remove (issue 12). Empty on the CPU (no tuner)."),
+         """from nbhelpers.bench import gemm_floor
+
+gemm_rows = gemm_floor.gemm_floor_frame(sides, run_id, **gemm_floor.model_dims(shape))
+if gemm_rows.empty:
+    display(Markdown("No skinny-GEMM tuner times in this run (CPU, or `skinny_gemm` off)."))
+else:
+    display(gemm_rows.round(2))
+    display(gemm_floor.step_overhead(gemm_rows).round(3))"""),
         (("## Try other choices (JupyterLab)\nPick batch sizes and decode kernels, then Run: the "
           "same per-configuration processes as the sweep, for this notebook's LoRA modes. Under "
           "papermill the panel is only shown."),

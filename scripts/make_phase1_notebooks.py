@@ -36,7 +36,7 @@ from IPython.display import Markdown, display
 
 from nbhelpers.bench import rollout
 from nbhelpers.config import LoraSpec, Workload
-from nbhelpers.stats import gpu_name, utc_stamp, write_sidecar"""
+from nbhelpers.stats import gpu_name, run_stamp, write_sidecar"""
 
 PARAMS_10 = """\
 model: str = "tiny-qwen3"  # nbhelpers.models name; qwen3-4b is workload W on the GPU
@@ -69,7 +69,7 @@ print(gpu_name(), out_dir, "prompt lengths:", sorted(map(len, prompts)))
 print(f"bandwidth limit at bandwidth_tb_s={bandwidth_tb_s} TB/s (a parameter, not measured here):",
       {("LoRA" if k else "no LoRA"): f"{v:,.0f} tok/s" for k, v in limits.items()})"""
 
-RUN_10 = """run_id = utc_stamp()
+RUN_10 = """run_id = run_stamp()  # the runner's file stamp (the time now when run by hand)
 sides = []
 for mode in lora_modes:
     sides += rollout.run_backends(backends, model, mode, workload, out_dir, engine_options,

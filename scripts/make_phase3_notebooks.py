@@ -230,13 +230,13 @@ sidecar_path: str = ""  # notebook sidecar to write; empty: none (the runner set
           "before any point runs), the workload every process measures, and this run's id."),
          """import glob
 from nbhelpers.bench import flex_configs as fc
-from nbhelpers.stats import read_sidecars, utc_stamp
+from nbhelpers.stats import read_sidecars, run_stamp
 configs = fc.plan_configs(lora_modes, variants, engine_options)
 settings = fc.sweep_settings(shape=shape, device=device, batches=batches,
                              prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                              rounds=rounds, lora_rank=lora_rank, profile=profile)
 lora = LoraSpec(rank=lora_rank, alpha=2 * lora_rank)
-run_id = utc_stamp()  # every sidecar of this run carries it; figures refuse any other
+run_id = run_stamp()  # the file's stamp; every sidecar of this run carries it, figures refuse others
 display(pd.DataFrame([{"variant": c.variant, "lora_mode": c.lora_mode, "options": c.options}
                       for c in configs]))
 run_id"""),

@@ -32,6 +32,7 @@ def test_33_measures_every_variant_mode_batch_in_its_own_process(tmp_path):
     assert [j.status for j in jobs] == ["ok"], f"see {jobs[0].output}"
     side = json.loads(jobs[0].sidecar.read_text())
     validate_sidecar(side)
+    assert jobs[0].output.name.startswith(side["run_id"])  # run_id is the file's stamp
     points = {(p["variant"]["name"], p["lora_mode"], p["workload"]["n_prompts"]): p
               for p in side["points"]}
     assert sorted(points) == sorted(POINTS) and len(side["points"]) == len(POINTS)

@@ -171,8 +171,10 @@ class RunnerOptions:
     0.21 ms of it the 72 ``_lora_expand_gemm`` launches of o_proj and down_proj. Their
     add+RMSNorm runs one program per row, each reading all of B, which lost 0.9 ms a step at
     batch 4 (issue 12, the first consumer mode); at 32-64 rows the programs are many and the
-    trade may flip. The default stays 0 until an H200 A/B (step ``n22c`` of
-    ``scripts/device/step_table.py``) says otherwise."""
+    trade may flip. It did not on the H100 (step ``n23ab``, git 8d7b0e1, 2026-12-07, PEFT fp32
+    adapters, one process per variant): batch 32 decode step 5.107 -> 5.392 ms (72 expand
+    launches fewer, GEMM class -0.19 ms, but add+RMSNorm +0.49 ms), batch 64 5.964 -> 6.285 ms,
+    batch 4 unchanged; so the default stays 0."""
     skinny_gemm: str = "auto"
     """Decode GEMMs of at most 16 rows (every projection group's base GEMM, LoRA A's ``ext``
     rows included, and the LM head; 16/32-bit weights, CUDA or ``TRITON_INTERPRET=1``) as one
@@ -284,8 +286,11 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     collections either way (``gc_s``, ``gc_collections``, ``gc_gen2`` in ``LLM.last_stats``).
     Why ask: single timed rounds of the H200 run of 2026-12-07 (33, git 2052410) took 0.2-0.3 s
     longer than their twin with no kernel to show for it; vLLM freezes its heap after warm-up
-    against such pauses (``vllm/utils/gc_utils.py`` ``freeze_gc_heap``). Off by default until an
-    H200 A/B shows what it changes."""
+    against such pauses (``vllm/utils/gc_utils.py`` ``freeze_gc_heap``). H100 A/B (step
+    ``n23ab``, git 8d7b0e1, 2026-12-07): the slow rounds were full collections of 0.32-0.48 s;
+    with ``pause_gc`` no round held one (batch 32 rounds 2.857 / 2.821 s against 3.148 / 2.837 s),
+    the decode step unchanged, but the collection only moves after ``generate``: see
+    ``freeze_gc``, which removes the work. Off by default."""
     freeze_gc: bool = False
     """After the first ``LLM.generate`` of this engine (its warm-up: kernels compiled, decode
     graphs captured, the pool built), freeze the process's Python heap as vLLM's engine core

@@ -37,6 +37,7 @@ AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ 
 AB_FLEX_IS = "scripts/ab_flex_is.py"  # same-process A/B: flex IS ratio at loss time vs extra forward
 AB_ATTN = "scripts/device/ab_paged_decode.py"  # grouped vs per-head paged decode attention
 EPI_PROBE = "scripts/device/epilogue_probe.py"  # lora_expand="epilogue" kernel vs default path
+AB_MLP = "scripts/device/ab_mlp_block.py"  # one-launch decode MLP probe vs cuBLAS / skinny
 # engine A/B at the GRPO rollout shape and W (one process per point x variant, floor + profile)
 K2_BENCH = ("--out $OUT/bench_ab --rounds 3 --max-new-tokens 256 --no-floor-gemms --points "
             "qwen3-4b:fp32:4,qwen3-4b:bf16:32,qwen3-4b:none:32 --variants "
@@ -541,6 +542,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                            "{freeze_gc: true}}]", "lora_modes": "[fp32, none]",
                "batches": "[4, 32, 64]"},
          220, 330, 0)]),
+    # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
+    # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
+    # cold weights, rows 4 and 16; plus its GPU test against torch
+    "n24m": ([], [], [
+        (AB_MLP, {"args": "--out $OUT --rows 4,16"}, 90, 180, 0),
+        (SUITE, {"args": "--paths tests/engine/test_mlp_block.py --tb=short"}, 40, 90, 0)]),
     # session 23: the realistic flex step with the heap frozen after the first rollout (the
     # step rows now carry time/gc_s: were rf1s's two 8.3 s steps garbage collection?); after
     # m2n, m2t

@@ -171,9 +171,12 @@ def result_line(result: GRPOResult, device: str) -> str:
     elif result.records:  # said either way: silence read as "not counted" (helper-19's trial)
         finite += (f"; none of the {len(result.records)} steps had zero advantage (rewards varied"
                    " within a group at every step)")
-    return (f"**Result:** {s['n_steps']} GRPO steps of `{result.model_name}` on {device} "
-            f"({result.backend}): median step {fmt(s['step_time_s_median'], '.2f')} s after "
-            f"{s['skip_first']} warm-up steps, peak memory {fmt(s['peak_mem_device_gib'], '.2f')}"
-            f" GiB, median mean reward {fmt(s.get('reward_median'), '.2f')}, {finite}. "
+    n, skip = s["n_steps"], s["skip_first"]
+    span = (f"over steps {skip + 1}-{n} (after {skip} warm-up steps)" if n > skip
+            else f"over all {n} steps (no more than skip_first={skip} ran)")
+    return (f"**Result:** {n} GRPO steps of `{result.model_name}` on {device} "
+            f"({result.backend}): {span} median step {fmt(s['step_time_s_median'], '.2f')} s "
+            f"and median mean reward {fmt(s.get('reward_median'), '.2f')}; peak memory "
+            f"{fmt(s['peak_mem_device_gib'], '.2f')} GiB; {finite}. "
             f"Reference: {ref['step_time_s_median']} s and {ref['peak_mem_gb']} GB "
             f"({ref['model']}, {ref['engine']}, {ref['device']}).")

@@ -29,6 +29,17 @@ def test_result_line_says_when_steps_had_no_learning_signal():
     assert "none of the 2 steps had zero advantage" in every and "no learning signal" not in every
 
 
+def test_result_line_names_the_steps_its_medians_cover():
+    """The medians (step time and reward) are over the steps after skip_first; the sentence says
+    which, so the reward is not read as all steps' (helper-24's re-trial, 2026-12-07)."""
+    res = _result([0.3] * 10)
+    res.summary["skip_first"] = 3
+    assert "over steps 4-10 (after 3 warm-up steps) median step 1.00 s and median mean " \
+           "reward -7.50; peak memory 2.00 GiB" in result_line(res, "cpu")
+    res.summary["skip_first"] = 12
+    assert "over all 10 steps (no more than skip_first=12 ran)" in result_line(res, "cpu")
+
+
 def _timed_result(n_steps: int, generate_s: float | None = 10.0) -> GRPOResult:
     """``n_steps`` steps of 30 s wall, 10 s rollout (TRL's ``generate_s``), 4 x 100 new tokens
     and 200 prompt tokens each."""

@@ -12,10 +12,11 @@ launches plus torch's), ``skinny`` (the engine's split-K kernel with the H200 tu
 and torch's SiLU x up between), ``block<J>`` (:func:`mlp_block` with ``BLOCK_J`` J, its fp32
 accumulator zeroed by a memset in the same timing) and ``block<J>_nozero`` (the accumulator not
 zeroed: the engine's consumer kernel would zero it after reading; the numbers are then wrong,
-only the time counts). Timing as ``ab_paged_decode.py``: each variant captured in one CUDA graph
-that runs it once on each of ``n`` weight copies (> 256 MB in all), replayed ``--rounds`` times
-between CUDA events; time per call = median round / ``n``; ``tb_s`` = the MLP's weight bytes /
-time; ``pct_of_read`` against a 4 GiB ``sum`` measured here. Numerics: every variant on copy 0
+only the time counts). Timing: ``ab_lora_gemm.time_per_call`` (each variant captured in one CUDA
+graph that runs it once on each of ``n`` weight copies, > 256 MB in all, replayed ``--rounds``
+times between CUDA events; time per call = median round / ``n``); ``tb_s`` = the MLP's weight
+bytes / time; ``pct_of_read`` against :func:`nbhelpers.bench.floor.read_bandwidth` measured
+here. Numerics: every variant on copy 0
 against fp64 torch, max relative error <= 2e-2 (not checked for ``_nozero``); a failure is
 printed and the exit code is 1.
 """
@@ -24,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ab_lora_gemm.time_per_call
 
 TOL = 2e-2
 
@@ -61,7 +61,7 @@ def variants(torch, hidden, dry_run):
         g, u = gu.chunk(2, dim=-1)
         return sg.skinny_gemm((F.silu(g) * u).contiguous(), wd, config=sg.Config(64, 128, 8))
 
-    small = dict(block_k=32, block_n=32) if dry_run else {}
+    small = {"block_k": 32, "block_n": 32} if dry_run else {}
     out = {"cublas": cublas, "skinny": skinny}
     for bj in ((32,) if dry_run else (32, 64, 128)):
         def block(x, wgu, wd, acc, bj=bj):
@@ -74,40 +74,6 @@ def variants(torch, hidden, dry_run):
     return out
 
 
-def read_bandwidth(torch, dev):
-    buf = torch.ones(1 << 30, dtype=torch.float32, device=dev)  # 4 GiB
-    buf.sum()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        buf.sum()
-    torch.cuda.synchronize()
-    return 5 * buf.numel() * 4 / (time.perf_counter() - t0)
-
-
-def time_variant(torch, fn, xs, copies, acc, rounds):
-    """Median seconds per call over ``rounds`` replays of a graph running ``fn`` on each copy."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for wgu, wd in copies:  # warm-up: compiles, allocator
-            fn(xs, wgu, wd, acc)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for wgu, wd in copies:
-            fn(xs, wgu, wd, acc)
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / len(copies))
-    return statistics.median(samples)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
@@ -118,6 +84,7 @@ def main() -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    from ab_lora_gemm import time_per_call
     dev = "cpu" if args.dry_run else "cuda"
     hidden, inter = (64, 96) if args.dry_run else (2560, 9728)
     dtype = torch.float32 if args.dry_run else torch.bfloat16
@@ -127,7 +94,8 @@ def main() -> int:
     copies = [((torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(dev),
                (torch.randn(hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(dev))
               for _ in range(n_copies)]
-    bw = None if args.dry_run else read_bandwidth(torch, dev)
+    from nbhelpers.bench.floor import read_bandwidth
+    bw = None if args.dry_run else read_bandwidth(dev)["bytes_per_s"]
     result = {"gpu": None if args.dry_run else torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": __import__("triton").__version__,
               "git_sha": os.environ.get("NBHELPERS_GIT_SHA"), "hidden": hidden, "inter": inter,
@@ -146,7 +114,9 @@ def main() -> int:
                 row["max_rel_err"] = err
                 row["ok"] = name.endswith("_nozero") or err <= TOL
                 if not args.dry_run:
-                    t = time_variant(torch, fn, x, copies, acc, args.rounds)
+                    def call(c, fn=fn, x=x, acc=acc):
+                        return fn(x, *c, acc)
+                    t = time_per_call(call, copies, args.rounds, on_cuda=True) / 1e3  # ms -> s
                     row.update(us=t * 1e6, tb_s=weight_bytes / t / 1e12,
                                pct_of_read=100 * weight_bytes / t / bw)
             except Exception as exc:  # noqa: BLE001 (a failed variant is a row, the rest go on)

@@ -52,9 +52,7 @@ class GcWatch:
 
     def __init__(self, pause: bool = False) -> None:
         self.pause = bool(pause)
-        self.seconds = 0.0
-        self.collections = 0
-        self.by_generation = [0, 0, 0]
+        self.reset()
         self._t0: float | None = None
         self._was_enabled = True
 
@@ -82,6 +80,10 @@ class GcWatch:
             gc.callbacks.remove(self._callback)
         if self.pause and self._was_enabled:
             gc.enable()
+
+    def reset(self) -> None:
+        """Zero the counters (the block, if entered, keeps counting from here)."""
+        self.seconds, self.collections, self.by_generation = 0.0, 0, [0, 0, 0]
 
     def stats(self) -> dict[str, Any]:
         """``{"gc_s": seconds, "gc_collections": n, "gc_gen2": generation-2 count,

@@ -99,13 +99,10 @@ def backend_sidecar(name: str, run: dict[str, Any], settings: GRPOSettings,
     runs of earlier sidecars this run was gated beside (``{backend: reused_from}``);
     ``rates_note``: the token rates are over each step's rollout (``generate_s``), not the step.
     """
-    from types import SimpleNamespace
-
     from nbhelpers.grpo.phase0_report import RATES_NOTE, grpo_rounds
     from nbhelpers.stats import make_sidecar
     s, steps = run.get("summary") or {}, run.get("rows") or []
-    rounds = grpo_rounds(SimpleNamespace(config=run["config"], records=steps),
-                         s.get("skip_first", 0)) if steps else []
+    rounds = grpo_rounds(run["config"], steps, s.get("skip_first", 0)) if steps else []
     workload = {"n_prompts": settings.per_device_train_batch_size // settings.num_generations,
                 "prompt_tokens_mean": None, "max_new_tokens": settings.max_completion_length,
                 "ignore_eos": False, "sampling": settings.sampling_params().to_dict()}

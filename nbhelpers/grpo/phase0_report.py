@@ -63,9 +63,11 @@ def reference_table(result: GRPOResult, device: str) -> pd.DataFrame:
     return pd.DataFrame(rows).T
 
 
-def grpo_rounds(result: Any, skip_first: int) -> list[dict[str, float | None]]:
+def grpo_rounds(config: dict[str, Any], records: list[dict[str, Any]],
+                skip_first: int) -> list[dict[str, float | None]]:
     """Sidecar ``rounds``: one per step after the first ``skip_first`` (every step when none is
-    left, as the summary's ``note`` says). ``result``: ``.config`` and ``.records``, the step rows
+    left, as the summary's ``note`` says). ``config``: the run's GRPOConfig values
+    (``generation_batch_size``); ``records``: its step rows
     (:func:`~nbhelpers.grpo.result.step_rows`: they carry TRL's ``generate_s``).
 
     Each round: ``wall_s`` (the whole optimiser step: rollout, rewards, reference logprobs, loss
@@ -75,9 +77,9 @@ def grpo_rounds(result: Any, skip_first: int) -> list[dict[str, float | None]]:
     rates divide by ``generate_s`` (:func:`nbhelpers.stats.rounds_summary`), never by the step.
     """
     from nbhelpers.grpo.result import GENERATE_KEY
-    batch = result.config["generation_batch_size"]
+    batch = config["generation_batch_size"]
     rounds, prev = [], 0.0
-    for i, rec in enumerate(result.records):
+    for i, rec in enumerate(records):
         total = rec.get("num_tokens_total") or prev
         new = (rec.get("completion_length_mean_tokens") or 0.0) * batch
         if rec.get("wall_s"):
@@ -117,19 +119,16 @@ def phase0_sidecar(result: GRPOResult, settings: GRPOSettings, model_info: dict[
                    skip_first: int) -> dict[str, Any]:
     """The schema-v1 sidecar of a phase 0 run (``phase0``, ``hf_generate``); GRPO stats as
     extras."""
-    from types import SimpleNamespace
-
     from nbhelpers.grpo.result import step_rows
     s = result.summary
     prompt_tokens_mean = result.dataset_stats.get("prompt_tokens_mean")
-    rows = SimpleNamespace(config=result.config, records=step_rows(result))
     workload = {"n_prompts": result.config["generation_batch_size"] // settings.num_generations,
                 "prompt_tokens_mean": prompt_tokens_mean,
                 "max_new_tokens": settings.max_completion_length, "ignore_eos": False,
                 "sampling": settings.sampling_params().to_dict()}
     return make_sidecar(
         phase="phase0", backend=result.backend, model=model_info, lora=asdict(settings.lora),
-        workload=workload, rounds=grpo_rounds(rows, skip_first),
+        workload=workload, rounds=grpo_rounds(result.config, step_rows(result), skip_first),
         peak_mem={"allocated": s["peak_mem_allocated_gib"], "device": s["peak_mem_device_gib"]},
         extra={**result.sidecar_extra(), "headline": headline(result),
                "rates_note": RATES_NOTE, "rounds_note": rounds_note(result, skip_first),

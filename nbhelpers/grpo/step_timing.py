@@ -107,13 +107,10 @@ class StepTimer(TrainerCallback):
         return self
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._gc_reset()  # what ran between steps (setup, logging, evaluation) is no step's
+        self._gc.reset()  # what ran between steps (setup, logging, evaluation) is no step's
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
-
-    def _gc_reset(self) -> None:
-        self._gc.seconds, self._gc.collections, self._gc.by_generation = 0.0, 0, [0, 0, 0]
 
     def close(self) -> None:
         """Stop counting collections (removes the ``gc.callbacks`` hook; idempotent)."""
@@ -123,7 +120,7 @@ class StepTimer(TrainerCallback):
         """This step's :data:`GC_KEYS` (collections since ``on_step_begin``); resets the
         counters."""
         st = self._gc.stats()
-        self._gc_reset()
+        self._gc.reset()
         return dict(zip(GC_KEYS, (st["gc_s"], st["gc_collections"], st["gc_gen2"])))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

@@ -252,7 +252,8 @@ def _train_local(model_name: str, settings: GRPOSettings, opts: dict[str, Any],
                     _run_config(parts["args"], settings) | {"attn_implementation": loaded,
                                                             "notes": plan.notes})
     with sdpa_guard:
-        wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope)
+        wall_s, compiled = _fit(trainer, watch, compile_mode, dynamic, scope,
+                                timer=parts["stats"].timer)
     extra = {"notes": plan.notes, "compile_report": watch.report() | {"compiled": compiled},
              "flex_generate_s": list(plan.rollout.generate_s) if plan.rollout else None,
              "format_warmup": warm or None,
@@ -353,8 +354,10 @@ def _padding_sdpa_guard(settings: GRPOSettings, model: Any, notes: list[str]) ->
 
 
 def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = None,
-         scope: str = "backbone") -> tuple[float, Any]:
-    """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``."""
+         scope: str = "backbone", timer: Any = None) -> tuple[float, Any]:
+    """``(wall seconds, compiled models)`` of ``trainer.train()`` under the compile ``watch``;
+    ``timer`` (the run's :class:`~nbhelpers.grpo.step_timing.StepTimer`) is closed after it, a
+    failed run included, so no ``gc.callbacks`` hook outlives the run."""
     from nbhelpers.grpo.compile_report import compile_trainer_models
     t0 = time.perf_counter()
     try:
@@ -362,20 +365,10 @@ def _fit(trainer: Any, watch: Any, compile_mode: str, dynamic: bool | None = Non
             compiled = compile_trainer_models(trainer, compile_mode, dynamic=dynamic,
                                               scope=scope)
             trainer.train()
-    finally:  # a failed run must not leave the step timer's gc.callbacks hook behind
-        timer = getattr(_stats_callback(trainer), "timer", None)
+    finally:
         if timer is not None:
             timer.close()
     return time.perf_counter() - t0, compiled
-
-
-def _stats_callback(trainer: Any) -> Any:
-    """The run's :class:`~nbhelpers.grpo.callbacks.StatisticsCallback` among ``trainer``'s
-    callbacks (``None`` without one)."""
-    from nbhelpers.grpo.callbacks import StatisticsCallback
-    handler = getattr(trainer, "callback_handler", None)
-    return next((cb for cb in getattr(handler, "callbacks", []) if isinstance(cb,
-                 StatisticsCallback)), None)
 
 
 def _check_warmup(steps: int, adapter: str, backend: str, skip_first: int = 0) -> None:

@@ -14,7 +14,9 @@ probability mass the filters kept, ``lp_filtered - lp_full = -log(kept mass) >= 
 keeps a set S and renormalises by ``sum_{v in S} p_v``. That one float per token is what the trainer
 needs to put the engine's logprob on its own (full) support (TRL PR #7269 does the same with the
 trainer's mass over vLLM's returned support ids); no ``[B, V]`` mask leaves the step. Same shapes
-every call, no host sync (the decode CUDA graph captures it).
+every call, no host sync (the decode CUDA graph captures it); only on the CPU, where a check costs
+no sync, a batch whose rows are all greedy skips the race (:func:`_all_greedy_on_cpu`: same
+results).
 
 Randomness without RNG state: the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``, draws a token
 with probability ``p`` (the Gumbel-max trick in another form). ``E = -log(u)`` with ``u`` from a
@@ -29,6 +31,7 @@ logprobs (``engine/kernels/vocab_sample.py``); :func:`sample` stays the referenc
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 _M32 = 0xFFFFFFFF
@@ -55,16 +58,40 @@ def _mix32(x: Any) -> Any:
     return x ^ (x >> 16)
 
 
+_TOKEN_HASH: dict[tuple[int, str], Any] = {}
+"""``{(vocab_size, device): token_hash}``: filled by :func:`token_hash` outside compilation and
+CUDA-graph capture (a tensor made during capture lives in the graph's private pool)."""
+
+
+def token_hash(vocab_size: int, device: Any) -> Any:
+    """``_mix32(arange(V) + 0x27D4EB2F)`` ``[V]`` int64: the per-token half of
+    :func:`uniform_noise`, the same every step, so computed once per (V, device) and kept
+    (1.2 MB at Qwen3's 151,936). Recomputed inline while ``torch.compile`` traces or a CUDA graph
+    captures. CPU, one thread, V 49,152, batch 1, sampled row (2026-12-07, :func:`sample` timed
+    alone): 1.36-2.50 ms a call before, 1.10-1.16 ms with this and the cache."""
+    import torch
+    key = (vocab_size, str(device))
+    cached = _TOKEN_HASH.get(key)
+    if cached is not None and not torch.compiler.is_compiling():
+        return cached
+    capturing = (torch.device(device).type == "cuda"
+                 and torch.cuda.is_current_stream_capturing())
+    keep = not torch.compiler.is_compiling() and not capturing
+    with torch.inference_mode(False) if keep else contextlib.nullcontext():
+        vid = _mix32(torch.arange(vocab_size, device=device, dtype=torch.long) + 0x27D4EB2F)
+    if keep:
+        _TOKEN_HASH[key] = vid
+    return vid
+
+
 def uniform_noise(seeds: Any, gen_idx: Any, vocab_size: int) -> Any:
     """``u [B, V]`` in (0, 1): a pure function of ``(seeds[b], gen_idx[b], v)``.
 
     Args: ``seeds [B]`` int64 (any 64-bit value), ``gen_idx [B]`` int64.
     """
-    import torch
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     row = _mix32(_mix32(lo) ^ _mix32(hi ^ 0x9E3779B9) ^ ((gen_idx * 0x85EBCA6B) & _M32))
-    vid = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long) + 0x27D4EB2F)
-    h = _mix32(row.unsqueeze(1) ^ vid.unsqueeze(0))
+    h = _mix32(row.unsqueeze(1) ^ token_hash(vocab_size, seeds.device).unsqueeze(0))
     # 23 bits: (2^23 - 0.5) is exact in float32, so u < 1 strictly (24 bits rounded the top value
     # to 1.0, E = -log(u) = 0 and p / E gave inf/NaN: a filtered-out token could win)
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
@@ -113,6 +140,18 @@ def full_logprob(logits: Any, temperature: Any, tokens: Any) -> Any:
     return x.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
 
 
+def _all_greedy_on_cpu(logits: Any, temperature: Any) -> bool:
+    """Whether every row is greedy (``temperature <= 0``), asked only on the CPU outside
+    ``torch.compile`` (there the check costs no device sync and no graph break): :func:`sample`
+    then returns what its general path gives greedy rows (argmax, raw ``log_softmax`` in both
+    columns) without the filters, the noise hash and the race. CPU, one thread, SmolLM2's V
+    49,152, batch 1 (2026-12-07): 1.50-2.65 ms a call before, 0.13 ms after, of a ~70 ms decode
+    step; end to end, 32 greedy tokens moved within the shared host's +-10 % noise."""
+    import torch
+    return (logits.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool((temperature <= 0).all()))
+
+
 def sample(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any, seeds: Any,
            gen_idx: Any, use_sort: bool = True, full_logprobs: bool = False) -> tuple[Any, Any]:
     """Sample one token per row. Returns ``(tokens [B] int64, logprobs [B] fp32)``, or with
@@ -120,6 +159,10 @@ def sample(logits: Any, temperature: Any, min_p: Any, top_k: Any, top_p: Any, se
     docstring)."""
     import torch
     logits = logits.float()
+    if _all_greedy_on_cpu(logits, temperature):  # the rows below, without the race's work
+        greedy = logits.argmax(dim=-1)
+        lp = torch.log_softmax(logits, -1).gather(1, greedy.unsqueeze(1)).squeeze(1)
+        return greedy, (torch.stack([lp, lp], dim=1) if full_logprobs else lp)
     probs = filtered_probs(logits, temperature, min_p, top_k, top_p, use_sort)
     race = probs / -torch.log(uniform_noise(seeds, gen_idx, logits.shape[-1]))
     sampled = race.argmax(dim=-1)

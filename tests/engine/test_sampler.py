@@ -105,3 +105,59 @@ def test_uniform_noise_strictly_inside_unit_interval():
     # the largest hash value maps below 1 in float32 (the bug this guards against)
     top = ((torch.tensor([0xFFFFFFFF]) >> 9).float() + 0.5) * (1.0 / (1 << 23))
     assert float(top) < 1.0
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_all_greedy_cpu_shortcut_equals_the_general_path(full):
+    """A batch of greedy rows only takes ``_all_greedy_on_cpu``'s shortcut on the CPU; one sampled
+    row sends the same greedy rows through the general path (filters, hash, race): their tokens
+    and both logprob columns must be the same bits either way."""
+    from nbhelpers.engine import sampler
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 97, generator=g) * 3
+    temp, mp, tk, tp = _params(5, 0.0, 0.9, 7, 0.1)  # filters on: the shortcut must ignore them
+    seeds, gen = torch.arange(5) * 31 + 1, torch.arange(5)
+    assert sampler._all_greedy_on_cpu(logits, temp)
+    fast = sample(logits, temp, mp, tk, tp, seeds, gen, full_logprobs=full)
+    temp_mixed = torch.cat([temp, torch.ones(1)])
+    assert not sampler._all_greedy_on_cpu(logits, temp_mixed)
+    general = sample(torch.cat([logits, logits[:1]]), temp_mixed, *(
+        torch.cat([p, p[:1]]) for p in (mp, tk, tp, seeds, gen)), full_logprobs=full)
+    assert torch.equal(fast[0], general[0][:5])
+    assert torch.equal(fast[1], general[1][:5])
+    assert fast[0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_token_hash_is_cached_once_and_equals_the_formula():
+    """``token_hash`` (the per-token half of ``uniform_noise``) is computed once per (V, device),
+    as a normal tensor even under inference mode, and is the formula's value."""
+    from nbhelpers.engine import sampler
+    v = 4099  # a size no other test uses
+    sampler._TOKEN_HASH.pop((v, "cpu"), None)
+    with torch.inference_mode():
+        first = sampler.token_hash(v, torch.device("cpu"))
+    assert not first.is_inference()
+    assert sampler.token_hash(v, "cpu") is first
+    want = sampler._mix32(torch.arange(v, dtype=torch.long) + 0x27D4EB2F)
+    assert torch.equal(first, want)
+    u = sampler.uniform_noise(torch.tensor([3, -7]), torch.tensor([0, 5]), v)
+    row = sampler._mix32(sampler._mix32(torch.tensor([3, -7]) & sampler._M32)
+                         ^ sampler._mix32(((torch.tensor([3, -7]) >> 32) & sampler._M32)
+                                          ^ 0x9E3779B9)
+                         ^ ((torch.tensor([0, 5]) * 0x85EBCA6B) & sampler._M32))
+    h = sampler._mix32(row.unsqueeze(1) ^ want.unsqueeze(0))
+    assert torch.equal(u, ((h >> 9).float() + 0.5) * (1.0 / (1 << 23)))
+
+
+def test_token_hash_not_kept_while_compiling(monkeypatch):
+    """While ``torch.compile`` traces, the hash is computed inline and not stored (a traced
+    tensor in the module cache would outlive its graph)."""
+    from nbhelpers.engine import sampler
+    v = 4111
+    sampler._TOKEN_HASH.pop((v, "cpu"), None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = sampler.token_hash(v, "cpu")
+    assert (v, "cpu") not in sampler._TOKEN_HASH
+    assert not sampler._all_greedy_on_cpu(torch.zeros(1, 3), torch.zeros(1))
+    monkeypatch.undo()
+    assert torch.equal(out, sampler.token_hash(v, "cpu"))

@@ -382,7 +382,8 @@ class ModelRunner:
                 kernel_options=self.opt.decode_kernel_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)
         return m.fx_decode.sample(
-            m.logits(hidden), temperature, min_p, top_k, top_p, seeds, gen_idx, use_sort=use_sort,
+            m.logits(hidden, upcast=False), temperature, min_p, top_k, top_p, seeds, gen_idx,
+            use_sort=use_sort,
             full_logprobs=True)  # lp [B, 2]: (filtered, full softmax), sampler docstring
 
     def _capture(self, st: DecodeState, use_sort: bool) -> None:

@@ -73,3 +73,22 @@ def test_count_needs_a_decode_state():
     llm = LLM(tiny_model("qwen3"), page_size=8, num_pages=8, max_model_len=32)
     with pytest.raises(ValueError, match="run llm.generate first"):
         count_decode_ops(llm)
+
+
+def test_decode_logits_keep_the_head_dtype_with_the_same_values(monkeypatch):
+    """``logits(h, upcast=False)`` (the decode step) returns the LM head's own dtype when there
+    is no soft cap: the fp32 logits are exactly its upcast (so both samplers, which upcast on
+    read, see the same values); with a soft cap the result is fp32 either way."""
+    import dataclasses
+    llm = LLM(tiny_model("qwen3").to(torch.bfloat16), page_size=8, num_pages=16,
+              max_model_len=64)
+    m = llm.runner.model
+    h = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        full, raw = m.logits(h), m.logits(h, upcast=False)
+        assert full.dtype == torch.float32 and raw.dtype == torch.bfloat16
+        assert torch.equal(raw.float(), full)
+        monkeypatch.setattr(m, "spec", dataclasses.replace(m.spec, final_logit_softcap=30.0))
+        capped = m.logits(h, upcast=False)
+        assert capped.dtype == torch.float32
+        assert torch.equal(capped, 30.0 * (full / 30.0).tanh())

@@ -163,9 +163,9 @@ class LLM:
         if self.opt.freeze_gc and not self._gc_frozen:  # vLLM's heap freeze, after warm-up
             self._gc_frozen = True
             self.last_stats.update(freeze_gc_heap())
-        return [Completion(list(s.prompt_ids), list(s.out_ids), [lp[0] for lp in s.out_logprobs],
+        return [Completion(list(s.prompt_ids), list(s.out_ids), list(s.out_logprobs),
                            s.finish_reason or "length",
-                           full_logprobs=[lp[1] for lp in s.out_logprobs]) for s in seqs]
+                           full_logprobs=list(s.out_full_logprobs)) for s in seqs]
 
     def sleep(self) -> None:
         """Free the KV pool and the CUDA graphs (weights stay: they are the trainer's)."""

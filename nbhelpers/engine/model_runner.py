@@ -237,8 +237,10 @@ class ModelRunner:
         rep = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         self._fork(groups)
         toks, lps = self._sample(logits[rep], members, sampling)
-        for seq, t, lp in zip(members, toks.tolist(), lps.tolist()):
-            seq.append(t, lp)
+        lps = lps.cpu()  # [N, 2]: filtered, full (flat float lists: Sequence.out_logprobs)
+        for seq, t, lp, full in zip(members, toks.tolist(), lps[:, 0].tolist(),
+                                    lps[:, 1].tolist()):
+            seq.append(t, lp, full)
         self.timings["prefill_tokens"] += len(ids)
         self._tick("prefill_s", t0)
 
@@ -289,12 +291,13 @@ class ModelRunner:
         t1 = time.perf_counter()
         for _ in range(steps):
             self._step(st)
-        toks, lps = st.out_tok[:len(seqs), :steps].tolist(), st.out_lp[:len(seqs), :steps].tolist()
+        toks, lps = st.out_tok[:len(seqs), :steps].tolist(), st.out_lp[:len(seqs), :steps].cpu()
         self._tick("decode_s", t1)
-        t2 = time.perf_counter()
-        for seq, row_t, row_lp in zip(seqs, toks, lps):
-            for t, lp in zip(row_t, row_lp):
-                if seq.append(t, lp):
+        t2 = time.perf_counter()  # flat float lists per row, no pair list per token (Sequence)
+        for seq, row_t, row_lp, row_full in zip(seqs, toks, lps[..., 0].tolist(),
+                                                lps[..., 1].tolist()):
+            for t, lp, full in zip(row_t, row_lp, row_full):
+                if seq.append(t, lp, full):
                     break
             seq.num_cached = seq.num_tokens - 1
         self.timings["decode_steps"] += steps

@@ -31,7 +31,13 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
     out_ids: list[int] = field(default_factory=list)
-    out_logprobs: list[list[float]] = field(default_factory=list)  # (filtered, full) per token
+    # per token: the logprob under the filtered distribution sampled from, and under the full
+    # softmax (sampler.sample's two columns); two flat float lists, not a [filtered, full] pair
+    # per token: a pair list is a GC-tracked object, so b32 x 512 tokens made 16k of them a call
+    # and, in a trainer's large heap, the occasional 0.3-0.5 s full collection inside a rollout
+    # (H100 A/B of 2026-12-07, docs/results_history.md); floats are not tracked
+    out_logprobs: list[float] = field(default_factory=list)
+    out_full_logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None
@@ -49,10 +55,12 @@ class Sequence:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.out_ids)
 
-    def append(self, token: int, logprob: float) -> bool:
-        """Record a sampled token; returns True when the sequence just finished."""
+    def append(self, token: int, logprob: float, full_logprob: float) -> bool:
+        """Record a sampled token and its two logprobs (filtered, full softmax); returns True when
+        the sequence just finished."""
         self.out_ids.append(token)
         self.out_logprobs.append(logprob)
+        self.out_full_logprobs.append(full_logprob)
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif self.remaining <= 0:

@@ -176,3 +176,25 @@ def test_freeze_gc_option_is_checked():
     assert RunnerOptions().freeze_gc is False  # measured first on the H200 (step n24g)
     with pytest.raises(TypeError, match="freeze_gc='on': pass True or False"):
         RunnerOptions(freeze_gc="on")
+
+
+def test_generate_keeps_no_gc_tracked_object_per_token():
+    """The per-token logprobs live in flat float lists (``Sequence.out_logprobs`` /
+    ``out_full_logprobs``), not one ``[filtered, full]`` list per token: with the first
+    generation's threshold at 100, 16 x 100 sampled tokens triggered 16 collections a call
+    before (one per ~100 pair lists) and trigger none now. In a trainer's heap those lists were
+    what aged into generation 2 and set off full collections inside rollouts."""
+    llm = LLM(tiny_model("qwen3"), page_size=16, num_pages=256, max_model_len=256)
+    prompts = random_prompts(16, 8, 12, seed=1)
+    sp = SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=100, ignore_eos=True, seed=3)
+    llm.generate(prompts, sp)  # warm-up: first-call allocations
+    old = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    try:
+        outs = llm.generate(prompts, sp)
+    finally:
+        gc.set_threshold(*old)
+    assert sum(len(o.token_ids) for o in outs) == 1600
+    assert llm.last_stats["gc_collections"] == 0
+    assert all(len(o.logprobs) == len(o.full_logprobs) == 100 for o in outs)
+    assert all(isinstance(v, float) for o in outs for v in (*o.logprobs, *o.full_logprobs))

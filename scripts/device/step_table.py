@@ -542,6 +542,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                            "{freeze_gc: true}}]", "lora_modes": "[fp32, none]",
                "batches": "[4, 32, 64]"},
          220, 330, 0)]),
+    # session 24: the default after the per-token logprob lists went flat (no GC-tracked object
+    # per token) and the decode logits stayed in the head's dtype: do the rounds still collect?
+    # (each round row's gc_s / gc_collections / gc_gen2; n23ab: 17 collections a b32 round)
+    "n24d": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[fp32, none]",
+               "batches": "[4, 32, 64]"}, 130, 220, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

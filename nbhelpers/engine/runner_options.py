@@ -190,7 +190,8 @@ class RunnerOptions:
     keep cuBLAS."""
     skinny_gemm_max_rows: int = 32
     """Most rows a decode GEMM may have for ``skinny_gemm``: 32 (the default: the kernel's
-    32-row tile serves 17-32 rows) or 16. Why 32: the engine A/B on the H200 (``scripts/
+    32-row tile serves 17-32 rows), 16, or 64 (its 64-row tile serves 33-64 rows too, against
+    cuBLAS in the tuner; opt-in, added 2026-12-07 and not yet A/B'd on a GPU: step ``n24r``). Why 32: the engine A/B on the H200 (``scripts/
     bench_flex.py --points qwen3-4b:bf16:32,qwen3-4b:none:32 --variants ...
     {"skinny_gemm_max_rows": 32}``, one process per variant, 256 new tokens, 2026-12-01, step
     ``n8s`` of ``docs/h200_runbook.md``): Qwen3-4B batch 32 decode step 4.50 -> 4.40 ms with bf16

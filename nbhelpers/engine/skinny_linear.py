@@ -33,9 +33,10 @@ from nbhelpers.engine.lora_fused import check_kernel_mode
 
 SKINNY_GEMM_MODES = ("off", "triton")
 """Whether decode GEMMs of at most ``max_rows`` rows may run as the split-K Triton kernel."""
-SKINNY_GEMM_MAX_ROWS = (16, 32)
+SKINNY_GEMM_MAX_ROWS = (16, 32, 64)
 """Allowed ``max_rows`` (runner option ``skinny_gemm_max_rows``): 32 (the default: the 32-row tile
-serves 17-32 rows) or 16 (one 16-row tile) (:class:`SkinnyLinear`)."""
+serves 17-32 rows), 16 (one 16-row tile) or 64 (the 64-row tile also serves 33-64 rows: opt-in,
+not yet measured on a GPU) (:class:`SkinnyLinear`)."""
 
 
 SKINNY_GEMM_CUBLAS = ("auto", "never")

@@ -548,6 +548,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "n24d": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}]", "lora_modes": "[fp32, none]",
                "batches": "[4, 32, 64]"}, 130, 220, 0)]),
+    # session 24: the 64-row skinny tile (skinny_gemm_max_rows=64: Triton split-K against
+    # cuBLAS in the tuner for 33-64 rows) at the realistic GRPO rollout's batch 64 and at 48,
+    # one process per variant, PEFT fp32 adapters and no LoRA
+    "n24r": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}, {name: rows64, options: "
+                           "{skinny_gemm_max_rows: 64}}]", "lora_modes": "[fp32, none]",
+               "batches": "[48, 64]"}, 200, 300, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

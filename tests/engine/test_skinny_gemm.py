@@ -95,8 +95,8 @@ def test_launch_split_never_empty():
 
 
 def test_unsupported_operands():
-    x, w, _, _ = _operands(33, 32, 64, torch.float32, False)
-    assert not sg.supported(x, w)  # more than MAX_ROWS (32) rows: cuBLAS
+    x, w, _, _ = _operands(65, 32, 64, torch.float32, False)
+    assert not sg.supported(x, w)  # more than MAX_ROWS (64) rows: cuBLAS
     with pytest.raises(ValueError, match="use F.linear"):
         sg.skinny_gemm(x, w)
     x, w, _, _ = _operands(4, 32, 64, torch.float32, False)
@@ -214,7 +214,7 @@ down with LoRA r32 A rows appended (the ``ext`` layout)."""
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Qwen3-4B shapes need a CUDA GPU "
                     "(the interpreter would take minutes a shape); run on a GPU host")
 @pytest.mark.parametrize("name", list(QWEN3_4B))
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
 def test_gpu_qwen3_4b_shapes(name, m):
     """Every candidate config and the default against the fp64 reference, in bf16, twice."""
     n, k = QWEN3_4B[name]

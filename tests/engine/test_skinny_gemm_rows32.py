@@ -1,8 +1,8 @@
-"""The opt-in 32-row tile of the skinny decode GEMM (``engine/kernels/skinny_gemm.py``,
-``BLOCK_M = 32`` for 17-32 rows) and its routing (runner option ``skinny_gemm_max_rows``,
+"""The 32- and 64-row tiles of the skinny decode GEMM (``engine/kernels/skinny_gemm.py``,
+``BLOCK_M = 32`` for 17-32 rows, 64 for 33-64) and their routing (runner option ``skinny_gemm_max_rows``,
 ``engine/skinny_linear.py``): kernel vs an fp64 reference, the per-BLOCK_M workspace and
-shared-memory pruning, the sm_90 build, the row limit, option checks, and a batch of 20 requests
-(decode bucket 32) matching ``skinny_gemm="off"``. The 16-row path: ``test_skinny_gemm.py``,
+shared-memory pruning, the sm_90 build, the row limit, option checks, and batches of 20 requests
+(decode bucket 32) and 40 (bucket 64, ``skinny_gemm_max_rows=64``) matching ``skinny_gemm="off"``. The 16-row path: ``test_skinny_gemm.py``,
 ``test_skinny_gemm_engine.py``.
 
 On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (``tests/conftest.py``); skipped when
@@ -41,7 +41,7 @@ def _own_tuning_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "_TUNER", None)
 
 
-@pytest.mark.parametrize("m", [17, 24, 32])
+@pytest.mark.parametrize("m", [17, 24, 32, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("split", [1, 3])
@@ -50,13 +50,14 @@ def test_kernel_32_row_tile_matches_reference_twice(m, dtype, bias, split):
     n, k = 100, 300
     x, w, b, ref = _operands(m, n, k, dtype, bias, seed=m)
     cfg = sg.Config(64, 128, split)
-    assert sg.launch_split(k, cfg)[0] == split and sg.block_m(m) == 32
+    bm = 32 if m <= 32 else 64
+    assert sg.launch_split(k, cfg)[0] == split and sg.block_m(m) == bm
     y1 = sg.skinny_gemm(x, w, b, cfg)
     y2 = sg.skinny_gemm(x, w, b, cfg)
     _assert_matches(y1, ref, dtype)
     assert torch.equal(y1, y2)
     if split > 1:
-        assert not sg.workspace(x.device, n, split, 32)[1].any()
+        assert not sg.workspace(x.device, n, split, bm)[1].any()
 
 
 def test_16_and_32_row_tiles_keep_their_own_workspaces():
@@ -72,12 +73,12 @@ def test_16_and_32_row_tiles_keep_their_own_workspaces():
 
 
 def test_block_m_and_row_limit():
-    assert [sg.block_m(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
-    with pytest.raises(ValueError, match="33 rows > MAX_ROWS=32"):
-        sg.block_m(33)
-    x, w, _, _ = _operands(32, 32, 64, torch.float32, False)
+    assert [sg.block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    with pytest.raises(ValueError, match="65 rows > MAX_ROWS=64"):
+        sg.block_m(65)
+    x, w, _, _ = _operands(64, 32, 64, torch.float32, False)
     assert sg.supported(x, w)
-    x, w, _, _ = _operands(33, 32, 64, torch.float32, False)
+    x, w, _, _ = _operands(65, 32, 64, torch.float32, False)
     assert not sg.supported(x, w)
     with pytest.raises(ValueError, match="use F.linear"):
         sg.skinny_gemm(x, w)
@@ -95,16 +96,22 @@ def test_shared_memory_and_pruning_use_the_row_tile():
     assert name not in tune.candidates(24, 2560, 4096, 4, 232448)
     assert name in tune.candidates(24, 2560, 4096, 2, 232448)  # bf16 still fits
     assert tune.m_bucket(17) == tune.m_bucket(32) == 32 != tune.m_bucket(16)
+    assert tune.m_bucket(33) == tune.m_bucket(64) == 64
+    assert sg.shared_memory_bytes(cfg, 4, 64) == 294912  # 3 x (64 + 128) x 128 x 4 B
+    assert name not in tune.candidates(40, 2560, 4096, 4, 232448)
+    assert sg.shared_memory_bytes(cfg, 2, 64) == 147456
+    assert name in tune.candidates(40, 2560, 4096, 2, 232448)  # bf16 at 64 rows fits
 
 
+@pytest.mark.parametrize("bm", [32, 64])
 @pytest.mark.parametrize("gdc", [False, True], ids=["plain", "pdl"])
-def test_kernel_compiles_for_sm90_with_32_row_tile(gdc):
-    """The 32-row tile builds to an sm_90 cubin (bf16 and fp32 ``tl.dot``, the ticket
-    atomics), the AOT script of ``test_skinny_gemm.py`` with ``BLOCK_M`` 32, with and without
-    the PDL branch (``USE_GDC``)."""
-    src = _AOT.replace('"BLOCK_M": 16', '"BLOCK_M": 32').replace('"USE_GDC": False',
-                                                                  f'"USE_GDC": {gdc}')
-    assert '"BLOCK_M": 32' in src and f'"USE_GDC": {gdc}' in src
+def test_kernel_compiles_for_sm90_with_32_and_64_row_tiles(gdc, bm):
+    """The 32- and 64-row tiles build to sm_90 cubins (bf16 and fp32 ``tl.dot``, the ticket
+    atomics), the AOT script of ``test_skinny_gemm.py`` with ``BLOCK_M`` 32 / 64, with and
+    without the PDL branch (``USE_GDC``)."""
+    src = _AOT.replace('"BLOCK_M": 16', f'"BLOCK_M": {bm}').replace('"USE_GDC": False',
+                                                                     f'"USE_GDC": {gdc}')
+    assert f'"BLOCK_M": {bm}' in src and f'"USE_GDC": {gdc}' in src
     assert_compiles_for_sm90(src)
 
 
@@ -113,36 +120,42 @@ def test_kernel_compiles_for_sm90_with_32_row_tile(gdc):
 
 def test_route_serves_up_to_max_rows(monkeypatch):
     """``max_rows=32`` (the default): 24 rows run the kernel, 33 keep F.linear; ``max_rows=16``:
-    24 rows keep F.linear."""
+    24 rows keep F.linear; ``max_rows=64``: 33 rows run the kernel, 65 keep F.linear."""
     _force_kernel(monkeypatch)
     calls = _count(monkeypatch)
     w = torch.randn(40, 64, device=DEV)
     x24, x33 = torch.randn(24, 64, device=DEV), torch.randn(33, 64, device=DEV)
+    x65 = torch.randn(65, 64, device=DEV)
     wide, narrow = SkinnyLinear("triton"), SkinnyLinear("triton", max_rows=16)
+    widest = SkinnyLinear("triton", max_rows=64)
     assert wide.max_rows == 32
-    with wide.decoding(), narrow.decoding():
+    with wide.decoding(), narrow.decoding(), widest.decoding():
         torch.testing.assert_close(wide(x24, w), x24 @ w.t(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(wide(x33, w), x33 @ w.t())
         torch.testing.assert_close(narrow(x24, w), x24 @ w.t())
-    assert calls == [(24, 40)]
+        torch.testing.assert_close(widest(x33, w), x33 @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(widest(x65, w), x65 @ w.t())
+    assert calls == [(24, 40), (33, 40)]
 
 
 def test_max_rows_option_values():
     assert RunnerOptions().skinny_gemm_max_rows == 32
     assert RunnerOptions(skinny_gemm_max_rows=16).skinny_gemm_max_rows == 16
-    for bad in (24, 64, "32", 32.0, True):
+    assert RunnerOptions(skinny_gemm_max_rows=64).skinny_gemm_max_rows == 64
+    for bad in (24, 48, 128, "32", 32.0, True):
         with pytest.raises(ValueError, match=r"RunnerOptions.skinny_gemm_max_rows=.*must be "
-                           r"one of \(16, 32\)"):
+                           r"one of \(16, 32, 64\)"):
             RunnerOptions(skinny_gemm_max_rows=bad)
-    with pytest.raises(ValueError, match=r"SkinnyLinear.max_rows=8: must be one of \(16, 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"SkinnyLinear.max_rows=8: must be one of \(16, 32, 64\)"):
         SkinnyLinear("triton", max_rows=8)
     with pytest.raises(ValueError, match="skinny_gemm_max_rows"):
         LLM(tiny_model("qwen3").to(DEV), page_size=64, num_pages=4, max_model_len=32,
             skinny_gemm_max_rows=48)
 
 
-def _generate(model, prompts, **options):
-    return engine_generate(model, prompts, num_pages=24, sampling=GREEDY, **options)
+def _generate(model, prompts, num_pages=24, **options):
+    return engine_generate(model, prompts, num_pages=num_pages, sampling=GREEDY, **options)
 
 
 def test_engine_batch_20_matches_off(monkeypatch):
@@ -164,4 +177,25 @@ def test_engine_batch_20_matches_off(monkeypatch):
     calls.clear()
     narrow = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=16)
     assert narrow == want  # 16: F.linear, same bits
+    assert not calls
+
+
+def test_engine_batch_40_with_64_row_tile_matches_off(monkeypatch):
+    """Tiny Qwen3, 40 requests decoding together (bucket 64): with ``skinny_gemm_max_rows=64``
+    the tokens of ``skinny_gemm="off"`` and |dlogprob| < 1e-4 (fp32), every decode GEMM through
+    the 64-row tile; with the default (32) no kernel launch at that batch."""
+    model = tiny_model("qwen3").to(DEV)
+    prompts = random_prompts(40, 5, 12, seed=7)
+    calls = _count(monkeypatch)
+    run = {"num_pages": 48, "max_num_seqs": 64}  # one 64-token page each, one decode batch
+    want = _generate(model, prompts, skinny_gemm="off", **run)
+    got = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=64, **run)
+    for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
+        assert gt == wt
+        assert max(abs(a - b) for a, b in zip(glp, wlp, strict=True)) < 1e-4
+    if DEV == "cpu":  # eager steps: one launch per GEMM (4 groups x 2 layers + lm_head)
+        assert len(calls) == 9 * (GREEDY.max_new_tokens - 1)
+        assert {m for m, _ in calls} == {64}  # the bucket's rows, 24 of them padding
+    calls.clear()
+    assert _generate(model, prompts, skinny_gemm="triton", **run) == want  # 32: F.linear
     assert not calls

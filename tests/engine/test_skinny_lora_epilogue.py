@@ -74,7 +74,7 @@ def _counters_zero():
     return all(not cnt.any() for _, _, cnt in ep._WORKSPACES.values())
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 32])
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 40])
 @pytest.mark.parametrize("parts", list(PARTS))
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
@@ -164,10 +164,10 @@ def test_unsupported_operands():
     assert not ep.supported(x, w, 128, [bs[0], bs[1].t()], sizes, ranks)  # B shape / layout
     assert not ep.supported(x, w, 128, [bs[0], bs[1].double()], sizes, ranks)  # B dtype
     assert not ep.supported(x, w, 128, bs * 2, sizes * 2, ranks * 2)  # 4 parts
-    x33 = torch.randn(33, 128, device=DEV)
-    assert not ep.supported(x33, w, 128, bs, sizes, ranks)  # more than MAX_ROWS rows
+    x65 = torch.randn(65, 128, device=DEV)
+    assert not ep.supported(x65, w, 128, bs, sizes, ranks)  # more than MAX_ROWS rows
     with pytest.raises(ValueError, match="use skinny_gemm \\+ lora_expand"):
-        ep.skinny_lora_gemm(x33, w, 128, bs, sizes, ranks, SCALING)
+        ep.skinny_lora_gemm(x65, w, 128, bs, sizes, ranks, SCALING)
 
 
 _AOT = """

@@ -1,14 +1,15 @@
 """Skinny decode GEMM ``y = x W^T (+ bias)`` as one split-K Triton launch (``skinny_gemm``).
 
 Contract: :func:`skinny_gemm` returns ``y [M, N]`` in x's dtype for ``x [M, K]`` (``M <=
-MAX_ROWS = 32``, unit column stride, any row stride) and ``W [N, K]`` (nn.Linear layout, unit
+MAX_ROWS = 64``, unit column stride, any row stride) and ``W [N, K]`` (nn.Linear layout, unit
 column stride; a LiveGroup's fused buffer, its ``ext`` rows of LoRA A included, or ``lm_head.weight``),
 optional ``bias [N]``. fp32 accumulation (IEEE fp32 dot for fp32 operands, no TF32), one rounding
 to the output dtype. Works on CUDA and under ``TRITON_INTERPRET=1``.
 
 Design (grid ``(cdiv(N, BLOCK_N), SPLIT)``; rows padded to ``BLOCK_M`` (:func:`block_m`: 16, the
-smallest ``tl.dot`` tile, for ``M <= 16``; 32 for 17-32 rows, one launch either way; the engine
-routes 17-32 rows by default, ``skinny_gemm_max_rows=32``). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
+smallest ``tl.dot`` tile, for ``M <= 16``; 32 for 17-32 rows; 64 for 33-64 rows; one launch
+either way; the engine routes up to 32 rows by default, ``skinny_gemm_max_rows=32``, and 33-64
+with ``skinny_gemm_max_rows=64``, opt-in until measured). Each program owns one N tile and one K chunk. With ``SPLIT > 1`` it stores its
 fp32 partial into its own slice of a workspace ``[SPLIT, BLOCK_M, N]`` (plain stores: no memset
 needed), then ``tl.debug_barrier()`` (every thread's stores issued) and takes a ticket with
 ``tl.atomic_add(counter + tile, 1, sem="acq_rel")``; the program that draws the last ticket
@@ -58,11 +59,15 @@ import triton.language as tl
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.lora_expand import _bf16_rne
 
-MAX_ROWS = 32
-"""Rows served (one 16- or 32-row tile); more rows keep cuBLAS."""
+MAX_ROWS = 64
+"""Rows served (one 16-, 32- or 64-row tile); more rows keep cuBLAS. The 64-row tile (2026-12-07)
+is for batch 33-64 decode, where the H200 profile of Qwen3-4B at batch 64 has cuBLAS's o_proj at
+9.8 us and down_proj at 16.8 + 2.3 us (split-K reduce) a layer against 5.0 and 11.9 us of weight
+bytes (``executed/phase3_flex/33_flex_vs_baselines/20261207T131901Z_h200_2052410.json``); the
+tuner keeps cuBLAS where it stays faster."""
 BLOCK_M = 16
 """The row tile for ``M <= 16``; the default of :func:`shared_memory_bytes` and :func:`fits`."""
-BLOCK_MS = (16, 32)
+BLOCK_MS = (16, 32, 64)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
@@ -115,8 +120,8 @@ NUM_SMS = 132
 
 
 def block_m(m: int) -> int:
-    """The row tile for ``m`` rows: 16 for ``m <= 16``, 32 for 17-32. Raises ``ValueError``
-    beyond :data:`MAX_ROWS` (keep ``F.linear`` there)."""
+    """The row tile for ``m`` rows: 16 for ``m <= 16``, 32 for 17-32, 64 for 33-64. Raises
+    ``ValueError`` beyond :data:`MAX_ROWS` (keep ``F.linear`` there)."""
     for bm in BLOCK_MS:
         if m <= bm:
             return bm

@@ -49,8 +49,8 @@ def cache_path() -> Path:
 
 
 def m_bucket(m: int) -> int:
-    """The engine's decode bucket holding ``m`` rows (1, 2, 4, 8, 16 or 32): one key each (one
-    :func:`.skinny_gemm.block_m` per bucket: 16 up to the 16 bucket, 32 for the 32 one)."""
+    """The engine's decode bucket holding ``m`` rows (1, 2, 4, 8, 16, 32 or 64): one key each
+    (one :func:`.skinny_gemm.block_m` per bucket: 16 up to the 16 bucket, then 32, then 64)."""
     return 1 << (m - 1).bit_length()
 
 

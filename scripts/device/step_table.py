@@ -555,6 +555,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"variants": "[{name: default, options: {}}, {name: rows64, options: "
                            "{skinny_gemm_max_rows: 64}}]", "lora_modes": "[fp32, none]",
                "batches": "[48, 64]"}, 200, 300, 0)]),
+    # session 24, short budget: n24d's question (GC counts a round after the flat logprob lists,
+    # at batch 32 where n23ab saw 17 collections) and n24r's (the 64-row tile at batch 64) in one
+    # call; the rows64 point at batch 32 runs the same kernels as default (a same-call repeat)
+    "n24x": ([], [], [
+        (N33, {"variants": "[{name: default, options: {}}, {name: rows64, options: "
+                           "{skinny_gemm_max_rows: 64}}]", "lora_modes": "[fp32]",
+               "batches": "[32, 64]"}, 110, 200, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

@@ -62,7 +62,7 @@ from nbhelpers.engine.runner_resolve import (
     resolve_skinny_gemm,
 )
 from nbhelpers.engine.sampler import sample
-from nbhelpers.engine.sampling_tensors import sampling_tensors, uses_sort
+from nbhelpers.engine.sampling_tensors import sampling_tensors, sampling_values, uses_sort
 from nbhelpers.engine.scheduler import Sequence
 from nbhelpers.engine.skinny_linear import SkinnyLinear
 
@@ -296,9 +296,7 @@ class ModelRunner:
         t2 = time.perf_counter()  # flat float lists per row, no pair list per token (Sequence)
         for seq, row_t, row_lp, row_full in zip(seqs, toks, lps[..., 0].tolist(),
                                                 lps[..., 1].tolist()):
-            for t, lp, full in zip(row_t, row_lp, row_full):
-                if seq.append(t, lp, full):
-                    break
+            seq.extend(row_t, row_lp, row_full)  # up to the token that finishes it
             seq.num_cached = seq.num_tokens - 1
         self.timings["decode_steps"] += steps
         self._tick("host_s", t2)
@@ -321,9 +319,9 @@ class ModelRunner:
         import torch
         n, rows = len(seqs), st.rows
         pad = rows - n
-        bt = torch.zeros(rows, self.max_pages, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            bt[r, :len(s.block_table)] = torch.tensor(s.block_table)
+        width = self.max_pages  # one tensor from padded lists, not a tensor + slice per row
+        bt = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+                          + [[0] * width] * pad, dtype=torch.long)
         host = {
             "tokens": [s.out_ids[-1] for s in seqs] + [0] * pad,
             "pos": [s.num_tokens - 1 for s in seqs] + [0] * pad,
@@ -334,9 +332,9 @@ class ModelRunner:
         for name, vals in host.items():
             getattr(st, name).copy_(torch.tensor(vals), non_blocking=True)
         st.block_table.copy_(bt, non_blocking=True)
-        bufs = (st.temperature, st.min_p, st.top_k, st.top_p)
-        for buf, value in zip(bufs, sampling_tensors(sampling, rows, self.device)):
-            buf.copy_(value)
+        for buf, value in zip((st.temperature, st.min_p, st.top_k, st.top_p),
+                              sampling_values(sampling)):
+            buf.fill_(value)  # as sampling_tensors(sampling, rows), without 4 new tensors
         st.col.zero_()
 
     def _step(self, st: DecodeState) -> None:

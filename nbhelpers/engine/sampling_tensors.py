@@ -21,14 +21,21 @@ class SamplingTensors(NamedTuple):
     top_p: Any
 
 
+def sampling_values(sampling: Any) -> tuple[float, float, int, float]:
+    """``(temperature, min_p, top_k, top_p)`` of ``sampling`` as the sampler's row values
+    (floats, and ``top_k`` an int)."""
+    return (float(sampling.temperature), float(sampling.min_p), int(sampling.top_k),
+            float(sampling.top_p))
+
+
 def sampling_tensors(sampling: Any, num_rows: int, device: Any = None) -> SamplingTensors:
     """``sampling`` (a :class:`nbhelpers.config.SamplingParams`) repeated over ``num_rows`` rows."""
     import torch
+    t, mp, k, p = sampling_values(sampling)
 
     def full(value: Any, dtype: Any = torch.float32) -> Any:
         return torch.full((num_rows,), value, dtype=dtype, device=device)
-    return SamplingTensors(full(float(sampling.temperature)), full(float(sampling.min_p)),
-                           full(int(sampling.top_k), torch.long), full(float(sampling.top_p)))
+    return SamplingTensors(full(t), full(mp), full(k, torch.long), full(p))
 
 
 def uses_sort(sampling: Any) -> bool:

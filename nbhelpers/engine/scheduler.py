@@ -67,6 +67,26 @@ class Sequence:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
+    def extend(self, tokens: list[int], logprobs: list[float],
+               full_logprobs: list[float]) -> bool:
+        """Record a decode window's tokens up to and including the first that finishes the
+        sequence, what :meth:`append` one at a time would record and decide (at least one
+        token; a stop id wins over the length limit on the same token); returns True when the
+        sequence finished. One call per row and window instead of one per token: the batch-64 x
+        512-token rollout made 32,768 ``append`` calls with the GPU idle."""
+        n = min(len(tokens), max(self.remaining, 1))
+        reason = "length" if n >= self.remaining else None
+        if self.stop_ids:
+            hit = next((i for i, t in enumerate(tokens[:n]) if t in self.stop_ids), None)
+            if hit is not None:
+                n, reason = hit + 1, "stop"
+        self.out_ids.extend(tokens[:n])
+        self.out_logprobs.extend(logprobs[:n])
+        self.out_full_logprobs.extend(full_logprobs[:n])
+        if reason is not None:
+            self.finish_reason = reason
+        return reason is not None
+
 
 class Scheduler:
     """Queues and page bookkeeping; the model runner does the compute.

@@ -55,3 +55,38 @@ def test_sleep_wake_up(model):
         llm.generate([[1, 2, 3]], GREEDY)
     llm.wake_up()
     assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == ref[0].token_ids
+
+
+def test_extend_records_and_decides_as_append_one_at_a_time():
+    """``Sequence.extend`` (a decode window's tokens in one call) leaves the sequence as
+    ``append`` token by token with a break at the finishing token: same tokens, logprobs,
+    finish reason and return value, over random windows, stop ids and remaining lengths
+    (a stop id on the last allowed token is "stop", as in ``append``)."""
+    import random
+
+    from nbhelpers.engine.scheduler import Sequence
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = frozenset(rng.sample(range(8), rng.randint(0, 2)))
+        max_new = rng.randint(1, 12)
+        done = rng.randint(0, max_new - 1)
+        window = rng.randint(1, 10)
+        toks = [rng.randrange(8) for _ in range(window)]
+        lps = [-rng.random() for _ in toks]
+        fulls = [v - rng.random() for v in lps]
+
+        def fresh():
+            s = Sequence(0, [1, 2], 0, max_new, stop)
+            for j in range(done):
+                s.append(9, -0.5, -0.7)  # 9: never a stop id
+            return s
+
+        a, b = fresh(), fresh()
+        got = a.extend(toks, lps, fulls)
+        want = False
+        for t, lp, full in zip(toks, lps, fulls):
+            if b.append(t, lp, full):
+                want = True
+                break
+        assert (got, a.out_ids, a.out_logprobs, a.out_full_logprobs, a.finish_reason) == (
+            want, b.out_ids, b.out_logprobs, b.out_full_logprobs, b.finish_reason)

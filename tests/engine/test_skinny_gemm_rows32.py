@@ -154,48 +154,33 @@ def test_max_rows_option_values():
             skinny_gemm_max_rows=48)
 
 
-def _generate(model, prompts, num_pages=24, **options):
-    return engine_generate(model, prompts, num_pages=num_pages, sampling=GREEDY, **options)
+def _generate(model, prompts, **options):
+    """One decode batch of up to 64 requests (one 64-token page each)."""
+    return engine_generate(model, prompts, num_pages=48, sampling=GREEDY, max_num_seqs=64,
+                           **options)
 
 
-def test_engine_batch_20_matches_off(monkeypatch):
-    """Tiny Qwen3, 20 requests decoding together (bucket 32): with ``skinny_gemm_max_rows=32``
-    (the default) the tokens of ``skinny_gemm="off"`` and its logprobs (|dlogprob| < 1e-4,
-    fp32, the bound of ``test_skinny_gemm_engine.py``), every decode GEMM through the 32-row
-    tile; with ``skinny_gemm_max_rows=16`` no kernel launch at that batch."""
+@pytest.mark.parametrize("n_requests,max_rows,tile,narrower,seed", [
+    (20, 32, 32, 16, 6),  # bucket 32: the default routes it; max_rows=16 keeps F.linear
+    (40, 64, 64, 32, 7),  # bucket 64: max_rows=64 routes it; the default (32) keeps F.linear
+], ids=["batch20_tile32", "batch40_tile64"])
+def test_engine_batch_matches_off(monkeypatch, n_requests, max_rows, tile, narrower, seed):
+    """Tiny Qwen3, ``n_requests`` decoding together: with ``skinny_gemm_max_rows=max_rows`` the
+    tokens of ``skinny_gemm="off"`` and its logprobs (|dlogprob| < 1e-4, fp32, the bound of
+    ``test_skinny_gemm_engine.py``), every decode GEMM through the ``tile``-row tile; with
+    ``skinny_gemm_max_rows=narrower`` no kernel launch at that batch (F.linear, same bits)."""
     model = tiny_model("qwen3").to(DEV)
-    prompts = random_prompts(20, 5, 12, seed=6)
+    prompts = random_prompts(n_requests, 5, 12, seed=seed)
     calls = _count(monkeypatch)
     want = _generate(model, prompts, skinny_gemm="off")
-    got = _generate(model, prompts, skinny_gemm="triton")
+    got = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=max_rows)
     for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
         assert gt == wt
         assert max(abs(a - b) for a, b in zip(glp, wlp, strict=True)) < 1e-4
     if DEV == "cpu":  # eager steps: one launch per GEMM (4 groups x 2 layers + lm_head)
         assert len(calls) == 9 * (GREEDY.max_new_tokens - 1)
-        assert {m for m, _ in calls} == {32}  # the bucket's rows, 12 of them padding
+        assert {m for m, _ in calls} == {tile}  # the bucket's rows, the rest padding
     calls.clear()
-    narrow = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=16)
-    assert narrow == want  # 16: F.linear, same bits
-    assert not calls
-
-
-def test_engine_batch_40_with_64_row_tile_matches_off(monkeypatch):
-    """Tiny Qwen3, 40 requests decoding together (bucket 64): with ``skinny_gemm_max_rows=64``
-    the tokens of ``skinny_gemm="off"`` and |dlogprob| < 1e-4 (fp32), every decode GEMM through
-    the 64-row tile; with the default (32) no kernel launch at that batch."""
-    model = tiny_model("qwen3").to(DEV)
-    prompts = random_prompts(40, 5, 12, seed=7)
-    calls = _count(monkeypatch)
-    run = {"num_pages": 48, "max_num_seqs": 64}  # one 64-token page each, one decode batch
-    want = _generate(model, prompts, skinny_gemm="off", **run)
-    got = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=64, **run)
-    for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
-        assert gt == wt
-        assert max(abs(a - b) for a, b in zip(glp, wlp, strict=True)) < 1e-4
-    if DEV == "cpu":  # eager steps: one launch per GEMM (4 groups x 2 layers + lm_head)
-        assert len(calls) == 9 * (GREEDY.max_new_tokens - 1)
-        assert {m for m, _ in calls} == {64}  # the bucket's rows, 24 of them padding
-    calls.clear()
-    assert _generate(model, prompts, skinny_gemm="triton", **run) == want  # 32: F.linear
+    narrow = _generate(model, prompts, skinny_gemm="triton", skinny_gemm_max_rows=narrower)
+    assert narrow == want
     assert not calls

@@ -71,6 +71,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=WORKLOAD_W.max_new_tokens)
     ap.add_argument("--prompt-tokens", type=int, default=WORKLOAD_W.prompt_tokens)
     ap.add_argument("--sync-every", type=int, default=32)
+    ap.add_argument("--num-generations", type=int, default=1,
+                    help="A/B mode: samples per prompt (batch / this many prompts, n = this; "
+                         "GRPO's num_generations: the samples share their prompt's pages)")
     ap.add_argument("--skip", default="", help=f"stages to skip: {','.join(flex_args.STAGES)}")
     ap.add_argument("--profile", action="store_true", help="kernel-class breakdown (LoRA, B=32)")
     ap.add_argument("--compiled", action="store_true",
@@ -193,7 +196,7 @@ def run_points(args, out: Path) -> None:
     points, variants = args.point_list, args.variant_list
     settings = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
                 "rounds": args.rounds, "sync_every": args.sync_every,
-                "floor_gemms": not args.no_floor_gemms}
+                "floor_gemms": not args.no_floor_gemms, "num_generations": args.num_generations}
     run_id = utc_stamp()
     log(f"A/B run {run_id}: {len(points)} points x {len(variants)} variants")
     sides = ab.run_ab(points, variants, settings, run_id, out, str(Path(__file__).resolve()))

@@ -243,10 +243,12 @@ def run_config(point: Point, variant: dict[str, Any], settings: dict[str, Any], 
                             settings["max_new_tokens"], rounds=settings["rounds"],
                             sync_every=settings["sync_every"], profile=True,
                             floor_gemms=settings.get("floor_gemms", True),
+                            num_generations=settings.get("num_generations", 1),
                             **variant["options"])
     side = eb.flex_sidecar(f"{point.tag}_{variant['name']}", info, lora, point.batch,
                            settings["prompt_tokens"], settings["max_new_tokens"], res,
-                           extra={"variant": variant, "point": asdict(point)}, run_id=run_id)
+                           extra={"variant": variant, "point": asdict(point)}, run_id=run_id,
+                           num_generations=settings.get("num_generations", 1))
     write_sidecar(side, out / f"{run_id}_{point.tag}_{variant['name']}.json")
     return side
 

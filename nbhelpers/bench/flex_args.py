@@ -111,6 +111,25 @@ def check_host(args: argparse.Namespace) -> None:
                          "here; use --cpu-smoke (the tiny shape on the CPU) on this host.")
 
 
+def check_num_generations(args: argparse.Namespace) -> None:
+    """``--num-generations`` (default 1): at least 1, above 1 only in the A/B mode, and a
+    divisor of every point's batch (``batch / g`` prompts with ``n = g`` samples each).
+
+    Raises:
+        ValueError: naming the flag and the fix.
+    """
+    g = getattr(args, "num_generations", 1)
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"--num-generations {g!r}: must be an int >= 1 (samples per prompt).")
+    if g > 1 and not args.point_list:
+        raise ValueError(f"--num-generations {g} is the A/B mode's and needs --points, e.g. "
+                         f"--points qwen3-4b:fp32:64 --num-generations 8.")
+    bad = [p.tag for p in args.point_list if p.batch % g]
+    if bad:
+        raise ValueError(f"--num-generations {g}: points {bad} have a batch that is not a "
+                         f"multiple of {g}; use batches k x {g}.")
+
+
 def check_args(args: argparse.Namespace, host: bool = True) -> argparse.Namespace:
     """``args`` with the parsed values added (module docstring), every check passed;
     ``host=False`` leaves out :func:`check_host` (``--check-only``: a device step's command line
@@ -127,6 +146,7 @@ def check_args(args: argparse.Namespace, host: bool = True) -> argparse.Namespac
         raise ValueError("--variants is the A/B mode's and needs --points, e.g. --points "
                          f"tiny:fp32:2 --variants '{ab.VARIANTS_EXAMPLE}'.")
     args.variant_list = ab.parse_variants(args.variants)
+    check_num_generations(args)
     args.decode_variant_list = decode_variants(args)
     if host:
         check_host(args)

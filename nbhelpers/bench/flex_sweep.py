@@ -203,9 +203,16 @@ def bench_one(llm: Any, prompts: list[list[int]], sampling: SamplingParams, roun
 
 def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: int,
                    rounds: int = 3, warmup: int = 1, sync_every: int = 32, profile: bool = False,
-                   floor: bool = True, floor_gemms: bool = False, **options: Any) -> dict[str, Any]:
+                   floor: bool = True, floor_gemms: bool = False, num_generations: int = 1,
+                   **options: Any) -> dict[str, Any]:
     """Workload-W-style point: ``batch`` random prompts of ``prompt_tokens``, GRPO sampling,
     ``max_new_tokens`` with EOS ignored; KV pool sized for the batch. ``options`` go to the LLM.
+    ``num_generations``: ``batch / num_generations`` prompts with ``n = num_generations``
+    samples each (TRL's GRPO rollout: the samples of a prompt share its prompt pages); the
+    floor still counts every row's whole context (no sharing).
+
+    Raises:
+        ValueError: ``batch`` not a multiple of ``num_generations``.
 
     ``profile``: a CUDA kernel profile (``breakdown["profile"]``, ``["kernel_breakdown"]``) and
     the aten-op count (``["aten_ops"]``). Always: the GEMM tuners' choices and per-candidate ms
@@ -218,12 +225,16 @@ def run_flex_point(model: Any, batch: int, prompt_tokens: int, max_new_tokens: i
     """
     from nbhelpers.backends.flex import build_llm
     from nbhelpers.config import WORKLOAD_W
+    if num_generations < 1 or batch % num_generations:
+        raise ValueError(f"run_flex_point: batch {batch} is not a multiple of num_generations "
+                         f"{num_generations}; use a batch of k x num_generations rows.")
     per_seq = prompt_tokens + max_new_tokens
     llm = build_llm(model, [], kv_tokens=batch * (per_seq + 128), max_num_seqs=max(batch, 8),
                     max_model_len=per_seq + 64, sync_every=sync_every, **options)
     sampling = SamplingParams(**{**WORKLOAD_W.sampling_params().to_dict(),
-                                 "max_new_tokens": max_new_tokens})
-    prompts = random_prompt_ids(batch, prompt_tokens, model.config.vocab_size)
+                                 "max_new_tokens": max_new_tokens, "n": num_generations})
+    prompts = random_prompt_ids(batch // num_generations, prompt_tokens,
+                                model.config.vocab_size)
     res = bench_one(llm, prompts, sampling, rounds=rounds, warmup=warmup)
     res["breakdown"].update(tuner_tables(llm.runner), resolved=resolved_kernels(llm.runner))
     if profile:
@@ -272,14 +283,15 @@ def point_floor(model: Any, batch: int, context_len: float, breakdown: dict[str,
 def flex_sidecar(tag: str, model_info: dict[str, Any], lora: LoraSpec | None, batch: int,
                  prompt_tokens: int, max_new_tokens: int, res: dict[str, Any] | None,
                  error: str | None = None, extra: dict[str, Any] | None = None,
-                 run_id: str | None = None) -> dict[str, Any]:
+                 run_id: str | None = None, num_generations: int = 1) -> dict[str, Any]:
     """Schema-v1 sidecar (phase ``phase3_flex``, backend ``flex``) with the breakdown, ``floor``
     and ``pct_of_floor`` (``pct_of_floor_replay``) of ``res`` beside; ``run_id`` names the run
     (one per notebook / script call) so figures can hold to it (:func:`own_sidecars`)."""
     from nbhelpers.stats import make_sidecar
     res = res or {}
     workload = {"n_prompts": batch, "prompt_tokens_mean": prompt_tokens,
-                "max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling": "grpo"}
+                "max_new_tokens": max_new_tokens, "ignore_eos": True, "sampling": "grpo",
+                "num_generations": num_generations}  # n_prompts: rows (prompts x samples)
     lora_block = None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
                                             "targets": list(lora.targets)}
     return make_sidecar(phase="phase3_flex", backend="flex", model=model_info, lora=lora_block,

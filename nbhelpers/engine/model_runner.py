@@ -332,6 +332,9 @@ class ModelRunner:
         for name, vals in host.items():
             getattr(st, name).copy_(torch.tensor(vals), non_blocking=True)
         st.block_table.copy_(bt, non_blocking=True)
+        if self.paged_decode is not None and self.paged_decode.shared_prefix:
+            self.paged_decode.load_groups(rows, [(s.block_table[0], s.shared_pages)
+                                                 if s.shared_pages else None for s in seqs])
         for buf, value in zip((st.temperature, st.min_p, st.top_k, st.top_p),
                               sampling_values(sampling)):
             buf.fill_(value)  # as sampling_tensors(sampling, rows), without 4 new tensors
@@ -392,6 +395,8 @@ class ModelRunner:
         (eager steps, same tokens) when capture fails, until the weights' storage changes."""
         st.is_pad.fill_(True)
         st.block_table.zero_()
+        if self.paged_decode is not None:  # capture with no shared-prefix groups
+            self.paged_decode.load_groups(st.rows, [])
 
         def reset() -> None:
             st.col.zero_()

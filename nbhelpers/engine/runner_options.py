@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbhelpers.engine.kernels import pdl as pdl_launch  # pure python, no triton at import
-from nbhelpers.engine.kernels.paged_decode_plan import pick_kernel  # pure python, no triton
+from nbhelpers.engine.kernels.paged_decode_plan import (  # pure python, no triton
+    check_shared_prefix,
+    pick_kernel,
+)
 from nbhelpers.engine.l2_prefetch import check_l2_prefetch  # pure python, no torch at import
 from nbhelpers.engine.lora import (
     LORA_DTYPES,
@@ -374,6 +377,7 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
+        check_shared_prefix(self.decode_kernel_options or {})
         rows = self.lora_consumer_one_part_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(f"RunnerOptions.lora_consumer_one_part_rows={rows!r}: must be an int "

@@ -39,6 +39,9 @@ class Sequence:
     out_logprobs: list[float] = field(default_factory=list)
     out_full_logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # leading pages of block_table shared with the other samples of its prompt (0: none); the
+    # decode kernel's shared_prefix option reads them once per group (paged_decode_prefix.py)
+    shared_pages: int = 0
     num_cached: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -172,6 +175,8 @@ class Scheduler:
             self.pool.share(lead.block_table[:n_full])
             own = self.pool.allocate(len(lead.block_table) - n_full)
             seq.block_table = lead.block_table[:n_full] + own
+        for seq in group:
+            seq.shared_pages = n_full if len(group) > 1 else 0
 
     def start_running(self, group: list[Sequence]) -> None:
         for seq in group:
@@ -210,6 +215,7 @@ class Scheduler:
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []
+        seq.shared_pages = 0
 
     def retire_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finish_reason is not None]

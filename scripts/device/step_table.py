@@ -55,6 +55,13 @@ M2_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemm
             "'{\"name\": \"default\", \"options\": {}};"
             "{\"name\": \"prev\", \"options\": {\"fused_elementwise\": \"compile\", "
             "\"lora_dtype\": \"adapter\", \"decode_kernel_options\": {\"kernel\": \"v1\"}}}'")
+S25_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 512 --no-floor-gemms "
+             "--num-generations 8 --points qwen3-4b:fp32:64 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"shared\", \"options\": {\"decode_kernel_options\": "
+             "{\"shared_prefix\": true}}};"
+             "{\"name\": \"shared_rows64\", \"options\": {\"skinny_gemm_max_rows\": 64, "
+             "\"decode_kernel_options\": {\"shared_prefix\": true}}}'")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -562,6 +569,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (N33, {"variants": "[{name: default, options: {}}, {name: rows64, options: "
                            "{skinny_gemm_max_rows: 64}}]", "lora_modes": "[fp32]",
                "batches": "[32, 64]"}, 110, 200, 0)]),
+    # session 25: the shared-prefix decode attention (decode_kernel_options shared_prefix: a
+    # prompt's pages read once for its 8 samples) and the 64-row skinny tile, at the realistic
+    # GRPO rollout (8 prompts x 8 samples, 150-token prompts, 512 new tokens), PEFT fp32
+    # adapters, one process per variant
+    "s25p": ([], [], [
+        (BENCH, {"args": S25_BENCH}, 170, 280, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

@@ -38,6 +38,7 @@ from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import fused_norm as fn, lora_expand as le, lora_shrink as ls
 from nbhelpers.engine.kernels import lora_act_mul as lam
 from nbhelpers.engine.kernels import paged_decode_kernel as pk, qk_rope_cache as qrc
+from nbhelpers.engine.kernels import paged_decode_prefix as pp
 from nbhelpers.engine.kernels import skinny_gemm as sg
 NO, LORA = dict(HAS_LORA=False, LORA_K=4, LORA_RNE=False), dict(HAS_LORA=True, LORA_K=4,
                                                                  LORA_RNE=False)
@@ -45,6 +46,7 @@ SK = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=False, BF16_RNE=False)
 ST1 = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=128,
            USE_WINDOW=False, USE_SOFT_CAP=False, DOT_PRECISION="tf32")
 I64, F32 = {"slot_ptr": "*i64", "BlockTable": "*i64", "SeqLens": "*i64"}, "*fp32"
+PRE = {**I64, "RowPrefix": "*i32", "PreO": F32, "PreLse": F32}  # shared-prefix operands
 # name: (kernel, constexprs, pointer dtypes besides bf16, launches dependents, W before wait,
 #        W before wait with PREWAIT or None: the kernel takes no PREWAIT)
 CASES = {
@@ -95,6 +97,17 @@ CASES = {
     "stage2": (pk._paged_attention_stage2, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4,
                                                 BLOCK_S=4), {"MidO": F32, "MidLse": F32},
                True, False, None),
+    "stage1_direct_prefix": (pk._paged_attention_stage1, dict(NUM_SPLITS=1, MIN_SPLIT_TILES=4,
+                                                              DIRECT=True, HAS_PREFIX=True,
+                                                              **ST1), PRE, True, False, None),
+    "stage2_prefix": (pk._paged_attention_stage2, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4,
+                                                       BLOCK_S=4, HAS_PREFIX=True),
+                      {"MidO": F32, "MidLse": F32, **PRE}, True, False, None),
+    "prefix": (pp._paged_attention_prefix, dict(GROUP=4, GMAX=8, BLOCK_H=32, HEAD_DIM=128,
+                                                BLOCK_D=128, BLOCK_N=64, PAGE_SIZE=64,
+                                                USE_SOFT_CAP=False, DOT_PRECISION="tf32"),
+               {**PRE, "BlockTable": "*i64", "GroupRows": "*i32", "GroupLen": "*i32"}, True,
+               False, None),
 }
 FLOATS = {"scale", "soft_cap", "scaling"}
 GLOBAL_WRITE = re.compile(r"\\b(st|atom|red)\\.global|\\bcp\\.async")

@@ -98,6 +98,14 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
       "'num_warps': 8}: ['pdl'] are engine options, not kernel options")),
     # --variants only means something with --points
     ([*SMOKE, "--variants", '{"name": "a"}'], "--variants is the A/B mode's and needs --points"),
+    # --num-generations: samples per prompt, a divisor of every point's batch, A/B mode only
+    (["--points", "tiny:fp32:2,tiny:none:6", "--num-generations", "4"],
+     "points ['tiny_fp32_b2', 'tiny_none_b6'] have a batch that is not a multiple of 4"),
+    ([*AB, "--num-generations", "0"], "--num-generations 0: must be an int >= 1"),
+    ([*SMOKE, "--num-generations", "2"], "--num-generations 2 is the A/B mode's"),
+    # shared_prefix is a bool kernel option; not with the fused kernel
+    ([*AB, "--variants", '{"name": "a", "options": {"decode_kernel_options": '
+      '{"shared_prefix": true, "kernel": "fused"}}}'], "shared_prefix=True needs kernel"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line_and_no_out_folder(argv, match, tmp_path,
                                                                      capsys):

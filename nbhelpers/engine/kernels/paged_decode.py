@@ -69,12 +69,22 @@ from nbhelpers.engine.kernels.paged_decode_plan import (  # noqa: F401 (re-expor
     RESIDENT_PROGRAMS,
     TARGET_WAVES,
     V2_MIN_BATCH,
+    check_shared_prefix,
     choose_num_splits,
     default_block_n,
     pick_kernel,
     plan_num_splits,
     plan_num_splits_fused,
+    plan_prefix_groups,
     resident_programs,
+)
+from nbhelpers.engine.kernels.paged_decode_prefix import (
+    GROUP_MAX,
+    PrefixGroups,
+    clear_groups,
+    load_groups,
+    new_prefix_groups,
+    paged_decode_prefix,
 )
 
 
@@ -83,18 +93,34 @@ def paged_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            workspace: tuple[Any, Any] | None = None, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int = 2, kernel: str = "v1",
-                           min_split_tokens: int | None = None, counters: Any = None) -> Any:
+                           min_split_tokens: int | None = None, counters: Any = None,
+                           groups: PrefixGroups | None = None) -> Any:
     """Decode attention of ``q [B, H, D]`` over the paged pool; returns ``[B, H, D]``. Arguments,
     shapes and errors as :func:`.paged_decode_kernel.paged_decode_attention` (kernels ``"v1"``,
     ``"v2"``); ``kernel="fused"`` launches :func:`.paged_decode_fused.paged_decode_fused` (one
     launch, the splits merged in-kernel; ``counters``: its ``int32 [B * H_kv]`` zeros,
-    :func:`new_counters`, ``None`` = allocate here). Here, not in the kernel module, because the
-    fused launcher imports that module's helpers (import-linter's acyclic contract)."""
+    :func:`new_counters`, ``None`` = allocate here). ``groups`` (kernels "v1", "v2", no
+    window): each group's shared prompt pages are attended once for all its rows by
+    :func:`.paged_decode_prefix.paged_decode_prefix` first, the rest per row (ValueError with
+    "fused" or a ``sliding_window``). Here, not in the kernel module, because the fused and
+    prefix launchers import that module's helpers (import-linter's acyclic contract)."""
+    if groups is not None and kernel == "fused":
+        raise ValueError("paged decode: shared-prefix groups need kernel 'v1' or 'v2' (or "
+                         "'auto'), not 'fused'; drop decode_kernel_options['shared_prefix'] or "
+                         "the 'fused' kernel.")
     if kernel != "fused":
+        prefix = None
+        if groups is not None:
+            if sliding_window:
+                raise ValueError("paged decode: shared-prefix groups with a sliding window; "
+                                 "pass groups=None for windowed layers.")
+            paged_decode_prefix(q, k_cache, v_cache, block_table, groups, scale, page_size,
+                                soft_cap, block_n, num_warps, num_stages)
+            prefix = (groups.row_prefix, groups.pre_o, groups.pre_lse)
         return _split.paged_decode_attention(
             q, k_cache, v_cache, block_table, seq_lens, scale, page_size, num_splits,
             sliding_window, soft_cap, workspace, block_n, num_warps, num_stages, kernel,
-            min_split_tokens)
+            min_split_tokens, prefix)
     block_n = block_n or default_block_n(q.shape[2])
     _split._check(q, k_cache, v_cache, q.shape[1], k_cache.shape[1], block_n, kernel)
     return paged_decode_fused(q, k_cache, v_cache, block_table, seq_lens, scale, page_size,
@@ -134,7 +160,10 @@ class PagedDecode:
     (``RunnerOptions.decode_kernel_options``): ``kernel`` (default :data:`DEFAULT_KERNEL`),
     ``num_splits``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
     ``programs_per_sm`` (v1; "fused": default :func:`resident_programs` of the head dim),
-    ``waves`` (v2) and ``min_split_tokens`` (v2, "fused").
+    ``waves`` (v2), ``min_split_tokens`` (v2, "fused") and ``shared_prefix`` (bool, default
+    off; not with "fused"): the samples of one prompt read its shared pages once
+    (:mod:`.paged_decode_prefix`; the runner loads each window's groups with
+    :meth:`load_groups`; windowed layers keep the per-row path).
 
     Raises:
         ValueError: an unknown option or kernel, or a layer mask / score_mod the kernel cannot
@@ -156,6 +185,10 @@ class PagedDecode:
                         if torch.device(device).type == "cuda" else 1)
         self.kernel = opts.pop("kernel", DEFAULT_KERNEL)
         pick_kernel(self.kernel, 1)  # ValueError for an unknown kernel, before any launch
+        check_shared_prefix({"kernel": self.kernel, **opts})  # ValueError naming the fix
+        self.shared_prefix = opts.pop("shared_prefix", False)
+        self.groups: dict[tuple, PrefixGroups] = {}  # (B, H, D, device) -> table + partials
+        self.plans: dict[int, tuple] = {}  # B -> the current window's plan_prefix_groups
         self.num_splits = opts.pop("num_splits", None)
         self.programs_per_sm = opts.pop("programs_per_sm", None)
         self.waves = opts.pop("waves", TARGET_WAVES)
@@ -180,6 +213,24 @@ class PagedDecode:
         return plan_num_splits(batch, kv_heads, self.max_model_len, self.num_sms, self.waves,
                                self.launch.get("min_split_tokens", MIN_SPLIT_TOKENS_V2))
 
+    def load_groups(self, batch: int, keys: list[tuple[int, int] | None]) -> None:
+        """This window's groups for the ``batch``-row bucket from the rows' ``(first page,
+        shared pages)`` keys (:func:`.paged_decode_plan.plan_prefix_groups`); ``keys=[]``
+        clears them (graph capture). Tables made later (a layer's first call) get the same."""
+        plan = plan_prefix_groups(keys, GROUP_MAX, self.page_size)
+        self.plans[batch] = plan
+        for key, groups in self.groups.items():
+            if key[0] == batch:
+                load_groups(groups, plan) if plan[0] else clear_groups(groups)
+
+    def _groups(self, bsz: int, heads: int, dim: int, device: Any) -> PrefixGroups:
+        key = (bsz, heads, dim, str(device))
+        if key not in self.groups:
+            self.groups[key] = new_prefix_groups(bsz, heads, dim, device)
+            if self.plans.get(bsz, ([],))[0]:
+                load_groups(self.groups[key], self.plans[bsz])
+        return self.groups[key]
+
     def bind(self, block_table: Any, seq_lens: Any) -> Callable[..., Any]:
         """``fn(layer, q [B, H, D], k_cache, v_cache, scale) -> [B, H, D]`` for this step."""
         return functools.partial(self._layer, block_table, seq_lens)
@@ -199,6 +250,8 @@ class PagedDecode:
             if ckey not in self.counters:
                 self.counters[ckey] = new_counters(bsz, kv_heads, q.device)
             extra["counters"] = self.counters[ckey]
+        if self.shared_prefix and self.windows[i] is None:
+            extra["groups"] = self._groups(bsz, heads, dim, q.device)
         return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                                       self.page_size, splits, self.windows[i], self.soft_cap,
                                       self.workspaces.get(key), kernel=kernel, **self.launch,

@@ -27,7 +27,7 @@ batch 32-64 (20.7 vs 23.2 us a layer) and 7 % slower at batch 4; in the whole de
 0.73 at batch 32 and 1.24 vs 1.12 at batch 64. Batches 8 and 16 were not measured: 16 is the
 midpoint, to be checked."""
 KERNEL_OPTIONS = ("kernel", "num_splits", "BLOCK_N", "num_warps", "num_stages",
-                  "programs_per_sm", "waves", "min_split_tokens")
+                  "programs_per_sm", "waves", "min_split_tokens", "shared_prefix")
 RESIDENT_PROGRAMS = ((128, 5), (256, 4), (512, 3))
 """Kernel "fused": ``(max head dim, programs resident per SM)`` on the H200 at the default
 ``BLOCK_N``, 4 warps, 2 stages, from the sm_90 builds of ``_paged_attention_fused`` under
@@ -36,6 +36,22 @@ bundled ``ptxas -v``, no GPU; 2026-12-02): D 128 (BLOCK_N 64): 78-96 registers, 
 -> 5 (65,536 / (96 x 128) registers; 5 x 39.9 KB of 228 KB); D 256 (BLOCK_N 32): 101-111
 registers, 42.0 KB -> 4; D 512 (BLOCK_N 16): 140-144 registers, 49.7 KB -> 3. Stage 1 of v1/v2
 gives the same counts. Re-derive after a Triton upgrade or another ``BLOCK_N``/``num_warps``."""
+
+
+def check_shared_prefix(options: dict) -> None:
+    """``decode_kernel_options["shared_prefix"]`` (absent: off): a bool, and not with the
+    "fused" kernel (:mod:`.paged_decode_prefix`).
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    shared = options.get("shared_prefix", False)
+    if not isinstance(shared, bool):
+        raise ValueError(  # noqa: TRY004 (every engine option error is a ValueError)
+            f"decode_kernel_options['shared_prefix']={shared!r}: must be True or False.")
+    if shared and options.get("kernel") == "fused":
+        raise ValueError("decode_kernel_options: shared_prefix=True needs kernel 'auto', "
+                         "'v1' or 'v2', not 'fused'.")
 
 
 def pick_kernel(kernel: str, batch: int) -> str:
@@ -125,3 +141,47 @@ def default_block_n(head_dim: int) -> int:
     tiles ``2 * BLOCK_N * BLOCK_D * 2`` bytes = 32 KiB at bf16 for all three, so 2 stages fit
     the H200's 227 KiB with room for q and the layout conversions)."""
     return 64 if head_dim <= 128 else 32 if head_dim <= 256 else 16
+
+
+def plan_prefix_groups(keys: list[tuple[int, int] | None], group_max: int, page_size: int
+                       ) -> tuple[list[list[int]], list[int], list[int]]:
+    """The shared-prefix group table of one decode window (:mod:`.paged_decode_prefix`).
+
+    ``keys[b]``: ``(first page, shared pages)`` of row ``b``'s prompt group (the samples of one
+    prompt share its first ``shared pages`` full pages, ``scheduler._allocate_group``), or
+    ``None`` (a row that shares nothing: a prompt with ``n == 1``, a resumed sequence, a padded
+    row). Rows with the same key form a group; a group of one active row is no group (its row
+    attends to all its keys in the split-KV kernel); a group of more than ``group_max`` rows is
+    split into ``ceil(n / group_max)`` slots of near-equal size (9 -> 5 + 4), each reading the
+    prefix once. Returns ``(group_rows, group_len, row_prefix)``: member rows per slot in row
+    order, shared tokens per slot (``shared pages x page_size``), and per row its slot's shared
+    tokens (0 outside any slot).
+
+    With ``group_max >= 4`` every slot has at least 2 rows, so ``B // 2`` slots always hold
+    the plan (:func:`.paged_decode_prefix.new_prefix_groups`).
+
+    Raises:
+        ValueError: ``group_max < 4`` or ``page_size < 1``.
+    """
+    if group_max < 4 or page_size < 1:
+        raise ValueError(f"plan_prefix_groups: group_max={group_max}, page_size={page_size}; "
+                         "need group_max >= 4 and page_size >= 1.")
+    members: dict[tuple[int, int], list[int]] = {}
+    for b, key in enumerate(keys):
+        if key is not None and key[1] > 0:
+            members.setdefault(key, []).append(b)
+    group_rows, group_len, row_prefix = [], [], [0] * len(keys)
+    for (_, pages), rows in members.items():
+        if len(rows) < 2:
+            continue
+        n_slots = -(-len(rows) // group_max)
+        size, extra = divmod(len(rows), n_slots)
+        start = 0
+        for s in range(n_slots):
+            chunk = rows[start:start + size + (s < extra)]
+            start += len(chunk)
+            group_rows.append(chunk)
+            group_len.append(pages * page_size)
+            for b in chunk:
+                row_prefix[b] = pages * page_size
+    return group_rows, group_len, row_prefix

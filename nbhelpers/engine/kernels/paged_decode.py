@@ -219,9 +219,10 @@ class PagedDecode:
         clears them (graph capture). Tables made later (a layer's first call) get the same."""
         plan = plan_prefix_groups(keys, GROUP_MAX, self.page_size)
         self.plans[batch] = plan
-        for key, groups in self.groups.items():
-            if key[0] == batch:
-                load_groups(groups, plan) if plan[0] else clear_groups(groups)
+        with torch.inference_mode():  # the tables were made in a step (inference tensors)
+            for key, groups in self.groups.items():
+                if key[0] == batch:
+                    load_groups(groups, plan) if plan[0] else clear_groups(groups)
 
     def _groups(self, bsz: int, heads: int, dim: int, device: Any) -> PrefixGroups:
         key = (bsz, heads, dim, str(device))

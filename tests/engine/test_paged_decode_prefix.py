@@ -206,7 +206,7 @@ engine_on_cpu = pytest.mark.skipif(not INTERPRET, reason="CPU engine tests need 
 def _samples(model, shared: bool, num_pages: int = 128, **sampling):
     from nbhelpers.config import SamplingParams
     from nbhelpers.engine import LLM
-    llm = LLM(model, page_size=16, num_pages=num_pages, max_model_len=128,
+    llm = LLM(model, page_size=16, num_pages=num_pages, max_model_len=128, sync_every=4,
               decode_attention="triton", decode_kernel_options={"shared_prefix": shared})
     prompts = random_prompts(3, 20, 50, seed=5)  # 1-3 full pages shared per prompt
     outs = llm.generate(prompts, SamplingParams(**{"n": 4, "max_new_tokens": 12,
@@ -218,8 +218,9 @@ def _samples(model, shared: bool, num_pages: int = 128, **sampling):
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},
                                       {"temperature": 1.0, "min_p": 0.1, "seed": 1}])
 def test_engine_shared_prefix_same_tokens_and_logprobs(pd, sampling):
-    """Tiny fp32 Qwen3 (GQA 4/2, D 16), 3 prompts x 4 samples: the same tokens with and without
-    the option, logprobs within 1e-5; the groups were loaded (one slot per prompt)."""
+    """Tiny fp32 Qwen3 (GQA 4/2, D 16), 3 prompts x 4 samples, decode windows of 4 steps (the
+    tables made in the first window's steps are rewritten for the next): the same tokens with
+    and without the option, logprobs within 1e-5; the groups were loaded (a slot a prompt)."""
     model = tiny_model("qwen3")
     _, plain = _samples(model, False, **sampling)
     llm, shared = _samples(model, True, **sampling)
@@ -274,19 +275,23 @@ def test_gpu_qwen3_4b_grpo_shape_matches_torch(pd, kernel, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_gpu_engine_shared_prefix_graphs_match_plain():
-    """Tiny fp32 Qwen3 on the GPU with CUDA graphs: greedy tokens equal with and without the
-    option, logprobs within 1e-5 (the group table is device data the captured graph reads)."""
+    """Tiny fp32 Qwen3 on the GPU with CUDA graphs, page 64 (the compiled prefill's tile),
+    prompts of 70-150 tokens (1-2 shared pages), 4 x 8 samples, windows of 8 steps: greedy
+    tokens equal with and without the option, logprobs within 1e-5 (the group table is device
+    data the captured graph reads, rewritten each window)."""
     from nbhelpers.config import SamplingParams
     from nbhelpers.engine import LLM
     model = tiny_model("qwen3").cuda()
     outs = {}
     for shared in (False, True):
-        llm = LLM(model, page_size=16, num_pages=256, max_model_len=160,
+        llm = LLM(model, page_size=64, num_pages=256, max_model_len=256, sync_every=8,
                   decode_attention="triton", decode_kernel_options={"shared_prefix": shared})
-        outs[shared] = llm.generate(random_prompts(4, 20, 60, seed=2),
+        outs[shared] = llm.generate(random_prompts(4, 70, 150, seed=2),
                                     SamplingParams(n=8, temperature=0.0, max_new_tokens=40,
                                                    ignore_eos=True))
         assert llm.runner.use_graphs
+    rows, _, _ = llm.runner.paged_decode.plans[32]
+    assert len(rows) == 4 and all(len(r) == 8 for r in rows)
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5

@@ -130,10 +130,13 @@ def block_m(m: int) -> int:
 
 def shared_memory_bytes(cfg: Config, elem_size: int, block_m: int = BLOCK_M) -> int:
     """Shared memory the pipelined K loop asks for, in bytes: ``num_stages - 1`` buffers of the
-    ``[block_m, BLOCK_K]`` x tile and the ``[BLOCK_N, BLOCK_K]`` W tile. Matches the 294,912 B
-    Triton 3.6 reported for ``Config(128, 256, 1, 8, 3)`` in fp32 on the H200 (2026-12-01,
-    ``block_m=16``)."""
-    return (cfg.num_stages - 1) * (block_m + cfg.block_n) * cfg.block_k * elem_size
+    ``[block_m, BLOCK_K]`` x tile and the ``[BLOCK_N, BLOCK_K]`` W tile, ``num_stages`` buffers
+    at the 64-row tile. Matches the 294,912 B Triton 3.6 reported for ``Config(128, 256, 1, 8,
+    3)`` in fp32 at ``block_m=16`` (H200, 2026-12-01) and the 294,912 B it reported for the
+    same config in bf16 at ``block_m=64`` (H100, 2026-12-07, ``tests/engine/test_skinny_gemm.py``
+    at 64 rows, which the ``num_stages - 1`` count put at 196,608 B)."""
+    buffers = cfg.num_stages if block_m >= 64 else cfg.num_stages - 1
+    return buffers * (block_m + cfg.block_n) * cfg.block_k * elem_size
 
 
 def fits(cfg: Config, elem_size: int, limit_bytes: int, block_m: int = BLOCK_M) -> bool:

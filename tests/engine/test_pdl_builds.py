@@ -99,7 +99,7 @@ CASES = {
                True, False, None),
     "stage1_direct_prefix": (pk._paged_attention_stage1, dict(NUM_SPLITS=1, MIN_SPLIT_TILES=4,
                                                               DIRECT=True, HAS_PREFIX=True,
-                                                              **ST1), PRE, True, False, None),
+                                                              **ST1), PRE, True, True, None),
     "stage2_prefix": (pk._paged_attention_stage2, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4,
                                                        BLOCK_S=4, HAS_PREFIX=True),
                       {"MidO": F32, "MidLse": F32, **PRE}, True, False, None),
@@ -118,6 +118,8 @@ for name, (kern, consts, ptrs, launches, w_first, w_early) in CASES.items():
         c = {**consts, "USE_GDC": gdc, **({"PREWAIT": pre} if w_early is not None else {})}
         # pdl="prefetch" builds (EARLY_TRIGGER, PREFETCH): test_pdl_prefetch.py
         c.update({a: 0 for a in ("EARLY_TRIGGER", "PREFETCH") if a in kern.arg_names})
+        if "HAS_PREFIX" in kern.arg_names:  # the shared-prefix builds are cases of their own
+            c.setdefault("HAS_PREFIX", False)
         sig = {a: "constexpr" if a in c else ptrs.get(a) or (
             "fp32" if a in FLOATS or a.startswith("eps") else
             "*bf16" if a.endswith("_ptr") or a[0].isupper() else "i32") for a in kern.arg_names}
@@ -143,7 +145,8 @@ print("compiled")
 def test_kernels_ptx_wait_and_launch_for_sm90():
     """Every PDL kernel built for sm_90: with ``USE_GDC=True`` one ``griddepcontrol.wait`` with
     no global store, atomic or async copy before it and no global load before it except the
-    skinny GEMM's first W tile (weights), then ``griddepcontrol.launch_dependents``; with
+    skinny GEMM's first W tile (weights) and the shared-prefix stage 1's q and KV (complete
+    before its grid launches: ``paged_decode_prefix``), then ``griddepcontrol.launch_dependents``; with
     ``USE_GDC=False`` neither instruction (the default build). The ``PREWAIT`` kernels
     (``pdl="early"``) also with ``USE_GDC=PREWAIT=True``: one wait, no store before it, and a
     global load before it exactly when the build has a weight (norm weights, LoRA B): none for

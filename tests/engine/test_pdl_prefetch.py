@@ -270,6 +270,8 @@ FLOATS = {"scale", "soft_cap", "scaling"}
 
 
 def ptx(kern, consts, ptrs):
+    if "HAS_PREFIX" in kern.arg_names:  # the shared-prefix builds: test_pdl_builds.py
+        consts = {"HAS_PREFIX": False, **consts}
     sig = {a: "constexpr" if a in consts else ptrs.get(a) or (
         "fp32" if a in FLOATS or a.startswith("eps") else
         "*bf16" if a.endswith("_ptr") or a[0].isupper() else "i32") for a in kern.arg_names}

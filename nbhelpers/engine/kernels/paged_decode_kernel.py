@@ -144,12 +144,18 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
     stage 2), let the next kernel launch after the KV loop (``EARLY_TRIGGER``: first).
     ``HAS_PREFIX``: row ``b`` attends only from ``RowPrefix[b]`` on (its group's shared prompt
     pages were attended by :mod:`.paged_decode_prefix`, partials ``PreO [B, H, D]``, ``PreLse
-    [B, H]``); ``DIRECT`` merges that partial here, stage 2 otherwise. No window then."""
+    [B, H]``); ``DIRECT`` merges that partial here, stage 2 otherwise. No window then. With
+    PDL the prefix kernel (launched just before) lets this grid launch right after its own
+    wait, so this program reads q and the KV before its wait (the q/k/RoPE kernel that wrote
+    them had completed and flushed before the prefix grid passed its wait, hence before this
+    grid launched) and waits for the prefix grid after its KV loop, before any store: the
+    prefix and the per-row loops run at the same time."""
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if EARLY_TRIGGER:  # pdl="prefetch": the next kernel may launch now (pdl.py)
             tl.extra.cuda.gdc_launch_dependents()
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if not HAS_PREFIX:  # with a prefix: after the KV loop (docstring)
+            tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -173,6 +179,9 @@ def _paged_attention_stage1(Q, K, V, BlockTable, SeqLens, MidO, MidLse, Out, sca
                               offs_d, mask_d, stride_kh, stride_ks, stride_vh, stride_vs, scale,
                               soft_cap, BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_SOFT_CAP,
                               DOT_PRECISION)
+    if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
+        if HAS_PREFIX:  # the prefix grid done (its partials; the workspace is free again)
+            tl.extra.cuda.gdc_wait()
     if USE_GDC:  # noqa: SIM102 (KV loop done: the next kernel may start its prologue)
         if not EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()

@@ -62,6 +62,7 @@ S25_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 512 --no-floor-gem
              "{\"shared_prefix\": true}}};"
              "{\"name\": \"shared_rows64\", \"options\": {\"skinny_gemm_max_rows\": 64, "
              "\"decode_kernel_options\": {\"shared_prefix\": true}}}'")
+S25Q_BENCH = S25_BENCH.split(';{"name": "shared_rows64')[0] + "'"  # default vs shared
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -575,6 +576,15 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     # adapters, one process per variant
     "s25p": ([], [], [
         (BENCH, {"args": S25_BENCH}, 170, 280, 0)]),
+    # session 25, after s25p (H100: shared +0.18 ms, the prefix and per-row kernels ran one
+    # after the other): the overlapped version against the default, then the changed engine
+    # tests (shared prefix, skinny 64-row bound, PDL builds) on the GPU
+    "s25q": ([], [], [
+        (BENCH, {"args": S25Q_BENCH}, 75, 130, 0),
+        (SUITE, {"args": "--paths tests/engine/test_paged_decode_prefix.py "
+                         "tests/engine/test_paged_decode.py tests/engine/test_skinny_gemm.py "
+                         "tests/engine/test_skinny_gemm_rows32.py tests/engine/test_pdl_builds.py "
+                         "--tb=short"}, 110, 200, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

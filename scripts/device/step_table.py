@@ -585,6 +585,12 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                          "tests/engine/test_paged_decode.py tests/engine/test_skinny_gemm.py "
                          "tests/engine/test_skinny_gemm_rows32.py tests/engine/test_pdl_builds.py "
                          "--tb=short"}, 110, 200, 0)]),
+    # session 25, little budget left: s25q's A/B with one timed round, and only the
+    # shared-prefix tests (GPU shapes against torch, the engine under CUDA graphs)
+    "s25r": ([], [], [
+        (BENCH, {"args": S25Q_BENCH.replace("--rounds 2", "--rounds 1")}, 60, 100, 0),
+        (SUITE, {"args": "--paths tests/engine/test_paged_decode_prefix.py --tb=short"}, 45,
+         80, 0)]),
     # session 23: docs/decode_floor_plan.md piece 1 measured before it is built into the
     # engine: the one-launch MLP probe (mlp_block.py) against cuBLAS and the skinny kernels,
     # cold weights, rows 4 and 16; plus its GPU test against torch

@@ -147,6 +147,7 @@ def check_engine_options(options: Any, where: str) -> dict[str, Any]:
         TypeError: not a dict. ValueError: a reserved or unknown field, or a bad value (the
             message names the fix).
     """
+    from nbhelpers.engine.runner_option_hints import kernel_option_hint
     from nbhelpers.engine.runner_options import RunnerOptions, option_names
     if not isinstance(options, dict):
         raise TypeError(f"{where}: options must be a dict of RunnerOptions fields, e.g. "
@@ -156,7 +157,9 @@ def check_engine_options(options: Any, where: str) -> dict[str, Any]:
                          "workload); drop them from the options.")
     if unknown := sorted(set(options) - option_names()):
         close = {u: difflib.get_close_matches(u, option_names(), n=1) for u in unknown}
-        hint = "".join(f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items() if c)
+        hint = "".join(f" ({kernel_option_hint(u)})" if kernel_option_hint(u) else
+                       f" ({u!r}: did you mean {c[0]!r}?)" for u, c in close.items()
+                       if c or kernel_option_hint(u))
         raise ValueError(f"{where}: unknown RunnerOptions field(s) {unknown}{hint}; the fields: "
                          f"{sorted(option_names() - set(RESERVED_OPTIONS))}.")
     try:

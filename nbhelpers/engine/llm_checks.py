@@ -19,6 +19,7 @@ from typing import Any
 
 from nbhelpers.config import token_ids
 from nbhelpers.engine.model_runner import BUCKETS, RunnerOptions
+from nbhelpers.engine.runner_option_hints import kernel_option_hint
 from nbhelpers.engine.runner_options import option_names
 
 LLM_ARGS = ("eos_token_id", "max_num_seqs", "max_prefill_tokens", "share_prefix",
@@ -115,8 +116,8 @@ def check_options(options: dict[str, Any]) -> None:
     known = option_names()
     if unknown := sorted(set(options) - known):
         close = {u: _close(u, known | set(LLM_ARGS)) for u in unknown}
-        hint = "; ".join(f"{u!r}: did you mean {' or '.join(map(repr, c))}?"
-                         for u, c in close.items() if c)
+        hint = "; ".join(kernel_option_hint(u) or f"{u!r}: did you mean {' or '.join(map(repr, c))}?"
+                         for u, c in close.items() if c or kernel_option_hint(u))
         raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
                         f". Options: {', '.join(LLM_ARGS)} and the RunnerOptions fields "
                         f"{sorted(known)}.")

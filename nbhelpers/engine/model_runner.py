@@ -21,6 +21,7 @@ nothing extra: the readback already syncs).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 from nbhelpers.engine.attention import (
@@ -120,6 +121,14 @@ class ModelRunner:
         if self.decode_attention == "triton":
             from nbhelpers.engine.kernels.paged_decode import build_paged_decode
             self.paged_decode = build_paged_decode(self.model, opt)
+        # flex's kernel_options: without the Triton kernel's shared_prefix (PagedDecode's)
+        self.flex_decode_options = {k: v for k, v in (opt.decode_kernel_options or {}).items()
+                                    if k != "shared_prefix"} or None
+        if (opt.decode_kernel_options or {}).get("shared_prefix") and self.paged_decode is None:
+            warnings.warn(f"decode_kernel_options shared_prefix=True: decode_attention "
+                          f"resolved to {self.decode_attention!r} here, which does not read "
+                          "shared prompt pages once; the option does nothing (it needs the "
+                          "Triton decode kernel: decode_attention='triton').", stacklevel=3)
         self.device = self.model.device
         self.prefill_graphs: PrefillGraphs | None = None  # prefill_graphs resolved on (prefill_graphs.py)
         if resolve_prefill_graphs(opt, self.use_graphs, self.prefill_attention,
@@ -383,7 +392,7 @@ class ModelRunner:
             p2l[:, 0] = torch.where(is_pad, 0, -1)  # padded rows read only the null page
             attn = layer_masks(m, lambda extra: decode_block_mask(
                 p2l, block_table, used, pos, ps, self.kv.num_slots, extra), is_decode=True,
-                kernel_options=self.opt.decode_kernel_options)
+                kernel_options=self.flex_decode_options)
         hidden = m.forward(tokens, pos, slots, attn, self.kv)
         return m.fx_decode.sample(
             m.logits(hidden, upcast=False), temperature, min_p, top_k, top_p, seeds, gen_idx,

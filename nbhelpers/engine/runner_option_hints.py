@@ -50,3 +50,15 @@ def check_kernel_option_keys(values: dict[str, Any], fields: Iterable[str]) -> N
                 f"options: pass them as options of their own (LLM(model, {example}); "
                 "scripts/bench_flex.py: --points ... --variants '{\"name\": \"x\", \"options\": "
                 "{...}}'; -p engine_options) and keep only the kernel's options here.")
+
+
+def kernel_option_hint(name: str) -> str | None:
+    """Where ``name`` goes when it is one of the Triton decode kernel's options
+    (``paged_decode_plan.KERNEL_OPTIONS``) typed as an engine option (``LLM(model,
+    shared_prefix=True)``, a bench variant's ``options``), else ``None`` (helper-25's trial,
+    2026-12-07: the message suggested ``share_prefix``, another option)."""
+    from nbhelpers.engine.kernels.paged_decode_plan import KERNEL_OPTIONS
+    if name not in KERNEL_OPTIONS:
+        return None
+    return (f"{name!r} is an option of the Triton decode kernel: pass "
+            f"decode_attention='triton', decode_kernel_options={{{name!r}: ...}}")

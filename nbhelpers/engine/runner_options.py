@@ -377,7 +377,7 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                                  "options or None, e.g. {'kernel': 'v2'} or {'num_warps': 8}.")
         if self.decode_kernel_options and "kernel" in self.decode_kernel_options:
             pick_kernel(self.decode_kernel_options["kernel"], 1)  # ValueError naming the choices
-        check_shared_prefix(self.decode_kernel_options or {})
+        check_shared_prefix(self.decode_kernel_options or {}, self.decode_attention)
         rows = self.lora_consumer_one_part_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(f"RunnerOptions.lora_consumer_one_part_rows={rows!r}: must be an int "

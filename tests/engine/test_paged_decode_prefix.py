@@ -256,6 +256,25 @@ def test_engine_shared_prefix_option_errors(pd):
             decode_kernel_options={"shared_prefix": True, "kernel": "fused"})
 
 
+def test_shared_prefix_outside_the_triton_kernel_is_refused_or_warned():
+    """helper-25's trial (2026-12-07): with ``decode_attention`` "flex" / "sdpa" the option did
+    nothing, silently; typed as an engine option, the message suggested ``share_prefix``."""
+    from nbhelpers.engine import LLM
+    model = tiny_model("qwen3")
+    for attention in ("flex", "sdpa"):
+        with pytest.raises(ValueError, match="option of the Triton decode kernel"):
+            LLM(model, page_size=16, num_pages=8, max_model_len=32, decode_attention=attention,
+                decode_kernel_options={"shared_prefix": True})
+    with pytest.raises(TypeError, match=r"decode_kernel_options=\{'shared_prefix': \.\.\.\}"):
+        LLM(model, page_size=16, num_pages=8, max_model_len=32, shared_prefix=True)
+    if torch.cuda.is_available():
+        return  # "auto" is the Triton kernel there
+    with pytest.warns(UserWarning, match="the option does nothing"):  # auto: sdpa / flex here
+        llm = LLM(model, page_size=16, num_pages=8, max_model_len=32,
+                  decode_kernel_options={"shared_prefix": True})
+    assert llm.runner.paged_decode is None and llm.runner.flex_decode_options is None
+
+
 # ---------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")

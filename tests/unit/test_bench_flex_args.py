@@ -106,6 +106,11 @@ def _refused(argv: list[str], out: Path, capsys) -> str:
     # shared_prefix is a bool kernel option; not with the fused kernel
     ([*AB, "--variants", '{"name": "a", "options": {"decode_kernel_options": '
       '{"shared_prefix": true, "kernel": "fused"}}}'], "shared_prefix=True needs kernel"),
+    ([*AB, "--variants", '{"name": "a", "options": {"shared_prefix": true}}'],
+     "'shared_prefix' is an option of the Triton decode kernel: pass decode_attention="),
+    ([*AB, "--variants", '{"name": "a", "options": {"decode_attention": "flex", '
+      '"decode_kernel_options": {"shared_prefix": true}}}'],
+     "decode_attention='flex' would ignore it"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line_and_no_out_folder(argv, match, tmp_path,
                                                                      capsys):

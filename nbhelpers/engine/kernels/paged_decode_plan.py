@@ -38,14 +38,20 @@ registers, 42.0 KB -> 4; D 512 (BLOCK_N 16): 140-144 registers, 49.7 KB -> 3. St
 gives the same counts. Re-derive after a Triton upgrade or another ``BLOCK_N``/``num_warps``."""
 
 
-def check_shared_prefix(options: dict) -> None:
-    """``decode_kernel_options["shared_prefix"]`` (absent: off): a bool, and not with the
-    "fused" kernel (:mod:`.paged_decode_prefix`).
+def check_shared_prefix(options: dict, decode_attention: str = "triton") -> None:
+    """``decode_kernel_options["shared_prefix"]`` (absent: off): a bool, not with the "fused"
+    kernel (:mod:`.paged_decode_prefix`), and only for the Triton decode kernel: with
+    ``decode_attention`` "flex" or "sdpa" it would do nothing ("auto" is checked where it
+    resolves: ``ModelRunner`` warns when it does not resolve to "triton").
 
     Raises:
         ValueError: naming the fix.
     """
     shared = options.get("shared_prefix", False)
+    if shared is True and decode_attention in ("flex", "sdpa"):
+        raise ValueError(f"decode_kernel_options shared_prefix=True is an option of the Triton "
+                         f"decode kernel; decode_attention={decode_attention!r} would ignore it: "
+                         "use decode_attention='triton' (or 'auto' on CUDA), or drop it.")
     if not isinstance(shared, bool):
         raise ValueError(  # noqa: TRY004 (every engine option error is a ValueError)
             f"decode_kernel_options['shared_prefix']={shared!r}: must be True or False.")

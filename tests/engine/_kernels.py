@@ -57,3 +57,19 @@ def assert_compiles_for_sm90(aot_source: str) -> None:
     if proc.returncode and "ptxas" in proc.stderr:
         pytest.skip(f"no usable ptxas: {proc.stderr[-300:]}")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def fp32_interpreter_dots(monkeypatch: Any) -> None:
+    """Triton's CPU interpreter stores bf16 as uint16 and its ``create_dot`` multiplies those bit
+    patterns (triton-lang/triton#11584, "not supported yet"); cast bf16 dot operands to fp32
+    (exact) there, so the kernel code under test is the GPU's unchanged. Call it from an
+    autouse fixture on CPU hosts only."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, *args):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
+        return original(self, a, b, *args)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

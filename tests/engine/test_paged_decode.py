@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from _kernels import fp32_interpreter_dots
 from _tiny import random_prompts, tiny_model
 
 pytest.importorskip("triton", reason="triton not installed (pip install triton)")
@@ -35,21 +36,9 @@ DEV = "cpu" if INTERPRET else "cuda"
 
 @pytest.fixture(autouse=True)
 def _interpreter_bf16_dot(monkeypatch):
-    """Triton's CPU interpreter stores bf16 as uint16 and its ``create_dot`` multiplies those bit
-    patterns (triton-lang/triton#11584, "not supported yet"); cast bf16 dot operands to fp32
-    (exact) there, so the kernel code under test is the GPU's unchanged."""
-    if DEV != "cpu":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, *args):
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
-        return original(self, a, b, *args)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    """bf16 ``tl.dot`` operands as fp32 in the CPU interpreter (``_kernels.fp32_interpreter_dots``)."""
+    if DEV == "cpu":
+        fp32_interpreter_dots(monkeypatch)
 
 
 def reference(q, k_cache, v_cache, block_table, seq_lens, scale, page_size, window=None,

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from _kernels import fp32_interpreter_dots
 from _tiny import random_prompts, tiny_model
 
 from nbhelpers.engine.kernels.paged_decode_plan import plan_prefix_groups
@@ -64,19 +65,9 @@ def pd():
 
 @pytest.fixture(autouse=True)
 def _interpreter_bf16_dot(monkeypatch):
-    """As ``test_paged_decode.py``: the interpreter's bf16 ``tl.dot`` multiplies bit patterns
-    (triton-lang/triton#11584); bf16 dot operands are cast to fp32 (exact) there."""
-    if DEV != "cpu":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, *args):
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
-        return original(self, a, b, *args)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    """bf16 ``tl.dot`` operands as fp32 in the CPU interpreter (``_kernels.fp32_interpreter_dots``)."""
+    if DEV == "cpu":
+        fp32_interpreter_dots(monkeypatch)
 
 
 def grpo_case(groups, lone=(), heads=4, kv_heads=2, dim=16, page_size=16,

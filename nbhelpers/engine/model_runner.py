@@ -404,8 +404,8 @@ class ModelRunner:
         (eager steps, same tokens) when capture fails, until the weights' storage changes."""
         st.is_pad.fill_(True)
         st.block_table.zero_()
-        if self.paged_decode is not None:  # capture with no shared-prefix groups
-            self.paged_decode.load_groups(st.rows, [])
+        if self.paged_decode is not None and self.paged_decode.shared_prefix:
+            self.paged_decode.load_groups(st.rows, [])  # capture with no groups
 
         def reset() -> None:
             st.col.zero_()

@@ -218,6 +218,8 @@ class PagedDecode:
         shared pages)`` keys (:func:`.paged_decode_plan.plan_prefix_groups`); ``keys=[]``
         clears them (graph capture). Tables made later (a layer's first call) get the same."""
         plan = plan_prefix_groups(keys, GROUP_MAX, self.page_size)
+        if self.plans.get(batch) == plan:  # most windows keep the grouping: no copies then
+            return
         self.plans[batch] = plan
         with torch.inference_mode():  # the tables were made in a step (inference tensors)
             for key, groups in self.groups.items():

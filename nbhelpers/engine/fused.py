@@ -39,8 +39,10 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
 
 
 def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> tuple[Any, Any]:
-    """Residual add then RMSNorm: ``(x + delta, rms_norm(x + delta))``, shapes ``[..., hidden]``."""
-    x = x + delta
+    """Residual add then RMSNorm: ``(x + delta, rms_norm(x + delta))``, shapes ``[..., hidden]``.
+    A ``delta`` of another dtype (an fp32 split-GEMM sum, ``engine/mlp_block.py``) is rounded to
+    ``x``'s first, as that GEMM's epilogue would."""
+    x = x + (delta if delta.dtype == x.dtype else delta.to(x.dtype))
     return x, rms_norm(x, weight, eps)
 
 
@@ -89,8 +91,12 @@ def triton_add_rms_norm(x: Any, delta: Any, weight: Any, eps: float,
     pending LoRA B of the projection ``delta`` comes from (``lora_pending.PendingLora``, one
     part; ``lora_expand="consumer"``), added inside the kernel, or first (``apply()``) where the
     kernel does not serve it."""
+    import torch
+
     from nbhelpers.engine.kernels import fused_norm as fn
-    ok = fn.supported(x, delta, weight) and weight.dtype == x.dtype == delta.dtype
+    split_sum = delta.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+    ok = fn.supported(x, delta, weight) and weight.dtype == x.dtype and (
+        delta.dtype == x.dtype or split_sum)
     lora = _take_lora(lora, ok and lora is not None and fn.lora_supported(lora, 1, delta))
     if not ok:
         return add_rms_norm(x, delta, weight, eps)

@@ -19,6 +19,7 @@ from nbhelpers.engine.fused import Elementwise, norm_params, rope
 from nbhelpers.engine.kv_cache import KVCache
 from nbhelpers.engine.l2_prefetch import L2Prefetch
 from nbhelpers.engine.lora import LiveGroup, storage_signature
+from nbhelpers.engine.mlp_block import MlpBlock
 
 
 @dataclass
@@ -96,6 +97,7 @@ class EngineModel:
         self.fx_prefill = self.fx_eager  # runner option prefill_elementwise="triton": kernels
         self.skinny: Any = None  # skinny_linear.SkinnyLinear: decode GEMMs (set_skinny_gemm)
         self.l2 = L2Prefetch("off", None)  # o_proj weight prefetch (runner option l2_prefetch)
+        self.mlp_block = MlpBlock()  # decode MLP in one launch (runner option mlp_block)
         self._init_attention()
 
     def _qkv_group(self, attn: Any, fuse_lora_a: bool) -> LiveGroup:
@@ -121,6 +123,13 @@ class EngineModel:
         self.skinny = route
         for group in self.live_groups():
             group.set_skinny_gemm(route)
+
+    def set_mlp_block(self, mode: str) -> None:
+        """Decode MLPs as one Triton launch where :class:`~nbhelpers.engine.mlp_block.MlpBlock`
+        serves them (``mode="triton"``), else the unfused path (``"off"``); raises ``ValueError``
+        for another mode."""
+        self.mlp_block = MlpBlock(mode, len(self.layers), self.config.hidden_size, self.device,
+                                  silu=getattr(self, "_silu", False))
 
     def compile_elementwise(self, kind: str = "compile", compile_sample: bool = True,
                             sample_kernel: str = "torch") -> None:
@@ -156,15 +165,22 @@ class EngineModel:
             x = x * self.spec.embed_scale
         cos, sin = self.rotary(x, positions.unsqueeze(0))  # [1, T, D], once for all layers
         fx = self.fx_decode if attn.is_decode else self.fx_prefill
+        blk = self.mlp_block if attn.is_decode and self.mlp_block.enabled else None
+        if blk is not None:
+            blk.begin(x.shape[1])  # zeroes this step's accumulators (one memset)
         h = self._norm(fx, self.layers[0].input_layernorm, x) if self.layers else x
         for i, layer in enumerate(self.layers):
             x, h = self._add_norm(fx, layer.post_attention_layernorm, x,
                                   *self._attention(i, layer, h, cos, sin, slot_mapping, attn, kv))
-            (gate, up), lora = self._project(fx, self.gate_up[i], h)
-            act = self._act(fx, layer, gate, up, lora)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            down, lora = self._project(fx, self.down[i], act)
-            x, h = self._add_norm(fx, nxt, x, down[0], lora)
+            out = blk(i, h, self.gate_up[i], self.down[i], fx) if blk is not None else None
+            lora = None  # the block's output has down's LoRA in it
+            if out is None:
+                (gate, up), lora = self._project(fx, self.gate_up[i], h)
+                act = self._act(fx, layer, gate, up, lora)
+                down, lora = self._project(fx, self.down[i], act)
+                out = down[0]
+            x, h = self._add_norm(fx, nxt, x, out, lora)
         return h[0]
 
     def _act(self, fx: Elementwise, layer: Any, gate: Any, up: Any, lora: Any) -> Any:

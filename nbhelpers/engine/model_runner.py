@@ -115,6 +115,13 @@ class ModelRunner:
         if fused_mode != "off" or self.sample_kernel != "torch":
             self.model.compile_elementwise(fused_mode, compile_sample=compile_layers,
                                            sample_kernel=self.sample_kernel)
+        if fused_mode == "triton":  # the block's fp32 output needs the Triton add+RMSNorm
+            self.model.set_mlp_block(opt.mlp_block)
+        if opt.mlp_block == "triton" and not self.model.mlp_block.enabled:
+            warnings.warn(f"mlp_block='triton' serves nothing here: it needs CUDA (or "
+                          f"TRITON_INTERPRET=1 on the CPU), a SiLU MLP (Llama / Qwen3) and the "
+                          f"Triton elementwise kernels (fused_elementwise resolved to "
+                          f"{fused_mode!r}); the unfused MLP runs.", stacklevel=3)
         if opt.prefill_elementwise == "triton":  # prefill's pieces as one launch each
             self.model.fx_prefill = Elementwise(kind="triton")
         self.paged_decode: Any = None  # PagedDecode when decode_attention="triton"

@@ -24,6 +24,7 @@ from nbhelpers.engine.lora import (
     check_lora_fused,
 )
 from nbhelpers.engine.lora_pending import CONSUMER_MAX_ROWS  # pure python, no torch at import
+from nbhelpers.engine.mlp_block import check_mlp_block  # pure python, no torch at import
 from nbhelpers.engine.prefill_fa4 import check_fa4_importable  # pure python, no torch
 from nbhelpers.engine.runner_option_hints import check_kernel_option_keys, with_yaml_bool_hint
 from nbhelpers.engine.sampler import check_sample_kernel  # torch imported lazily there
@@ -269,6 +270,18 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     -> 4.24 ms (batch 32, bf16 adapters); the sampler 0.137 -> 0.017 ms a step at batch 4 (one
     77 us compiled row reduction and ~10 kernels -> 2 launches); its GPU parity tests passed in
     the same session (``n14a``)."""
+    mlp_block: str = "off"
+    """``"off"`` (the default) or ``"triton"`` (opt-in): decode MLPs of at most 16 rows
+    (gate_up GEMM, SiLU x up, down GEMM; LoRA: none or PEFT fp32 adapters) as one Triton
+    launch, the down GEMM split over the intermediate columns into an fp32 accumulator that the
+    next add+RMSNorm rounds (``engine/mlp_block.py``, ``engine/kernels/mlp_block.py``). Needs
+    the Triton elementwise kernels (``fused_elementwise`` "triton", or "auto" on CUDA); serves
+    nothing with ``compile_decode``, above 16 rows, with 16-bit adapters or a non-SiLU MLP
+    (Gemma-4), where the unfused path runs. Why ask: the kernel alone ran 56.1 us against 64.3
+    (cuBLAS) and 65.2 (the skinny kernels) at Qwen3-4B's MLP, 4 rows, cold weights (H100,
+    2026-12-08, ``scripts/device/ab_mlp_block.py``); the engine A/B is
+    ``scripts/bench_flex.py --variants '{"name": "mlp_block", "options": {"mlp_block":
+    "triton"}}'``."""
     l2_prefetch: str = "off"
     """``"off"`` (the default) or ``"o_proj"`` (opt-in; it loses on the H200, below): in each
     decode step, after layer ``i``'s qkv GEMM a side stream reads layer ``i``'s o_proj weight
@@ -409,6 +422,13 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
                              "an int in [0, 1024] (MiB of L2 prefetch per decode GEMM; 16 is the "
                              "default, the H200's L2 is 50 MB).")
         check_l2_prefetch(self.l2_prefetch, "RunnerOptions.l2_prefetch")
+        check_mlp_block(self.mlp_block, "RunnerOptions.mlp_block")
+        _needs_triton("mlp_block", self.mlp_block, "off")
+        if self.mlp_block == "triton" and self.fused_elementwise in ("compile", "off"):
+            raise ValueError(f"RunnerOptions.mlp_block='triton' with fused_elementwise="
+                             f"{self.fused_elementwise!r}: the block's fp32 output is rounded "
+                             "by the Triton add+RMSNorm kernel; use fused_elementwise='triton' "
+                             "(or 'auto' on CUDA), or mlp_block='off'.")
         check_sample_kernel(self.sample_kernel, "RunnerOptions.sample_kernel")
         _needs_triton("sample_kernel", self.sample_kernel, "torch")
         _one_of("prefill_elementwise", self.prefill_elementwise, PREFILL_ELEMENTWISE)

@@ -65,6 +65,13 @@ S25_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 512 --no-floor-gem
              "{\"name\": \"shared_rows64\", \"options\": {\"skinny_gemm_max_rows\": 64, "
              "\"decode_kernel_options\": {\"shared_prefix\": true}}}'")
 S25Q_BENCH = S25_BENCH.split(';{"name": "shared_rows64')[0] + "'"  # default vs shared
+S26_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms "
+             "--points qwen3-4b:fp32:4,qwen3-4b:none:4 --variants "
+             "'{\"name\": \"default\", \"options\": {}};"
+             "{\"name\": \"mlp_block\", \"options\": {\"mlp_block\": \"triton\"}}'")
+S26_TESTS = ("--paths tests/engine/test_mlp_block.py tests/engine/test_mlp_block_engine.py "
+             "tests/engine/test_fused_kernels.py tests/engine/test_lora_expand.py "
+             "tests/engine/test_lora_consumer_engine.py --tb=short")
 AB_ARGS = ("--skip parity,sweep --rounds 2 --profile --decode-attention triton --lora-expand "
            "triton --decode-kernel-options '{\"decode_attention\": \"triton\", \"lora_expand\": "
            "\"triton\"};{\"decode_attention\": \"triton\", \"lora_expand\": \"triton\", "
@@ -589,6 +596,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                          "tests/engine/test_paged_decode.py tests/engine/test_skinny_gemm.py "
                          "tests/engine/test_skinny_gemm_rows32.py tests/engine/test_pdl_builds.py "
                          "--tb=short"}, 110, 200, 0)]),
+    # session 26: the decode MLP as one launch in the engine (runner option mlp_block, fp32
+    # adapters and none) against the default at batch 4, then the changed kernels' GPU tests
+    "s26m": ([], [], [
+        (BENCH, {"args": S26_BENCH}, 150, 240, 0),
+        (SUITE, {"args": S26_TESTS}, 110, 200, 0)]),
     # session 25, little budget left: s25q's A/B with one timed round, and only the
     # shared-prefix tests (GPU shapes against torch, the engine under CUDA graphs)
     "s25r": ([], [], [

@@ -49,7 +49,7 @@ import triton.language as tl
 from nbhelpers.engine.kernels import lora_prologue as lp
 from nbhelpers.engine.kernels import pdl
 from nbhelpers.engine.kernels.act import act_fn
-from nbhelpers.engine.kernels.lora_prologue import add_lora, lora_b_tile
+from nbhelpers.engine.kernels.lora_prologue import add_lora, lora_b_tile, round_once
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """``TRITON_INTERPRET=1`` at import: the kernels then run on CPU tensors."""
@@ -102,7 +102,8 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
                      HAS_SCALE: tl.constexpr, STORE_RES: tl.constexpr, O_STYLE: tl.constexpr,
                      O_W: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K: tl.constexpr,
                      LORA_RNE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
-                     PREWAIT: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False):
+                     PREWAIT: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
+                     D_ROUND: tl.constexpr = False):
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if EARLY_TRIGGER:  # pdl="prefetch": the next kernel (a GEMM) may launch now (pdl.py)
             tl.extra.cuda.gdc_launch_dependents()
@@ -127,6 +128,8 @@ def _add_norm_kernel(x_ptr, d_ptr, res_ptr, out_ptr, wd_ptr, wo_ptr, s_ptr, xa_p
         if USE_GDC:  # the row, x and xa only after the previous kernel
             tl.extra.cuda.gdc_wait()
     y = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+    if D_ROUND:  # an fp32 delta (mlp_block's accumulator): the GEMM epilogue's rounding
+        y = round_once(y, DT, LORA_RNE)
     if HAS_LORA:  # delta = y_base + s * xa @ B^T, rounded once (lora_prologue.py)
         y = add_lora(y, xa_ptr + row * stride_xa, b_ptr, rank, cols, m, scaling, DT, LORA_RNE,
                      BLOCK, LORA_K, 0, b0, PREWAIT)
@@ -196,27 +199,35 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
     when ``store_res`` is False, ``out`` when ``out_norm`` is ``None``; both ``delta``'s shape.
     ``lora``: a one-part ``lora_pending.PendingLora`` whose ``y`` is ``delta`` (o_proj,
     down_proj): ``delta`` is read as ``y_base + scaling * xa @ B^T`` (:mod:`.lora_prologue`).
+    An fp32 ``delta`` with a 16-bit ``x`` (the unrounded sum of a split GEMM,
+    :mod:`.mlp_block`) is rounded to ``x``'s dtype first, as that GEMM's epilogue would; ``res``
+    and ``out`` then have ``x``'s dtype.
 
     Raises:
-        ValueError: ``x`` and ``delta`` of different shapes or dtypes, a ``"llama"`` norm
+        ValueError: ``x`` and ``delta`` of different shapes or dtypes (other than an fp32
+            ``delta`` with a bf16/fp16 ``x``), a ``"llama"`` norm
             whose weight dtype differs from ``delta``'s (torch would promote; use the module),
             or a ``lora`` that :func:`lora_supported` rejects (call its ``apply()`` instead).
     """
     import torch
-    if x is not None and (x.shape != delta.shape or x.dtype != delta.dtype):
+    split_sum = (x is not None and delta.dtype == torch.float32
+                 and x.dtype in (torch.bfloat16, torch.float16))
+    if x is not None and (x.shape != delta.shape or (x.dtype != delta.dtype and not split_sum)):
         raise ValueError(f"add_norm: x {tuple(x.shape)} {x.dtype} must match delta "
-                         f"{tuple(delta.shape)} {delta.dtype}.")
+                         f"{tuple(delta.shape)} {delta.dtype} (or delta fp32 with a bf16/fp16 "
+                         "x).")
     if lora is not None and not lora_supported(lora, 1, delta):
         raise ValueError("add_norm: this LoRA record is not one the kernel serves "
                          "(lora_supported); call lora.apply() and pass lora=None.")
+    dtype = x.dtype if x is not None else delta.dtype  # the model dtype
     for nrm in (out_norm, delta_norm):
-        if nrm is not None and nrm[2] == "llama" and nrm[0].dtype != delta.dtype:
-            raise ValueError(f"add_norm: llama-style weight {nrm[0].dtype} != {delta.dtype}.")
+        if nrm is not None and nrm[2] == "llama" and nrm[0].dtype != dtype:
+            raise ValueError(f"add_norm: llama-style weight {nrm[0].dtype} != {dtype}.")
     d2 = _rows(delta)
     x2 = _rows(x) if x is not None else d2
     n = d2.shape[1]
-    res = torch.empty_like(d2) if store_res else d2
-    out = torch.empty_like(d2) if out_norm is not None else d2
+    res = torch.empty_like(x2) if store_res else x2  # x2: the model dtype (DT) either way
+    out = torch.empty_like(x2) if out_norm is not None else d2
     dn, on = delta_norm or (None, 0.0, None), out_norm or (None, 0.0, None)
     xa, sxa, b, rank, _, s = lp.kernel_args(lora) if lora is not None else (d2, 0, d2, 0, 0, 0.0)
     _add_norm_kernel[(d2.shape[0],)](
@@ -226,7 +237,7 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
         HAS_X=x is not None, D_STYLE=STYLES[dn[2]], D_W=dn[0] is not None,
         HAS_SCALE=scale is not None, STORE_RES=store_res, O_STYLE=STYLES[on[2]],
         O_W=on[0] is not None, HAS_LORA=lora is not None, LORA_K=lp.LORA_K,
-        LORA_RNE=lp.rne(delta.dtype), BLOCK=triton.next_power_of_2(n),
+        LORA_RNE=lp.rne(dtype), BLOCK=triton.next_power_of_2(n), D_ROUND=split_sum,
         num_warps=_warps(n) if lora is None else lp.warps_for(triton.next_power_of_2(n),
                                                               _warps(n)),
         **pdl.launch_kwargs(prewait=True, trigger=True))

@@ -68,7 +68,7 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
                    end0, end1, roff1, roff2, r0, r1, r2, scaling,
                    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr,
-                   USE_GDC: tl.constexpr, PREWAIT: tl.constexpr):
+                   USE_GDC: tl.constexpr, PREWAIT: tl.constexpr, ROUND_TO: tl.constexpr = 0):
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if not PREWAIT:  # PDL (pdl.py): xa and y come from the previous kernels
             tl.extra.cuda.gdc_wait()
@@ -102,11 +102,14 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
         tl.extra.cuda.gdc_launch_dependents()
     y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
     y = tl.load(y_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-    out = y + scaling * acc
-    if BF16_RNE:
-        tl.store(y_ptrs, _bf16_rne(out), mask=row_ok)
+    if ROUND_TO != 0:  # an fp32 y holding a 16-bit model's unrounded GEMM sum: PEFT's order,
+        # base rounded to the model dtype, LoRA added in fp32, rounded again (kept in fp32)
+        out = _round_to(_round_to(y, ROUND_TO, BF16_RNE) + scaling * acc, ROUND_TO, BF16_RNE)
+        tl.store(y_ptrs, out, mask=row_ok)
+    elif BF16_RNE:
+        tl.store(y_ptrs, _bf16_rne(y + scaling * acc), mask=row_ok)
     else:
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(y_ptrs, (y + scaling * acc).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -131,6 +134,17 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:  # exact products either way: bf16 x bf16 fits fp32
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round_to(x, ROUND_TO: tl.constexpr, BF16_RNE: tl.constexpr):
+    """fp32 ``x`` rounded to bf16 (``ROUND_TO`` 1; by bit arithmetic when ``BF16_RNE``) or fp16
+    (2), back in fp32."""
+    if ROUND_TO == 1:
+        if BF16_RNE:
+            return _bf16_rne(x).to(tl.float32)
+        return x.to(tl.bfloat16).to(tl.float32)
+    return x.to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -166,17 +180,27 @@ def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]
 
 
 def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],
-                scaling: float) -> None:
+                scaling: float, round_to: Any = None) -> None:
     """``y[:, part i] += scaling * xa[:, ranks of i] @ bs[i]^T`` for every part, in place.
 
     Shapes: ``y [N, sum(sizes)]`` (row stride free, column stride 1), ``xa [N, sum(ranks)]``,
-    ``bs[i] [sizes[i], ranks[i]]`` contiguous. Raises ``ValueError`` when :func:`supported` is
-    false (the caller checks first).
+    ``bs[i] [sizes[i], ranks[i]]`` contiguous. ``round_to`` (``torch.bfloat16`` /
+    ``torch.float16``, with an fp32 ``y``: the unrounded sum of a 16-bit model's GEMM, e.g.
+    :mod:`.mlp_block`'s accumulator): ``y = rnd(rnd(y) + scaling * xa @ B^T)``, PEFT's order
+    for fp32 adapters on that base, stored back in fp32 (exactly representable in ``round_to``).
+
+    Raises:
+        ValueError: :func:`supported` is false (the caller checks first), or ``round_to`` with
+            a ``y`` that is not fp32 or a dtype other than bf16/fp16.
     """
     import torch
     if not supported(y, xa, bs, sizes, ranks):
         raise ValueError(f"lora_expand: unsupported operands y {tuple(y.shape)} {y.dtype}, xa "
                          f"{tuple(xa.shape)} {xa.dtype}, parts {sizes} ranks {ranks}; use addmm_.")
+    rounds = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+    if round_to not in rounds or (round_to is not None and y.dtype != torch.float32):
+        raise ValueError(f"lora_expand: round_to={round_to} with y {y.dtype}: round_to is "
+                         "torch.bfloat16 / torch.float16 and needs an fp32 y (or pass None).")
     n_rows, parts = y.shape[0], len(bs)
     if n_rows == 0:
         return
@@ -192,5 +216,6 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
                          roffs[1], roffs[2], rs[0], rs[1], rs[2], float(scaling),
                          NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
                          DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,
-                         BF16_RNE=INTERPRETED and y.dtype == torch.bfloat16,
-                         num_warps=4, **pdl.launch_kwargs(prewait=True))
+                         BF16_RNE=INTERPRETED and torch.bfloat16 in (y.dtype, round_to),
+                         ROUND_TO=rounds[round_to], num_warps=4,
+                         **pdl.launch_kwargs(prewait=True))

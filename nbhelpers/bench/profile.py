@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 KERNEL_CLASSES = (("attention", ("flex", "attention")), ("gemm", ("gemm", "nvjet", "cutlass",
-                  "xmma", "matmul", "splitk", "skinny_lora")), ("sort/sample", ("sort", "radix",
-                  "argmax", "softmax", "scan", "cumsum")))
+                  "xmma", "matmul", "splitk", "skinny_lora", "mlp_block")), ("sort/sample", (
+                  "sort", "radix", "argmax", "softmax", "scan", "cumsum")))
 """Name keys per class, first match wins. ``skinny_lora``: the epilogue-LoRA skinny GEMM
-(``engine/kernels/skinny_lora_epilogue.py``'s ``_skinny_lora``), whose name has no other key."""
+(``engine/kernels/skinny_lora_epilogue.py``'s ``_skinny_lora``), whose name has no other key;
+``mlp_block``: the one-launch decode MLP (``engine/kernels/mlp_block.py``: two GEMMs and the
+SiLU x up between them, counted as GEMM)."""
 
 
 def kernel_class(name: str) -> str:

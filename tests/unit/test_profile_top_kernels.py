@@ -64,7 +64,7 @@ def test_summarize_refuses_bad_input():
     assert empty["top_kernels_rest"] == {"kernels": 0, "ms_per_step": 0, "launches_per_step": 0}
 
 
-@pytest.mark.parametrize(("name", "cls"), [("_skinny_lora", "gemm"), ("_skinny_gemm", "gemm"),
+@pytest.mark.parametrize(("name", "cls"), [("_skinny_lora", "gemm"), ("_mlp_block_kernel", "gemm"), ("_skinny_gemm", "gemm"),
                                            ("nvjet_hsh_64x8_2x1_v_bz_splitK_TNT", "gemm"),
                                            ("triton_tem_fused_flex_attention_0", "attention"),
                                            ("_add_norm_kernel", "elementwise/other")])

@@ -601,6 +601,13 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s26m": ([], [], [
         (BENCH, {"args": S26_BENCH}, 150, 240, 0),
         (SUITE, {"args": S26_TESTS}, 110, 200, 0)]),
+    # session 26, little budget left: s26m's A/B at batch 4 with fp32 adapters only, one timed
+    # round, and only the new kernel's tests
+    "s26r": ([], [], [
+        (BENCH, {"args": S26_BENCH.replace("--rounds 2", "--rounds 1").replace(
+            "qwen3-4b:fp32:4,qwen3-4b:none:4", "qwen3-4b:fp32:4")}, 70, 120, 0),
+        (SUITE, {"args": "--paths tests/engine/test_mlp_block.py "
+                         "tests/engine/test_mlp_block_engine.py --tb=short"}, 50, 90, 0)]),
     # session 25, little budget left: s25q's A/B with one timed round, and only the
     # shared-prefix tests (GPU shapes against torch, the engine under CUDA graphs)
     "s25r": ([], [], [

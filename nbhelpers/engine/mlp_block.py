@@ -13,15 +13,16 @@ It serves: decode steps of at most :data:`~nbhelpers.engine.kernels.mlp_block.MA
 CUDA (or CPU tensors under ``TRITON_INTERPRET=1``), a SiLU MLP (Llama / Qwen3), fused gate/up
 weights without bias, the Triton elementwise kernels (``fused_elementwise="triton"``: the fp32
 accumulator needs the add+RMSNorm kernel that rounds it), not inside ``torch.compile``, and
-either no LoRA or PEFT fp32 adapters on gate, up and down (TRL's default; the per-rank limit of
-``kernels/mlp_block.MAX_RANK``; on an fp32 base A's rows sit in the GEMM buffer, ``LiveGroup``'s
-``ext`` layout, read from there). 16-bit adapters (PEFT rounds their ``x @ A^T`` to 16 bits) and
-``lora_dtype="model"`` (16-bit shadows) keep the unfused path.
+either no LoRA or one adapter on gate, up and down (ranks up to ``kernels/mlp_block.MAX_RANK``):
+PEFT's fp32 adapters read as they are (``lora_dtype="adapter"``), their 16-bit shadows (the
+CUDA default ``lora_dtype="model"``) or 16-bit adapters, A's rows read from the GEMM buffer
+where ``LiveGroup`` keeps them there (its ``ext`` layout). Partial targets (LoRA on some of
+gate/up/down) keep the unfused path.
 
 Launches per layer: without LoRA one (the block) where the unfused path runs three (gate_up
-GEMM, SiLU x up, down GEMM); with fp32 adapters three (gate/up LoRA A ``lora_shrink``, the
-block with down's LoRA A inside, down's LoRA B ``lora_expand(round_to=...)``) where it runs
-five or six. Plus one memset a step (:meth:`begin`: every layer's accumulator and down-``xa``
+GEMM, SiLU x up, down GEMM); with LoRA three (gate/up's LoRA A: ``lora_shrink`` for fp32 A, a
+small GEMM for 16-bit A; the block with down's LoRA A inside; down's LoRA B
+``lora_expand(round_to=...)``) where it runs four to six. Plus one memset a step (:meth:`begin`: every layer's accumulator and down-``xa``
 buffer, ``L x T x (H + 64)`` fp32). The accumulator's atomic adds make the last fp32 bits of
 the MLP output vary run to run (``kernels/mlp_block.py``); greedy tokens of the tiny fp32
 models match the unfused path (``tests/engine/test_mlp_block_engine.py``).
@@ -106,11 +107,11 @@ class MlpBlock:
         acc, xa_down = self._views(i, t, plan["r_d"])
         lora = None
         if plan["r_d"]:
-            xa = gate_up._lora_a(h2, plan["a_gu"])  # fp32 [T, r_g + r_u] (lora_shrink on CUDA)
+            xa = gate_up._lora_a(h2, plan["a_gu"])  # [T, r_g + r_u] in A's dtype
             lora = self._kernel.MlpLora(xa, plan["b_g"], plan["b_u"], float(fg["scaling"]),
                                         plan["a_d"], xa_down)
         self._kernel.mlp_block(h2, plan["wgu"], plan["wd"], out=acc, lora=lora)
-        if lora is not None:  # down's B: rnd(rnd(acc) + s * xa_down @ B^T), kept in fp32
+        if lora is not None:  # down's B: rnd(rnd(acc) + s * rnd_B(xa_down) @ B^T), in fp32
             import torch
             round_to = None if h.dtype == torch.float32 else h.dtype
             self._expand.lora_expand(acc, xa_down, [plan["b_d"]], [self.hidden], [plan["r_d"]],
@@ -134,13 +135,14 @@ def _runs_on(device: Any) -> bool:
 
 def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | None:
     """The kernel's operands for these group buffers (``LiveGroup._buffers``) and ``h``:
-    ``{"wgu", "wd", "r_d"}`` plus, with LoRA, ``"a_gu", "b_g", "b_u", "a_d", "b_d"`` (fp32 A
-    and B; for an fp32 base A's rows are the tail of the GEMM buffer, ``ext``), or ``None``
-    where it does not serve them (module docstring)."""
+    ``{"wgu", "wd", "r_d"}`` plus, with LoRA, ``"a_gu", "b_g", "b_u", "a_d", "b_d"`` (A's rows
+    are the tail of the GEMM buffer in the ``ext`` layout: adapters of the base dtype and the
+    ``lora_dtype="model"`` shadows), or ``None`` where it does not serve them (module
+    docstring)."""
     import torch
     if fg is None or fd is None or fg["bias"] is not None or fd["bias"] is not None:
         return None
-    if "shadow" in fg or "shadow" in fd or fg["lora"] != fd["lora"]:
+    if fg["lora"] != fd["lora"]:
         return None
     wgu, wd = fg["W"][:fg["n_out"]], fd["W"][:fd["n_out"]]  # ext: A's rows follow
     inter = wd.shape[1] if wd.dim() == 2 else 0
@@ -155,9 +157,11 @@ def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | None:
     a_gu = fg["W"][fg["n_out"]:] if fg["ext"] else fg["A"]
     a_d = fd["W"][fd["n_out"]:] if fd["ext"] else fd["A"]
     (b_g, b_u), (b_d,) = fg["B"], fd["B"]
-    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device == h.device
-               for t in (a_gu, b_g, b_u, a_d, b_d)):
-        return None  # 16-bit adapters: PEFT rounds their xa to 16 bits (the unfused path)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if not (a_gu.dtype == b_g.dtype == b_u.dtype in floats and a_d.dtype == b_d.dtype in floats
+            and all(t.is_contiguous() and t.device == h.device
+                    for t in (a_gu, b_g, b_u, a_d, b_d))):
+        return None
     r_g, r_u, r_d = b_g.shape[1], b_u.shape[1], a_d.shape[0]
     shapes_ok = (tuple(a_gu.shape) == (r_g + r_u, hidden) and b_g.shape[0] == inter
                  and b_u.shape[0] == inter and tuple(a_d.shape) == (r_d, inter)

@@ -223,6 +223,8 @@ for dt in ("bf16", "fp32"):
     for kern, consts in cases:
         consts = {**consts, **dict.fromkeys(  # pdl="prefetch" builds: test_pdl_prefetch.py
             [a for a in ("EARLY_TRIGGER",) if a in kern.arg_names], False)}
+        consts = {**{p.name: p.default for p in kern.params  # other defaulted constexprs
+                     if p.is_constexpr and p.has_default}, **consts}
         sig = {a: ("*i64" if a == "slot_ptr" else "*" + dt) if a.endswith("_ptr") else
                "fp32" if a.startswith("eps") or a == "scaling" else "i32"
                for a in kern.arg_names}

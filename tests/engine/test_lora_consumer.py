@@ -216,6 +216,8 @@ for model_dt, lora_dt in (("bf16", "fp32"), ("fp16", "fp16")):
     for kern, consts in (*cases, act):
         consts = {**consts, **dict.fromkeys(  # pdl="prefetch" builds: test_pdl_prefetch.py
             [a for a in ("EARLY_TRIGGER",) if a in kern.arg_names], False)}
+        consts = {**{p.name: p.default for p in kern.params  # other defaulted constexprs
+                     if p.is_constexpr and p.has_default}, **consts}
         sig = {a: ("*i64" if a == "slot_ptr" else "*" + (lora_dt if a in lora_ptrs else model_dt))
                if a.endswith("_ptr") else "fp32" if a.startswith("eps") or a == "scaling"
                else "i32" for a in kern.arg_names}

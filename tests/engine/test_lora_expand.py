@@ -164,13 +164,16 @@ from triton.compiler import ASTSource
 from nbhelpers.engine.kernels import lora_expand as le
 fn = le._lora_expand_gemm
 ints = ["n_rows", "stride_xa", "stride_y", "end0", "end1", "roff1", "roff2", "r0", "r1", "r2"]
-for y, b, parts, dot32, round_to in (("bf16", "bf16", 3, False, 0), ("bf16", "fp32", 2, True, 0),
-                                     ("fp32", "fp32", 1, True, 0), ("fp32", "fp32", 1, True, 1)):
-    sig = {"xa_ptr": "*" + b, "y_ptr": "*" + y, "b0_ptr": "*" + b, "b1_ptr": "*" + b,
+for y, b, xa, parts, dot32, round_to in (
+        ("bf16", "bf16", "bf16", 3, False, 0), ("bf16", "fp32", "fp32", 2, True, 0),
+        ("fp32", "fp32", "fp32", 1, True, 0), ("fp32", "fp32", "fp32", 1, True, 1),
+        ("fp32", "bf16", "fp32", 1, True, 1)):
+    sig = {"xa_ptr": "*" + xa, "y_ptr": "*" + y, "b0_ptr": "*" + b, "b1_ptr": "*" + b,
            "b2_ptr": "*" + b, **dict.fromkeys(ints, "i32"), "scaling": "fp32"}
     consts = {"NUM_PARTS": parts, "BLOCK_M": 32, "BLOCK_OUT": 64, "BLOCK_R": 32,
               "DOT_FP32": dot32, "BF16_RNE": False, "USE_GDC": False,
-              "PREWAIT": False, "ROUND_TO": round_to}
+              "PREWAIT": False, "ROUND_TO": round_to,
+              "XA_ROUND": 1 if xa != b and b == "bf16" else 0}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -183,5 +186,6 @@ print("compiled")
 def test_kernel_compiles_for_sm90():
     """The compiled (non-interpreted) kernel builds to an sm_90 cubin with triton's bundled
     ptxas, no GPU needed: bf16 ``tl.dot``, the part-pointer selection, mixed dtypes, and the
-    ``round_to`` build (an fp32 ``y`` rounded to bf16, ``engine/mlp_block.py``)."""
+    ``round_to`` builds (an fp32 ``y`` rounded to bf16, with fp32 or bf16 B: the fp32 ``xa``
+    sum rounded to bf16 first, ``engine/mlp_block.py``)."""
     assert_compiles_for_sm90(_AOT)

@@ -132,6 +132,25 @@ def test_fp32_lora_matches_peft_order(dtype, tol, m, hidden, inter, rank):
     assert not torch.allclose(got.double(), _reference(x, wgu, wd), rtol=1e-3, atol=1e-3)
 
 
+def test_16bit_adapters_round_xa_as_peft():
+    """bf16 adapters (or the engine's bf16 shadows of fp32 ones) on a bf16 base: ``xa`` and B in
+    bf16, their products summed in fp32 and added to the rounded base output; ``xa_down`` stays
+    the unrounded fp32 sum ``h @ A_d^T`` (the expand rounds it to B's dtype)."""
+    x, wgu, wd = _operands(4, 96, 160, torch.bfloat16, seed=5)
+    lora, _ = _lora(x, 160, 8)
+    lo16 = lora._replace(xa=lora.xa.bfloat16(), b_gate=lora.b_gate.bfloat16(),
+                         b_up=lora.b_up.bfloat16(), a_down=lora.a_down.bfloat16())
+    got = mb.mlp_block(x, wgu, wd, lora=lo16, block_j=32, block_k=32, block_n=32)
+    ref16 = lo16._replace(xa=lo16.xa.float(), b_gate=lo16.b_gate.float(),
+                          b_up=lo16.b_up.float(), a_down=lo16.a_down.float(),
+                          xa_down=torch.zeros_like(lora.xa_down))
+    ref, xa_d = _reference_lora(x, wgu, wd, ref16)
+    err = (got.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 2e-2, err
+    err_xa = (lo16.xa_down - xa_d).abs().max().item() / xa_d.abs().max().item()
+    assert err_xa < 2e-2 and lo16.xa_down.dtype == torch.float32, err_xa
+
+
 def test_default_config_fits_each_dtype():
     """16-bit weights get the H100 probe's fastest tiles, fp32 ones half-size tiles."""
     assert mb.default_config(torch.bfloat16) == (128, 128, 128, 4, 3)
@@ -141,7 +160,8 @@ def test_default_config_fits_each_dtype():
 def test_refuses_lora_it_cannot_compute():
     x, wgu, wd = _operands(4, 64, 96, torch.bfloat16)
     lora, _ = _lora(x, 96)
-    with pytest.raises(ValueError, match=r"lora\.b_gate .*torch\.bfloat16.*fp32 adapters only"):
+    with pytest.raises(ValueError, match=r"lora\.b_gate .*torch\.bfloat16.*xa and the B of "
+                       r"gate/up share one dtype"):
         mb.mlp_block(x, wgu, wd, lora=lora._replace(b_gate=lora.b_gate.bfloat16()))
     with pytest.raises(ValueError, match=r"lora\.xa_down \(3, 8\)"):
         mb.mlp_block(x, wgu, wd, lora=lora._replace(xa_down=lora.xa_down[:3]))

@@ -1,9 +1,10 @@
 """The decode MLP as one launch in the engine (runner option ``mlp_block``,
 ``engine/mlp_block.py``): the option's values and errors, the two kernel pieces it leans on
 (``lora_expand(round_to=...)``, ``add_norm`` rounding an fp32 delta), and greedy tokens and
-logprobs against ``mlp_block="off"`` on tiny Qwen3 models: no LoRA, fp32 adapters on an fp32 and
-on a bf16 base (TRL's case) before and after an in-place update of the adapters (live LoRA),
-16-bit adapters and batches above 16 rows (the unfused path), with the kernel's calls counted.
+logprobs against ``mlp_block="off"`` on tiny Qwen3 / Llama models: no LoRA; fp32 adapters on an
+fp32 base before and after an in-place update of the adapters (live LoRA); a bf16 base with fp32
+adapters read directly, through the bf16 shadows (the CUDA default) and with bf16 adapters;
+partial LoRA targets and batches above 16 rows (the unfused path); the kernel's calls counted.
 On CUDA the decode step runs through CUDA graphs (the engine's default there). The kernel
 itself: ``test_mlp_block.py``.
 
@@ -73,6 +74,24 @@ def test_expand_round_to_is_peft_order_on_an_fp32_sum(round_to):
         le.lora_expand(y.clone(), xa, [b], [64], [8], 0.5, round_to=torch.float64)
 
 
+def test_expand_rounds_an_fp32_xa_sum_to_16bit_b():
+    """16-bit adapters (or shadows): an fp32 ``xa`` (mlp_block's unrounded ``h @ A_d^T``) with
+    bf16 B and ``round_to`` is rounded to bf16 first, PEFT's ``lora_A`` output dtype; without
+    ``round_to`` the mixed dtypes are refused."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(4, 64, generator=g).to(DEV) * 3
+    xa = torch.randn(4, 8, generator=g).to(DEV)
+    b = torch.randn(64, 8, generator=g).to(torch.bfloat16).to(DEV)
+    xa16 = xa.to(torch.bfloat16).float()
+    want = (y.to(torch.bfloat16).float() + 0.5 * (xa16 @ b.float().t())).to(torch.bfloat16)
+    got = y.clone()
+    le.lora_expand(got, xa, [b], [64], [8], 0.5, round_to=torch.bfloat16)
+    tol = 0 if DEV == "cpu" else 1e-2
+    torch.testing.assert_close(got, want.float(), rtol=tol, atol=tol)
+    assert not le.supported(y, xa, [b], [64], [8]) and le.supported(y, xa, [b], [64], [8],
+                                                                    xa_sum=True)
+
+
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_add_norm_rounds_an_fp32_delta_first(with_lora):
     """``add_norm(fp32 delta, bf16 x)`` equals ``add_norm(delta.to(bf16), x)`` (the GEMM
@@ -140,7 +159,8 @@ def test_engine_no_lora_matches_unfused(monkeypatch, arch):
 def test_engine_fp32_adapters_live_updates(monkeypatch):
     """Tiny fp32 Qwen3 with PEFT LoRA r=4 on every projection: the tokens and logprobs of the
     unfused path (|dlogprob| < 1e-5) before and after an in-place optimizer step on the
-    adapters (the block reads the trainer's own tensors at call time), block serving."""
+    adapters (the block reads the trainer's own tensors when it runs: on CUDA the graphs
+    captured in the first call replay the update), block serving."""
     model = peft_tiny(torch.float32)
     prompts = random_prompts(4, 5, 12, seed=3)
     off, on = _llm(model, "off"), _llm(model, "triton")
@@ -148,42 +168,46 @@ def test_engine_fp32_adapters_live_updates(monkeypatch):
     seen = []
     for _ in range(2):
         want = off.generate(prompts, GREEDY)
-        calls.clear()
         _assert_same(on.generate(prompts, GREEDY), want, 1e-5)
-        assert _served(calls)
         seen.append([o.token_ids for o in want])
         inplace_lora_step(model)
     assert seen[0] != seen[1]  # the update changed the output
+    assert len(calls) == (2 * LAYERS * DECODE_STEPS if DEV == "cpu" else LAYERS)
 
 
-def test_engine_bf16_model_fp32_adapters(monkeypatch):
-    """TRL's case (bf16 base, PEFT's fp32 adapters, ``lora_dtype="adapter"``): the unfused
-    path's tokens, logprobs within bf16 rounding (a flipped rounding moves an output by an
-    ulp), block serving."""
-    model = peft_tiny(torch.bfloat16)
+@pytest.mark.parametrize("adapters", ["fp32", "fp32_shadow", "bf16"])
+def test_engine_bf16_model(monkeypatch, adapters):
+    """A bf16 base with PEFT's fp32 adapters read as they are (``lora_dtype="adapter"``),
+    through the bf16 shadows (``"model"``, the CUDA default: TRL's case as the engine runs it),
+    or with bf16 adapters: the unfused path's tokens, logprobs within bf16 rounding (a flipped
+    rounding moves an output by an ulp), the block serving."""
+    model = peft_tiny(torch.bfloat16, autocast_adapter_dtype=adapters != "bf16")
+    kw = {"lora_dtype": "model" if adapters == "fp32_shadow" else "adapter"}
     prompts = random_prompts(2, 6, 10, seed=5)
-    want = _llm(model, "off", lora_dtype="adapter").generate(prompts, GREEDY)
+    want = _llm(model, "off", **kw).generate(prompts, GREEDY)
     calls = _count_block(monkeypatch)
-    got = _llm(model, "triton", lora_dtype="adapter").generate(prompts, GREEDY)
+    got = _llm(model, "triton", **kw).generate(prompts, GREEDY)
     _assert_same(got, want, 5e-2)
     assert _served(calls)
 
 
 def test_engine_keeps_the_unfused_path_where_the_block_does_not_serve(monkeypatch):
-    """16-bit adapters (A's rows inside the GEMM buffer) and ``lora_dtype="model"`` shadows: no
-    block call, exactly the unfused outputs; a 20-row decode batch (above
-    ``kernels/mlp_block.MAX_ROWS``): no block call either."""
+    """LoRA on some of gate/up/down only (here down's alone): no block call, exactly the
+    unfused outputs; a 20-row decode batch (above ``kernels/mlp_block.MAX_ROWS``): no block
+    call either."""
+    from peft import LoraConfig, get_peft_model
     calls = _count_block(monkeypatch)
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                     init_lora_weights=False)
+    model = get_peft_model(tiny_model("qwen3").to(DEV), cfg).eval()
     prompts = random_prompts(2, 5, 9, seed=4)
-    for model, kw in ((peft_tiny(torch.bfloat16, autocast_adapter_dtype=False), {}),
-                      (peft_tiny(torch.bfloat16), {"lora_dtype": "model"})):
-        want = _llm(model, "off", **kw).generate(prompts, GREEDY)
-        got = _llm(model, "triton", **kw).generate(prompts, GREEDY)
-        _assert_same(got, want, 1e-9)
+    _assert_same(_llm(model, "triton").generate(prompts, GREEDY),
+                 _llm(model, "off").generate(prompts, GREEDY), 1e-9)
     many = random_prompts(20, 4, 6, seed=7)
     model = tiny_model("qwen3").to(DEV).eval()
     big = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-    kw = {"page_size": 16, "num_pages": 48, "max_model_len": 32, "fused_elementwise": "triton"}
+    kw = {"page_size": 64, "num_pages": 24, "max_model_len": 64, "fused_elementwise": "triton"}
     want = LLM(model, mlp_block="off", **kw).generate(many, big)
     got = LLM(model, mlp_block="triton", **kw).generate(many, big)
     _assert_same(got, want, 1e-9)

@@ -118,8 +118,8 @@ for name, (kern, consts, ptrs, launches, w_first, w_early) in CASES.items():
         c = {**consts, "USE_GDC": gdc, **({"PREWAIT": pre} if w_early is not None else {})}
         # pdl="prefetch" builds (EARLY_TRIGGER, PREFETCH): test_pdl_prefetch.py
         c.update({a: 0 for a in ("EARLY_TRIGGER", "PREFETCH") if a in kern.arg_names})
-        # the fp32-accumulator options of the mlp_block route (test_mlp_block_engine.py)
-        c.update({a: 0 for a in ("ROUND_TO", "D_ROUND") if a in kern.arg_names})
+        # every other defaulted constexpr at its default (e.g. mlp_block's ROUND_TO, D_ROUND)
+        c = {**{p.name: p.default for p in kern.params if p.is_constexpr and p.has_default}, **c}
         if "HAS_PREFIX" in kern.arg_names:  # the shared-prefix builds are cases of their own
             c.setdefault("HAS_PREFIX", False)
         sig = {a: "constexpr" if a in c else ptrs.get(a) or (

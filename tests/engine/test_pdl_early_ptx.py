@@ -78,6 +78,8 @@ for name, (kern, consts, warps, fusion) in CASES.items():
     for pre in (False, True):
         c = {**consts, "USE_GDC": True, "PREWAIT": pre}
         c.update({a: False for a in ("EARLY_TRIGGER",) if a in kern.arg_names})  # prefetch mode
+        # every other defaulted constexpr at its default (e.g. mlp_block's ROUND_TO, D_ROUND)
+        c = {**{p.name: p.default for p in kern.params if p.is_constexpr and p.has_default}, **c}
         sig = {a: "constexpr" if a in c else LB.get(a) or (
             "fp32" if a == "scaling" or a.startswith("eps") else
             A if a.endswith("_ptr") else "i32") for a in kern.arg_names}

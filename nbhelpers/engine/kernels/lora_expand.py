@@ -68,7 +68,8 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
                    end0, end1, roff1, roff2, r0, r1, r2, scaling,
                    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr,
                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, BF16_RNE: tl.constexpr,
-                   USE_GDC: tl.constexpr, PREWAIT: tl.constexpr, ROUND_TO: tl.constexpr = 0):
+                   USE_GDC: tl.constexpr, PREWAIT: tl.constexpr, ROUND_TO: tl.constexpr = 0,
+                   XA_ROUND: tl.constexpr = 0):
     if USE_GDC:  # noqa: SIM102 (constexpr tests stand alone)
         if not PREWAIT:  # PDL (pdl.py): xa and y come from the previous kernels
             tl.extra.cuda.gdc_wait()
@@ -91,11 +92,13 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
         b0 = _b_tile(b_ptr, col0 - start + cols, rank, ks)
         if USE_GDC:  # xa and y only after the previous kernel
             tl.extra.cuda.gdc_wait()
-        a0 = _xa_tile(xa_ptr, rows, stride_xa, roff, ks, rank, row_ok)
+        a0 = _xa_round(_xa_tile(xa_ptr, rows, stride_xa, roff, ks, rank, row_ok), XA_ROUND,
+                       BF16_RNE)
         acc = _dot(a0, b0, acc, DOT_FP32)
         k_start = BLOCK_R
     for k0 in range(k_start, rank, BLOCK_R):
-        a = _xa_tile(xa_ptr, rows, stride_xa, roff, k0 + ks, rank, row_ok)
+        a = _xa_round(_xa_tile(xa_ptr, rows, stride_xa, roff, k0 + ks, rank, row_ok), XA_ROUND,
+                      BF16_RNE)
         b = _b_tile(b_ptr, col0 - start + cols, rank, k0 + ks)
         acc = _dot(a, b, acc, DOT_FP32)
     if USE_GDC:  # rank loop done: the next kernel may start its prologue
@@ -106,7 +109,7 @@ def _lora_expand_gemm(xa_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, n_rows, stride_xa, 
         # base rounded to the model dtype, LoRA added in fp32, rounded again (kept in fp32)
         out = _round_to(_round_to(y, ROUND_TO, BF16_RNE) + scaling * acc, ROUND_TO, BF16_RNE)
         tl.store(y_ptrs, out, mask=row_ok)
-    elif BF16_RNE:
+    elif BF16_RNE and y_ptr.dtype.element_ty == tl.bfloat16:  # (BF16_RNE: also xa's rounding)
         tl.store(y_ptrs, _bf16_rne(y + scaling * acc), mask=row_ok)
     else:
         tl.store(y_ptrs, (y + scaling * acc).to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -137,6 +140,21 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _xa_round(a, XA_ROUND: tl.constexpr, BF16_RNE: tl.constexpr):
+    """An fp32 ``xa`` tile holding an unrounded ``x @ A^T`` of 16-bit adapters, as their dtype
+    (``XA_ROUND`` 1 bf16, by bit arithmetic when ``BF16_RNE``; 2 fp16; 0: as loaded), so both
+    ``tl.dot`` operands share B's dtype."""
+    if XA_ROUND == 1:
+        if BF16_RNE:
+            a = _bf16_rne(a)
+        else:
+            a = a.to(tl.bfloat16)
+    elif XA_ROUND == 2:
+        a = a.to(tl.float16)
+    return a
+
+
+@triton.jit
 def _round_to(x, ROUND_TO: tl.constexpr, BF16_RNE: tl.constexpr):
     """fp32 ``x`` rounded to bf16 (``ROUND_TO`` 1; by bit arithmetic when ``BF16_RNE``) or fp16
     (2), back in fp32."""
@@ -161,12 +179,14 @@ def block_out(sizes: list[int]) -> int | None:
     return next((b for b in BLOCK_OUT_CHOICES if all(s % b == 0 for s in sizes)), None)
 
 
-def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]) -> bool:
+def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int],
+              xa_sum: bool = False) -> bool:
     """Whether :func:`lora_expand` serves these operands (else use the per-part ``addmm_``).
 
     Needs 1 to :data:`MAX_PARTS` parts with ``out_i`` a multiple of 16, ``xa`` and every B of one
-    dtype (bf16/fp16/fp32), contiguous B of shape ``[out_i, r_i]``, unit column stride in ``y``
-    and ``xa``, all on one CUDA device (or CPU tensors under the interpreter).
+    dtype (bf16/fp16/fp32; with ``xa_sum``, :func:`lora_expand`'s ``round_to`` case, ``xa`` may
+    also be an fp32 sum for 16-bit B), contiguous B of shape ``[out_i, r_i]``, unit column stride
+    in ``y`` and ``xa``, all on one CUDA device (or CPU tensors under the interpreter).
     """
     import torch
     floats = (torch.bfloat16, torch.float16, torch.float32)
@@ -174,7 +194,9 @@ def supported(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[int]
             and y.dim() == 2 and xa.dim() == 2 and y.stride(1) == 1 and xa.stride(1) == 1
             and y.shape == (xa.shape[0], sum(sizes)) and xa.shape[1] == sum(ranks)
             and y.dtype in floats and xa.dtype in floats
-            and all(b.dtype == xa.dtype and b.is_contiguous() and tuple(b.shape) == (o, r)
+            and all((b.dtype == xa.dtype or (xa_sum and xa.dtype == torch.float32
+                                             and b.dtype in floats))
+                    and b.is_contiguous() and tuple(b.shape) == (o, r)
                     and b.device == y.device for b, o, r in zip(bs, sizes, ranks))
             and xa.device == y.device and (y.is_cuda or INTERPRETED))
 
@@ -187,14 +209,16 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
     ``bs[i] [sizes[i], ranks[i]]`` contiguous. ``round_to`` (``torch.bfloat16`` /
     ``torch.float16``, with an fp32 ``y``: the unrounded sum of a 16-bit model's GEMM, e.g.
     :mod:`.mlp_block`'s accumulator): ``y = rnd(rnd(y) + scaling * xa @ B^T)``, PEFT's order
-    for fp32 adapters on that base, stored back in fp32 (exactly representable in ``round_to``).
+    for adapters on that base, stored back in fp32 (exactly representable in ``round_to``); an
+    fp32 ``xa`` with 16-bit B is then an unrounded ``x @ A^T`` sum too, rounded to B's dtype
+    first (PEFT's ``lora_A`` output in the adapter dtype).
 
     Raises:
         ValueError: :func:`supported` is false (the caller checks first), or ``round_to`` with
             a ``y`` that is not fp32 or a dtype other than bf16/fp16.
     """
     import torch
-    if not supported(y, xa, bs, sizes, ranks):
+    if not supported(y, xa, bs, sizes, ranks, xa_sum=round_to is not None):
         raise ValueError(f"lora_expand: unsupported operands y {tuple(y.shape)} {y.dtype}, xa "
                          f"{tuple(xa.shape)} {xa.dtype}, parts {sizes} ranks {ranks}; use addmm_.")
     rounds = {None: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -216,6 +240,9 @@ def lora_expand(y: Any, xa: Any, bs: list[Any], sizes: list[int], ranks: list[in
                          roffs[1], roffs[2], rs[0], rs[1], rs[2], float(scaling),
                          NUM_PARTS=parts, BLOCK_M=tile_m, BLOCK_OUT=tile_n, BLOCK_R=tile_r,
                          DOT_FP32=xa.dtype == torch.float32 or INTERPRETED,
-                         BF16_RNE=INTERPRETED and torch.bfloat16 in (y.dtype, round_to),
-                         ROUND_TO=rounds[round_to], num_warps=4,
+                         BF16_RNE=INTERPRETED and torch.bfloat16 in (y.dtype, round_to,
+                                                                     bs[0].dtype),
+                         ROUND_TO=rounds[round_to],
+                         XA_ROUND=rounds[bs[0].dtype] if xa.dtype != bs[0].dtype else 0,
+                         num_warps=4,
                          **pdl.launch_kwargs(prewait=True))

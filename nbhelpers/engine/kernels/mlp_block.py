@@ -116,14 +116,17 @@ def _mlp_block_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, xa_ptr, bg_ptr, bu_ptr, a
 
 
 class MlpLora(NamedTuple):
-    """PEFT LoRA of the gate_up and down projections for :func:`mlp_block` (fp32 adapters, the
-    TRL default; every tensor fp32, contiguous, on ``x``'s device).
+    """PEFT LoRA of the gate_up and down projections for :func:`mlp_block` (every tensor
+    contiguous, on ``x``'s device).
 
-    ``xa [M, r_g + r_u]``: ``x @ [A_gate; A_up]^T`` (the caller's shrink, e.g. the group's
-    ``lora_shrink``); ``b_gate [I, r_g]``, ``b_up [I, r_u]``: the modules' ``lora_B``;
-    ``scaling``: the gate_up group's; ``a_down [r_d, I]``: down_proj's ``lora_A``; ``xa_down
-    [M, r_d]``: zeroed on entry, the kernel adds ``h @ A_d^T`` into it (``h`` the activation),
-    so down's B can follow as a separate expand (``lora_expand(..., round_to=dtype)``)."""
+    ``xa [M, r_g + r_u]``: ``x @ [A_gate; A_up]^T`` in the adapters' dtype (the caller's shrink:
+    fp32 for PEFT's fp32 adapters, rounded to 16 bits for 16-bit ones or the engine's
+    ``lora_dtype="model"`` shadows); ``b_gate [I, r_g]``, ``b_up [I, r_u]``: the parts' B, of
+    ``xa``'s dtype; ``scaling``: the gate_up group's; ``a_down [r_d, I]``: down_proj's A (any
+    float dtype); ``xa_down [M, r_d]``: fp32, zeroed on entry, the kernel adds the unrounded
+    ``h @ A_d^T`` into it (``h`` the activation), so down's B can follow as a separate expand
+    (``lora_expand(..., round_to=dtype)``, which rounds this sum to B's dtype first when B is
+    16-bit: PEFT's ``lora_A`` output in the adapter dtype)."""
 
     xa: Any
     b_gate: Any
@@ -147,16 +150,22 @@ def default_config(dtype: Any) -> tuple[int, int, int, int, int]:
 def check_lora(lora: MlpLora, m: int, hidden: int, inter: int, device: Any) -> None:
     """Raise ``ValueError`` unless ``lora`` fits :class:`MlpLora` for ``m`` rows."""
     import torch
+    floats = (torch.float32, torch.bfloat16, torch.float16)
     r_g, r_u, r_d = lora.b_gate.shape[-1], lora.b_up.shape[-1], lora.a_down.shape[0]
     want = {"xa": (m, r_g + r_u), "b_gate": (inter, r_g), "b_up": (inter, r_u),
             "a_down": (r_d, inter), "xa_down": (m, r_d)}
+    dtypes = {"xa": (lora.xa.dtype,), "b_gate": (lora.xa.dtype,), "b_up": (lora.xa.dtype,),
+              "a_down": floats, "xa_down": (torch.float32,)}
     for name, shape in want.items():
         t = getattr(lora, name)
-        if (tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous()
+        if (tuple(t.shape) != shape or t.dtype not in dtypes[name] or not t.is_contiguous()
                 or t.device != device):
             raise ValueError(f"mlp_block: lora.{name} {tuple(t.shape)} {t.dtype}: need a "
-                             f"contiguous fp32 {shape} on {device} (fp32 adapters only; "
-                             "keep the unfused path for 16-bit ones).")
+                             f"contiguous {shape} on {device} of dtype "
+                             f"{' / '.join(str(d) for d in dtypes[name])} (xa and the B of "
+                             "gate/up share one dtype; xa_down is an fp32 accumulator).")
+    if lora.xa.dtype not in floats:
+        raise ValueError(f"mlp_block: lora.xa {lora.xa.dtype}: bf16 / fp16 / fp32 only.")
     if not all(0 < r <= MAX_RANK for r in (r_g, r_u, r_d)):
         raise ValueError(f"mlp_block: LoRA ranks {(r_g, r_u, r_d)}: 1-{MAX_RANK} supported.")
 

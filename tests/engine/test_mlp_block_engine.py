@@ -225,3 +225,46 @@ def test_warns_when_it_would_serve_nothing():
         llm = LLM(model, page_size=64, num_pages=4, max_model_len=64, mlp_block="triton")
     want = LLM(model, page_size=64, num_pages=4, max_model_len=64).generate(prompts, GREEDY)
     _assert_same(llm.generate(prompts, GREEDY), want, 1e-9)
+
+
+@pytest.mark.skipif(not mb.INTERPRETED, reason="counts the Triton interpreter's launches; on "
+                    "CUDA bench_flex.py's kernels/step column counts them (H200 host)")
+@pytest.mark.parametrize("lora", [False, True])
+def test_decode_step_triton_launches(lora):
+    """Triton launches of one decode step (batch 4, tiny 2-layer Qwen3, fp32; with LoRA r=4 on
+    every projection, ``lora_expand="consumer"``; ``bench.profile``'s eager step): the block
+    replaces, per layer, the SiLU x up kernel (``_act_mul_kernel``, or ``_act_mul_lora_kernel``
+    with LoRA) with one ``_mlp_block_kernel`` (the GEMMs run in torch on the CPU, so only the
+    Triton ones are counted here); with LoRA o_proj's and down's expand stay one launch each a
+    layer; the other Triton launches are unchanged."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from nbhelpers.bench import profile
+    model = peft_tiny(torch.float32) if lora else tiny_model("qwen3").to(DEV).eval()
+    prompts = random_prompts(4, 5, 12, seed=2)
+    launches: dict[str, Counter] = {}
+    real = InterpretedFunction.run
+    for mode in ("off", "triton"):
+        llm = _llm(model, mode, lora_expand="consumer")
+        llm.generate(prompts, GREEDY)
+        st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= 4)
+        count = launches[mode] = Counter()
+
+        def run(self, *a, _count=count, **k):
+            _count[self.fn.__name__] += 1
+            return real(self, *a, **k)
+        InterpretedFunction.run = run
+        try:
+            profile._count_step(llm.runner, st)
+        finally:
+            InterpretedFunction.run = real
+    off, on = launches["off"], launches["triton"]
+    act = "_act_mul_lora_kernel" if lora else "_act_mul_kernel"
+    assert off[act] == on["_mlp_block_kernel"] == LAYERS and act not in on
+    # o_proj's and down_proj's B: one expand each a layer either way (lora_pending.py)
+    assert on["_lora_expand_gemm"] == off["_lora_expand_gemm"] == (2 * LAYERS if lora else 0)
+    same = (act, "_mlp_block_kernel")
+    assert Counter({k: v for k, v in on.items() if k not in same}) == \
+        Counter({k: v for k, v in off.items() if k not in same})

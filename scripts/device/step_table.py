@@ -468,8 +468,8 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
         (SUITE, {"args": "--paths tests/notebooks,tests/browser --tb=short --durations=30"},
          240, 400, 0)]),
     # session 23 (a short H100 window): n14b's GPU-phase-2 and unit tests only
-    "n23b": ([], [], [
-        (SUITE, {"args": "--paths tests/gpu,tests/unit --tb=short --durations=30"}, 200, 330, 0)]),
+    "n23b": ([], [], [  # 2026-12-08: 287 s, stopped at ~99 % by --budget 300
+        (SUITE, {"args": "--paths tests/gpu,tests/unit --tb=short --durations=30"}, 290, 400, 0)]),
     "n14b": ([], [], [
         (SUITE, {"args": "--paths tests/unit,tests/notebooks,tests/gpu,tests/browser --tb=short "
                  "--durations=30"}, 380, 560, 0)]),  # session 16: 380 s, stopped at 375

@@ -80,7 +80,25 @@ def _adapter_of(module: Any) -> str | None:
     if len(active) != 1:
         raise ValueError(f"flex engine: LoRA module has active adapters {active}; exactly one "
                          "adapter is supported (set_adapter(name) first).")
-    return active[0] if active[0] in module.lora_A else None
+    adapter = active[0] if active[0] in module.lora_A else None
+    if adapter is not None:
+        _check_plain_lora(module, adapter)
+    return adapter
+
+
+def _check_plain_lora(module: Any, adapter: str) -> None:
+    """``ValueError`` for PEFT LoRA variants the engine's ``y + s * B(A(x))`` does not compute:
+    DoRA (``use_dora``: a magnitude vector rescales the whole output) and ``lora_bias`` (B with
+    a bias): silently running them as plain LoRA gave other tokens than PEFT (helper-26's
+    trial, 2026-12-08: |dlogprob| up to 0.24 on a tiny Qwen3)."""
+    if (getattr(module, "use_dora", {}) or {}).get(adapter, False):
+        raise ValueError(f"flex engine: adapter {adapter!r} uses DoRA (LoraConfig(use_dora=True)),"
+                         " which the engine does not compute; train a plain LoRA adapter, or "
+                         "merge it (model.merge_and_unload()) before building the engine.")
+    if getattr(module.lora_B[adapter], "bias", None) is not None:
+        raise ValueError(f"flex engine: adapter {adapter!r} has a LoRA B bias "
+                         "(LoraConfig(lora_bias=True)), which the engine does not compute; use "
+                         "lora_bias=False, or merge the adapter (model.merge_and_unload()).")
 
 
 class LiveLinear:

@@ -146,6 +146,8 @@ def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | None:
         return None
     wgu, wd = fg["W"][:fg["n_out"]], fd["W"][:fd["n_out"]]  # ext: A's rows follow
     inter = wd.shape[1] if wd.dim() == 2 else 0
+    if h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None  # fp64 (34's exact parity model): no fp64 tiles in the kernel
     if (tuple(wgu.shape) != (2 * inter, hidden) or tuple(wd.shape) != (hidden, inter)
             or not h.dtype == wgu.dtype == wd.dtype or wgu.stride(1) != 1 or wd.stride(1) != 1
             or wgu.device != h.device):

@@ -157,6 +157,30 @@ def test_default_config_fits_each_dtype():
     assert mb.default_config(torch.float32) == (64, 64, 64, 4, 2)
 
 
+def test_refuses_inputs_it_cannot_compute_with_a_named_fix():
+    """helper-26's trial: non-float or 1-D inputs, tensors on two devices, a tile that is not a
+    power of 2, a tuple for ``lora``, a NaN / string scaling: each refused by name."""
+    x, wgu, wd = _operands(4, 64, 96, torch.float32)
+    with pytest.raises(ValueError, match="x must be a 2-D bf16 / fp16 / fp32 tensor"):
+        mb.mlp_block(x.to(torch.int32), wgu.to(torch.int32), wd.to(torch.int32))
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        mb.mlp_block(x[0], wgu, wd)
+    with pytest.raises(ValueError, match="w_down must be a 2-D"):
+        mb.mlp_block(x, wgu, wd.double())
+    with pytest.raises(ValueError, match="one device for all"):
+        mb.mlp_block(x, wgu, wd, out=torch.zeros(4, 64, device="meta"))
+    with pytest.raises(ValueError, match="block_j=48: a power of 2"):
+        mb.mlp_block(x, wgu, wd, block_j=48)
+    lora, _ = _lora(x, 96)
+    with pytest.raises(TypeError, match="pass kernels.mlp_block.MlpLora"):
+        mb.mlp_block(x, wgu, wd, lora=tuple(lora))
+    for bad in (float("nan"), "0.5", None):
+        with pytest.raises(ValueError, match="scaling=.*a finite number"):
+            mb.mlp_block(x, wgu, wd, lora=lora._replace(scaling=bad))
+    with pytest.raises(ValueError, match=r"lora\.b_gate must be a 2-D torch tensor"):
+        mb.mlp_block(x, wgu, wd, lora=lora._replace(b_gate=lora.b_gate[:, 0]))
+
+
 def test_refuses_lora_it_cannot_compute():
     x, wgu, wd = _operands(4, 64, 96, torch.bfloat16)
     lora, _ = _lora(x, 96)

@@ -268,3 +268,17 @@ def test_decode_step_triton_launches(lora):
     same = (act, "_mlp_block_kernel")
     assert Counter({k: v for k, v in on.items() if k not in same}) == \
         Counter({k: v for k, v in off.items() if k not in same})
+
+
+@pytest.mark.parametrize("variant", ["use_dora", "lora_bias"])
+def test_engine_refuses_lora_variants_it_does_not_compute(variant):
+    """DoRA and a LoRA B bias (PEFT options the engine's ``y + s * B(A(x))`` does not compute):
+    building an engine is a ``ValueError`` naming the fix, not other tokens than PEFT's
+    (helper-26's trial: |dlogprob| up to 0.24 with either option, mlp_block on or off)."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                     init_lora_weights=False, **{variant: True})
+    model = get_peft_model(tiny_model("qwen3").to(DEV), cfg).eval()
+    with pytest.raises(ValueError, match="(DoRA|LoRA B bias).*merge_and_unload"):
+        _llm(model, "off")

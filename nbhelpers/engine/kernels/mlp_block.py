@@ -148,14 +148,31 @@ def default_config(dtype: Any) -> tuple[int, int, int, int, int]:
 
 
 def check_lora(lora: MlpLora, m: int, hidden: int, inter: int, device: Any) -> None:
-    """Raise ``ValueError`` unless ``lora`` fits :class:`MlpLora` for ``m`` rows."""
+    """Raise ``TypeError`` unless ``lora`` is an :class:`MlpLora`, ``ValueError`` unless its
+    fields fit it for ``m`` rows (each named in the message)."""
+    import math
+
     import torch
+    if not isinstance(lora, MlpLora):
+        raise TypeError(f"mlp_block: lora is a {type(lora).__name__}; pass "
+                        "kernels.mlp_block.MlpLora(xa, b_gate, b_up, scaling, a_down, xa_down).")
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    r_g, r_u, r_d = lora.b_gate.shape[-1], lora.b_up.shape[-1], lora.a_down.shape[0]
+    for name in ("xa", "b_gate", "b_up", "a_down", "xa_down"):
+        t = getattr(lora, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"mlp_block: lora.{name} must be a 2-D torch tensor, got "
+                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}.")
+    if isinstance(lora.scaling, (str, bytes)) or lora.scaling is None:
+        raise ValueError(f"mlp_block: lora.scaling={lora.scaling!r}: a finite number.")
+    if not math.isfinite(float(lora.scaling)):
+        raise ValueError(f"mlp_block: lora.scaling={lora.scaling!r}: a finite number.")
+    r_g, r_u, r_d = lora.b_gate.shape[1], lora.b_up.shape[1], lora.a_down.shape[0]
     want = {"xa": (m, r_g + r_u), "b_gate": (inter, r_g), "b_up": (inter, r_u),
             "a_down": (r_d, inter), "xa_down": (m, r_d)}
     dtypes = {"xa": (lora.xa.dtype,), "b_gate": (lora.xa.dtype,), "b_up": (lora.xa.dtype,),
               "a_down": floats, "xa_down": (torch.float32,)}
+    if lora.xa.dtype not in floats:
+        raise ValueError(f"mlp_block: lora.xa {lora.xa.dtype}: bf16 / fp16 / fp32 only.")
     for name, shape in want.items():
         t = getattr(lora, name)
         if (tuple(t.shape) != shape or t.dtype not in dtypes[name] or not t.is_contiguous()
@@ -164,8 +181,6 @@ def check_lora(lora: MlpLora, m: int, hidden: int, inter: int, device: Any) -> N
                              f"contiguous {shape} on {device} of dtype "
                              f"{' / '.join(str(d) for d in dtypes[name])} (xa and the B of "
                              "gate/up share one dtype; xa_down is an fp32 accumulator).")
-    if lora.xa.dtype not in floats:
-        raise ValueError(f"mlp_block: lora.xa {lora.xa.dtype}: bf16 / fp16 / fp32 only.")
     if not all(0 < r <= MAX_RANK for r in (r_g, r_u, r_d)):
         raise ValueError(f"mlp_block: LoRA ranks {(r_g, r_u, r_d)}: 1-{MAX_RANK} supported.")
 
@@ -181,11 +196,28 @@ def mlp_block(x: Any, w_gate_up: Any, w_down: Any, out: Any = None, lora: MlpLor
     input load.
 
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, shapes that do not chain (``w_gate_up
-            [2I, H]``, ``w_down [H, I]``), mixed dtypes, a non-unit column stride, an ``out``
-            that is not a contiguous fp32 ``[M, H]``, or a ``lora`` :func:`check_lora` rejects.
+        ValueError: x or a weight that is not a 2-D bf16 / fp16 / fp32 tensor, tensors on more
+            than one device, more than :data:`MAX_ROWS` rows, shapes that do not chain
+            (``w_gate_up [2I, H]``, ``w_down [H, I]``), mixed dtypes, a non-unit column stride,
+            a tile size that is not a power of 2 >= 16, an ``out`` that is not a contiguous fp32
+            ``[M, H]``, or a ``lora`` :func:`check_lora` rejects.
+        TypeError: a ``lora`` that is not an :class:`MlpLora`.
     """
     import torch
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in floats:
+            raise ValueError(f"mlp_block: {name} must be a 2-D bf16 / fp16 / fp32 tensor, got "
+                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))} "
+                             f"{getattr(t, 'dtype', '')}.")
+    if w_gate_up.device != x.device or w_down.device != x.device or (
+            out is not None and out.device != x.device):
+        raise ValueError(f"mlp_block: x on {x.device}, w_gate_up on {w_gate_up.device}, w_down "
+                         f"on {w_down.device}" + (f", out on {out.device}" if out is not None
+                                                  else "") + ": one device for all.")
+    for name, b in (("block_j", block_j), ("block_k", block_k), ("block_n", block_n)):
+        if b is not None and (b < 16 or b & (b - 1)):
+            raise ValueError(f"mlp_block: {name}={b}: a power of 2 >= 16 (a tl.arange size).")
     m, hidden = x.shape
     inter = w_down.shape[1]
     if not 1 <= m <= MAX_ROWS:

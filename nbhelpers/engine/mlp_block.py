@@ -36,6 +36,7 @@ engine A/B (``scripts/bench_flex.py`` variant ``{"mlp_block": "triton"}``) says 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 MLP_BLOCK_MODES = ("off", "triton")
@@ -65,6 +66,7 @@ class MlpBlock:
         self.hidden, self.num_layers = hidden, num_layers
         self.enabled = mode == "triton" and silu and _runs_on(device)
         self.rows = 0  # this step's rows (begin); 0: nothing served
+        self.skipped: set[str] = set()  # why a call was not served (warned once each)
         self._buf: Any = None
         if self.enabled:
             import torch
@@ -95,13 +97,19 @@ class MlpBlock:
 
     def __call__(self, i: int, h: Any, gate_up: Any, down: Any, fx: Any) -> Any:
         """Layer ``i``'s MLP output for ``h [1, T, H]``: fp32 ``[1, T, H]`` (module docstring),
-        or ``None`` where the block does not serve this call."""
+        or ``None`` where the block does not serve this call (a step above the row bound
+        silently; any other reason with a ``UserWarning`` once per reason, kept in
+        ``skipped``)."""
         t = h.shape[-2] if h.dim() == 3 else h.shape[0]
         if not self.rows or t != self.rows or not getattr(fx, "takes_lora", False):
             return None
         fg, fd = gate_up._buffers(), down._buffers()
         plan = _plan(fg, fd, h, self.hidden)
-        if plan is None:
+        if isinstance(plan, str):  # once per reason: the option is on and does not serve
+            if plan not in self.skipped:
+                self.skipped.add(plan)
+                warnings.warn(f"mlp_block='triton' does not serve layer {i}'s MLP ({plan}); "
+                              "the unfused path runs there.", stacklevel=2)
             return None
         h2 = h.reshape(-1, self.hidden)
         acc, xa_down = self._views(i, t, plan["r_d"])
@@ -133,25 +141,27 @@ def _runs_on(device: Any) -> bool:
     return dev.type == "cpu" and INTERPRETED
 
 
-def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | None:
+def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | str:
     """The kernel's operands for these group buffers (``LiveGroup._buffers``) and ``h``:
     ``{"wgu", "wd", "r_d"}`` plus, with LoRA, ``"a_gu", "b_g", "b_u", "a_d", "b_d"`` (A's rows
     are the tail of the GEMM buffer in the ``ext`` layout: adapters of the base dtype and the
     ``lora_dtype="model"`` shadows), or ``None`` where it does not serve them (module
-    docstring)."""
+    docstring): then why, as a string."""
     import torch
-    if fg is None or fd is None or fg["bias"] is not None or fd["bias"] is not None:
-        return None
+    if fg is None or fd is None:
+        return "LoRA on some of gate/up only, or mixed dtypes (per-part projections)"
+    if fg["bias"] is not None or fd["bias"] is not None:
+        return "an MLP bias"
     if fg["lora"] != fd["lora"]:
-        return None
+        return "LoRA on gate/up but not down, or the reverse"
     wgu, wd = fg["W"][:fg["n_out"]], fd["W"][:fd["n_out"]]  # ext: A's rows follow
     inter = wd.shape[1] if wd.dim() == 2 else 0
     if h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None  # fp64 (34's exact parity model): no fp64 tiles in the kernel
+        return f"{h.dtype} (no such tiles in the kernel)"  # fp64: 34's exact parity model
     if (tuple(wgu.shape) != (2 * inter, hidden) or tuple(wd.shape) != (hidden, inter)
             or not h.dtype == wgu.dtype == wd.dtype or wgu.stride(1) != 1 or wd.stride(1) != 1
             or wgu.device != h.device):
-        return None
+        return "a gate_up / down layout other than [2I, H] / [H, I] on the input's device"
     plan = {"wgu": wgu, "wd": wd, "r_d": 0}
     if not fg["lora"]:
         return plan
@@ -163,12 +173,12 @@ def _plan(fg: Any, fd: Any, h: Any, hidden: int) -> dict[str, Any] | None:
     if not (a_gu.dtype == b_g.dtype == b_u.dtype in floats and a_d.dtype == b_d.dtype in floats
             and all(t.is_contiguous() and t.device == h.device
                     for t in (a_gu, b_g, b_u, a_d, b_d))):
-        return None
+        return "LoRA A/B of mixed dtypes or non-contiguous"
     r_g, r_u, r_d = b_g.shape[1], b_u.shape[1], a_d.shape[0]
     shapes_ok = (tuple(a_gu.shape) == (r_g + r_u, hidden) and b_g.shape[0] == inter
                  and b_u.shape[0] == inter and tuple(a_d.shape) == (r_d, inter)
                  and tuple(b_d.shape) == (hidden, r_d) and hidden % 16 == 0)
     if not shapes_ok or not all(0 < r <= MAX_RANK for r in (r_g, r_u, r_d)):
-        return None
+        return f"LoRA ranks {(r_g, r_u, r_d)} (1-{MAX_RANK} served)"
     plan.update(a_gu=a_gu, b_g=b_g, b_u=b_u, a_d=a_d, b_d=b_d, r_d=r_d)
     return plan

@@ -193,8 +193,9 @@ def test_engine_bf16_model(monkeypatch, adapters):
 
 def test_engine_keeps_the_unfused_path_where_the_block_does_not_serve(monkeypatch):
     """LoRA on some of gate/up/down only (here down's alone): no block call, exactly the
-    unfused outputs; a 20-row decode batch (above ``kernels/mlp_block.MAX_ROWS``): no block
-    call either."""
+    unfused outputs, one warning saying why; a 20-row decode batch (above
+    ``kernels/mlp_block.MAX_ROWS``): no block call either, silently (a batch size, not a
+    setup the user can change)."""
     from peft import LoraConfig, get_peft_model
     calls = _count_block(monkeypatch)
     torch.manual_seed(0)
@@ -202,8 +203,12 @@ def test_engine_keeps_the_unfused_path_where_the_block_does_not_serve(monkeypatc
                      init_lora_weights=False)
     model = get_peft_model(tiny_model("qwen3").to(DEV), cfg).eval()
     prompts = random_prompts(2, 5, 9, seed=4)
-    _assert_same(_llm(model, "triton").generate(prompts, GREEDY),
-                 _llm(model, "off").generate(prompts, GREEDY), 1e-9)
+    llm = _llm(model, "triton")
+    with pytest.warns(UserWarning, match=r"does not serve layer 0's MLP \(LoRA on gate/up but "
+                      r"not down, or the reverse\); the unfused path runs there"):
+        got = llm.generate(prompts, GREEDY)
+    _assert_same(got, _llm(model, "off").generate(prompts, GREEDY), 1e-9)
+    assert llm.runner.model.mlp_block.skipped == {"LoRA on gate/up but not down, or the reverse"}
     many = random_prompts(20, 4, 6, seed=7)
     model = tiny_model("qwen3").to(DEV).eval()
     big = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)

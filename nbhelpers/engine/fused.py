@@ -91,12 +91,9 @@ def triton_add_rms_norm(x: Any, delta: Any, weight: Any, eps: float,
     pending LoRA B of the projection ``delta`` comes from (``lora_pending.PendingLora``, one
     part; ``lora_expand="consumer"``), added inside the kernel, or first (``apply()``) where the
     kernel does not serve it."""
-    import torch
-
     from nbhelpers.engine.kernels import fused_norm as fn
-    split_sum = delta.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
     ok = fn.supported(x, delta, weight) and weight.dtype == x.dtype and (
-        delta.dtype == x.dtype or split_sum)
+        delta.dtype == x.dtype or fn.rounds_delta(delta, x))
     lora = _take_lora(lora, ok and lora is not None and fn.lora_supported(lora, 1, delta))
     if not ok:
         return add_rms_norm(x, delta, weight, eps)

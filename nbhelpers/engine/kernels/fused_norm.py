@@ -210,8 +210,7 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
             or a ``lora`` that :func:`lora_supported` rejects (call its ``apply()`` instead).
     """
     import torch
-    split_sum = (x is not None and delta.dtype == torch.float32
-                 and x.dtype in (torch.bfloat16, torch.float16))
+    split_sum = x is not None and rounds_delta(delta, x)
     if x is not None and (x.shape != delta.shape or (x.dtype != delta.dtype and not split_sum)):
         raise ValueError(f"add_norm: x {tuple(x.shape)} {x.dtype} must match delta "
                          f"{tuple(delta.shape)} {delta.dtype} (or delta fp32 with a bf16/fp16 "
@@ -244,6 +243,14 @@ def add_norm(delta: Any, x: Any = None, out_norm: tuple | None = None,
     shape = delta.shape
     return (res.view(shape) if store_res else None,
             out.view(shape) if out_norm is not None else None)
+
+
+def rounds_delta(delta: Any, x: Any) -> bool:
+    """Whether :func:`add_norm` takes ``delta`` in another dtype than ``x``: an fp32 ``delta``
+    (the unrounded sum of a split GEMM, :mod:`.mlp_block`) with a bf16 / fp16 ``x``, rounded to
+    ``x``'s dtype first."""
+    import torch
+    return delta.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def lora_supported(lora: Any, num_parts: int, y_base: Any, *more: Any) -> bool:

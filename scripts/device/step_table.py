@@ -66,7 +66,7 @@ S25_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 512 --no-floor-gem
              "\"decode_kernel_options\": {\"shared_prefix\": true}}}'")
 S25Q_BENCH = S25_BENCH.split(';{"name": "shared_rows64')[0] + "'"  # default vs shared
 S26_BENCH = ("--out $OUT/bench_ab --rounds 2 --max-new-tokens 256 --no-floor-gemms "
-             "--points qwen3-4b:fp32:4,qwen3-4b:none:4 --variants "
+             "--points qwen3-4b:fp32:4,qwen3-4b:none:4,qwen3-4b:fp32:16 --variants "
              "'{\"name\": \"default\", \"options\": {}};"
              "{\"name\": \"mlp_block\", \"options\": {\"mlp_block\": \"triton\"}}'")
 S26_TESTS = ("--paths tests/engine/test_mlp_block.py tests/engine/test_mlp_block_engine.py "
@@ -596,16 +596,18 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                          "tests/engine/test_paged_decode.py tests/engine/test_skinny_gemm.py "
                          "tests/engine/test_skinny_gemm_rows32.py tests/engine/test_pdl_builds.py "
                          "--tb=short"}, 110, 200, 0)]),
-    # session 26: the decode MLP as one launch in the engine (runner option mlp_block, fp32
-    # adapters and none) against the default at batch 4, then the changed kernels' GPU tests
+    # session 26: the decode MLP as one launch in the engine (runner option mlp_block) against
+    # the default: batch 4 with fp32 adapters (through the bf16 shadows, the CUDA default) and
+    # without LoRA, batch 16 with fp32 adapters; then the changed kernels' GPU tests
     "s26m": ([], [], [
-        (BENCH, {"args": S26_BENCH}, 150, 240, 0),
+        (BENCH, {"args": S26_BENCH}, 210, 320, 0),
         (SUITE, {"args": S26_TESTS}, 110, 200, 0)]),
     # session 26, little budget left: s26m's A/B at batch 4 with fp32 adapters only, one timed
     # round, and only the new kernel's tests
     "s26r": ([], [], [
         (BENCH, {"args": S26_BENCH.replace("--rounds 2", "--rounds 1").replace(
-            "qwen3-4b:fp32:4,qwen3-4b:none:4", "qwen3-4b:fp32:4")}, 70, 120, 0),
+            "qwen3-4b:fp32:4,qwen3-4b:none:4,qwen3-4b:fp32:16", "qwen3-4b:fp32:4")}, 70, 120,
+         0),
         (SUITE, {"args": "--paths tests/engine/test_mlp_block.py "
                          "tests/engine/test_mlp_block_engine.py --tb=short"}, 50, 90, 0)]),
     # session 25, little budget left: s25q's A/B with one timed round, and only the

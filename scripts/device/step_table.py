@@ -576,7 +576,9 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
                "batches": "[48, 64]"}, 200, 300, 0)]),
     # session 24, short budget: n24d's question (GC counts a round after the flat logprob lists,
     # at batch 32 where n23ab saw 17 collections) and n24r's (the 64-row tile at batch 64) in one
-    # call; the rows64 point at batch 32 runs the same kernels as default (a same-call repeat)
+    # call; the rows64 point at batch 32 runs the same kernels as default (a same-call repeat).
+    # A notebook job: stage m2n (papermill) and m2t (tokenizers) on the same machine first
+    # (2026-12-08: run alone it failed at once, "No module named 'papermill'")
     "n24x": ([], [], [
         (N33, {"variants": "[{name: default, options: {}}, {name: rows64, options: "
                            "{skinny_gemm_max_rows: 64}}]", "lora_modes": "[fp32]",

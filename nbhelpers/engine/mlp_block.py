@@ -9,7 +9,7 @@ GEMM's unrounded sum, down's LoRA already added in PEFT's order) that the next a
 rounds to the model dtype (``kernels/fused_norm.add_norm``); else ``None`` and the caller runs
 the gate_up GEMM, SiLU x up and down GEMM as before.
 
-It serves: decode steps of at most :data:`~nbhelpers.engine.kernels.mlp_block.MAX_ROWS` rows on
+It serves: decode steps of at most :data:`ROUTE_MAX_ROWS` (16) rows on
 CUDA (or CPU tensors under ``TRITON_INTERPRET=1``), a SiLU MLP (Llama / Qwen3), fused gate/up
 weights without bias, the Triton elementwise kernels (``fused_elementwise="triton"``: the fp32
 accumulator needs the add+RMSNorm kernel that rounds it), not inside ``torch.compile``, and
@@ -39,6 +39,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+ROUTE_MAX_ROWS = 16
+"""Most decode rows the engine routes to the block (the probe's measured range; the kernel takes
+up to ``kernels/mlp_block.MAX_ROWS``)."""
+
 MLP_BLOCK_MODES = ("off", "triton")
 """``RunnerOptions.mlp_block`` values: the unfused MLP, or one Triton launch at decode."""
 
@@ -56,8 +60,9 @@ class MlpBlock:
 
     ``mode``: :data:`MLP_BLOCK_MODES`; ``num_layers``, ``hidden``: the model's; ``device``,
     ``silu``: whether the MLP's activation is SiLU (else nothing is served). The buffer
-    (``num_layers x MAX_ROWS x (hidden + MAX_RANK)`` fp32: 6.0 MB at Qwen3-4B) is allocated here,
-    outside any CUDA graph capture, when the mode is on and the device can run the kernel.
+    (``num_layers x ROUTE_MAX_ROWS x (hidden + MAX_RANK)`` fp32: 6.0 MB at Qwen3-4B) is
+    allocated here, outside any CUDA graph capture, when the mode is on and the device can run
+    the kernel.
     """
 
     def __init__(self, mode: str = "off", num_layers: int = 0, hidden: int = 0,
@@ -74,7 +79,7 @@ class MlpBlock:
             from nbhelpers.engine.kernels import lora_expand, mlp_block
             self._kernel, self._expand = mlp_block, lora_expand
             self._width = hidden + mlp_block.MAX_RANK
-            self._buf = torch.zeros(num_layers * mlp_block.MAX_ROWS * self._width,
+            self._buf = torch.zeros(num_layers * ROUTE_MAX_ROWS * self._width,
                                     dtype=torch.float32, device=device)
 
     def begin(self, rows: int) -> None:
@@ -82,7 +87,7 @@ class MlpBlock:
         or serve nothing this step when ``rows`` is above the kernel's bound."""
         import torch
         self.rows = 0
-        if not self.enabled or rows > self._kernel.MAX_ROWS or torch.compiler.is_compiling():
+        if not self.enabled or rows > ROUTE_MAX_ROWS or torch.compiler.is_compiling():
             return
         self.rows = rows
         self._buf[:self.num_layers * rows * self._width].zero_()

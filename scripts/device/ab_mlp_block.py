@@ -5,7 +5,9 @@ Run on the device (one GPU, ~1-2 min with Triton compiles): ``python3 scripts/de
 ab_mlp_block.py --out $OUT`` writes ``$OUT/ab_mlp_block.json`` and prints a table. Check here (CPU,
 Triton interpreter, tiny shapes, no timing): ``python scripts/device/ab_mlp_block.py --dry-run``.
 
-Variants at Qwen3-4B's MLP (H 2560, I 9728, bf16) for ``--rows`` (default 4 and 16):
+Variants at Qwen3-4B's MLP (H 2560, I 9728, bf16) for ``--rows`` (default 4 and 16; the kernel
+takes up to 64, ``--rows 4,16,32,64`` asks whether the block could serve the realistic GRPO
+batch of 64 too; above 16 rows the blocks run in 8 warps):
 ``cublas`` (``F.linear`` gate_up, SiLU x up in torch, ``F.linear`` down: three GEMM/elementwise
 launches plus torch's), ``skinny`` (the engine's split-K kernel with the H200 tuner's choices of
 2026-12-07 for these shapes at M 4: gate_up ``Config(64, 128, 1)``, down ``Config(64, 128, 8)``,
@@ -44,8 +46,9 @@ def reference(torch, x, wgu, wd):
     return h.double() @ wd.double().t()
 
 
-def variants(torch, hidden, dry_run):
-    """``{name: fn(x, wgu, wd, out) -> [M, H] tensor}``."""
+def variants(torch, hidden, dry_run, rows=4):
+    """``{name: fn(x, wgu, wd, out) -> [M, H] tensor}`` (above 16 rows the blocks run in 8
+    warps: two ``[rows, BLOCK_J]`` fp32 accumulators a program)."""
     import torch.nn.functional as F
 
     from nbhelpers.engine.kernels import mlp_block as mb
@@ -62,6 +65,8 @@ def variants(torch, hidden, dry_run):
         return sg.skinny_gemm((F.silu(g) * u).contiguous(), wd, config=sg.Config(64, 128, 8))
 
     small = {"block_k": 32, "block_n": 32} if dry_run else {}
+    if rows > 16 and not dry_run:
+        small["num_warps"] = 8
     out = {"cublas": cublas, "skinny": skinny}
     for bj in ((32,) if dry_run else (32, 64, 128)):
         def block(x, wgu, wd, acc, bj=bj):
@@ -106,7 +111,7 @@ def main() -> int:
         x = torch.randn(m, hidden, generator=g).to(dtype).to(dev)
         acc = torch.zeros(m, hidden, dtype=torch.float32, device=dev)
         ref = reference(torch, x, *copies[0])
-        for name, fn in variants(torch, hidden, args.dry_run).items():
+        for name, fn in variants(torch, hidden, args.dry_run, m).items():
             row = {"rows": m, "variant": name}
             try:
                 got = fn(x, *copies[0], acc)

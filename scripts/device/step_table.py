@@ -604,6 +604,11 @@ STEPS: dict[str, tuple[list[str], list[str], list[tuple[str, dict[str, str], int
     "s26m": ([], [], [
         (BENCH, {"args": S26_BENCH}, 210, 320, 0),
         (SUITE, {"args": S26_TESTS}, 110, 200, 0)]),
+    # session 26: could the block serve 32-64 rows (the realistic GRPO batch)? the probe at 4,
+    # 16, 32 and 64 rows in one process (cold weights, BLOCK_J 32/64/128) and its GPU test
+    "s26p": ([], [], [
+        (AB_MLP, {"args": "--out $OUT --rows 4,16,32,64"}, 60, 120, 0),
+        (SUITE, {"args": "--paths tests/engine/test_mlp_block.py --tb=short"}, 50, 100, 0)]),
     # session 26, little budget left: s26m's A/B at batch 4 with fp32 adapters only, one timed
     # round, and only the new kernel's tests
     "s26r": ([], [], [

@@ -38,7 +38,8 @@ def _reference(x, wgu, wd):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("m,hidden,inter", [(1, 64, 96), (4, 96, 160), (16, 128, 64)])
+@pytest.mark.parametrize("m,hidden,inter", [(1, 64, 96), (4, 96, 160), (16, 128, 64),
+                                             (33, 64, 96), (64, 32, 64)])
 def test_matches_the_rounded_torch_mlp(dtype, tol, m, hidden, inter):
     x, wgu, wd = _operands(m, hidden, inter, dtype)
     got = mb.mlp_block(x, wgu, wd, block_j=32, block_k=32, block_n=32)
@@ -59,8 +60,8 @@ def test_accumulates_into_the_buffer_it_is_given():
 
 def test_refuses_what_it_cannot_compute():
     x, wgu, wd = _operands(4, 64, 96, torch.float32)
-    with pytest.raises(ValueError, match="17 rows"):
-        mb.mlp_block(torch.zeros(17, 64, device=DEV), wgu, wd)
+    with pytest.raises(ValueError, match="65 rows; 1-64 supported"):
+        mb.mlp_block(torch.zeros(65, 64, device=DEV), wgu, wd)
     with pytest.raises(ValueError, match=r"need w_gate_up \[2I, H\]"):
         mb.mlp_block(x, wgu[:100], wd)
     with pytest.raises(ValueError, match="one dtype"):
@@ -71,7 +72,7 @@ def test_refuses_what_it_cannot_compute():
 
 @pytest.mark.skipif(DEV != "cuda", reason="Qwen3-4B's MLP shape: CUDA (the interpreter is slow)")
 @pytest.mark.parametrize("with_lora", [False, True])
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
 def test_gpu_qwen3_4b_shape_matches_torch(m, with_lora):
     """Qwen3-4B's MLP (H 2560, I 9728, bf16) at the default tiles, r 32 fp32 adapters."""
     x, wgu, wd = _operands(m, 2560, 9728, torch.bfloat16)
@@ -152,9 +153,12 @@ def test_16bit_adapters_round_xa_as_peft():
 
 
 def test_default_config_fits_each_dtype():
-    """16-bit weights get the H100 probe's fastest tiles, fp32 ones half-size tiles."""
+    """16-bit weights get the H100 probe's fastest tiles up to 16 rows, narrower column
+    blocks in 8 warps above; fp32 ones half-size tiles."""
     assert mb.default_config(torch.bfloat16) == (128, 128, 128, 4, 3)
-    assert mb.default_config(torch.float32) == (64, 64, 64, 4, 2)
+    assert mb.default_config(torch.bfloat16, 64) == (64, 128, 128, 8, 3)
+    assert mb.default_config(torch.float32) == mb.default_config(torch.float32, 64) == (
+        64, 64, 64, 4, 2)
 
 
 def test_refuses_inputs_it_cannot_compute_with_a_named_fix():
@@ -204,18 +208,19 @@ fn = mb._mlp_block_kernel
 ptrs = ["x_ptr", "wgu_ptr", "wd_ptr", "acc_ptr", "xa_ptr", "bg_ptr", "bu_ptr", "ad_ptr", "xad_ptr"]
 ints = ["m", "hidden", "inter", "stride_x", "stride_gu", "stride_d", "stride_acc", "stride_xa",
         "stride_xad", "r_g", "r_u", "r_d"]
-for bj, lora, gdc in ((32, False, False), (64, False, False), (128, False, True),
-                      (128, True, True)):
+for bj, lora, gdc, bm, warps in ((32, False, False, 16, 4), (64, False, False, 16, 4),
+                                 (128, False, True, 16, 4), (128, True, True, 16, 4),
+                                 (64, True, True, 64, 8)):
     sig = {p: ("*bf16" if p in ("x_ptr", "wgu_ptr", "wd_ptr") else "*fp32") for p in ptrs}
     sig.update(dict.fromkeys(ints, "i32"))
     sig["scaling"] = "fp32"
-    consts = {"BLOCK_M": 16, "BLOCK_J": bj, "BLOCK_K": 128, "BLOCK_N": 128, "UPCAST": False,
+    consts = {"BLOCK_M": bm, "BLOCK_J": bj, "BLOCK_K": 128, "BLOCK_N": 128, "UPCAST": False,
               "HAS_LORA": lora, "BLOCK_R": 32, "RNE": False, "USE_GDC": gdc}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 3})
+                          options={"num_warps": warps, "num_stages": 3})
     ptx = kern.asm["ptx"]
     assert kern.asm["cubin"] and kern.metadata.shared <= 232448, (bj, kern.metadata.shared)
     assert "red.global" in ptx or "atom.global" in ptx
@@ -227,6 +232,7 @@ print("compiled")
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90():
     """The kernel builds to sm_90 cubins at the three ``BLOCK_J`` the device A/B times (bf16
-    dots, fp32 atomics), within the H200's shared memory, and with LoRA and PDL (the
-    ``griddepcontrol`` wait and trigger only when ``USE_GDC``). No GPU needed."""
+    dots, fp32 atomics), within the H200's shared memory, with LoRA and PDL (the
+    ``griddepcontrol`` wait and trigger only when ``USE_GDC``), and at 64 rows in 8 warps (the
+    default above 16 rows). No GPU needed."""
     assert_compiles_for_sm90(_AOT)

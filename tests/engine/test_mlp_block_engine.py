@@ -194,7 +194,7 @@ def test_engine_bf16_model(monkeypatch, adapters):
 def test_engine_keeps_the_unfused_path_where_the_block_does_not_serve(monkeypatch):
     """LoRA on some of gate/up/down only (here down's alone): no block call, exactly the
     unfused outputs, one warning saying why; a 20-row decode batch (above
-    ``kernels/mlp_block.MAX_ROWS``): no block call either, silently (a batch size, not a
+    ``engine/mlp_block.ROUTE_MAX_ROWS``): no block call either, silently (a batch size, not a
     setup the user can change)."""
     from peft import LoraConfig, get_peft_model
     calls = _count_block(monkeypatch)

@@ -50,8 +50,10 @@ from nbhelpers.engine.kernels.lora_act_mul import _lora_dot
 from nbhelpers.engine.kernels.lora_prologue import round_once
 from nbhelpers.engine.kernels.skinny_gemm import INTERPRETED, _dot
 
-MAX_ROWS = 16
-"""Most rows (decode sequences) one launch takes: one ``tl.dot`` row tile (its smallest M)."""
+MAX_ROWS = 64
+"""Most rows (decode sequences) one launch takes: one ``tl.dot`` row tile of 16-64 rows. The
+engine serves only up to :data:`nbhelpers.engine.mlp_block.ROUTE_MAX_ROWS` (16, what was
+measured); 32-64 rows are for the probe (``scripts/device/ab_mlp_block.py --rows 32,64``)."""
 
 MAX_RANK = 64
 """Largest LoRA rank per part (one ``[BLOCK_R, BLOCK_J]`` B tile; :mod:`.lora_prologue`)."""
@@ -136,14 +138,18 @@ class MlpLora(NamedTuple):
     xa_down: Any
 
 
-def default_config(dtype: Any) -> tuple[int, int, int, int, int]:
+def default_config(dtype: Any, rows: int = 16) -> tuple[int, int, int, int, int]:
     """``(BLOCK_J, BLOCK_K, BLOCK_N, num_warps, num_stages)``: 128/128/128, 4 warps, 3 stages for
-    16-bit weights (the fastest of ``BLOCK_J`` 32/64/128 in ``scripts/device/ab_mlp_block.py``,
-    H100 2026-12-08: 56.1 us at 4 rows against 64.3 us cuBLAS, 65.2 us skinny); fp32 weights
-    64/64/64 in 2 stages (the 128 tiles' fp32 buffers exceed shared memory)."""
+    16-bit weights up to 16 rows (the fastest of ``BLOCK_J`` 32/64/128 in
+    ``scripts/device/ab_mlp_block.py``, H100 2026-12-08: 56.1 us at 4 rows against 64.3 us
+    cuBLAS, 65.2 us skinny); above 16 rows 64/128/128 in 8 warps (two ``[rows, BLOCK_J]`` fp32
+    accumulators per program: a register budget, not a measurement); fp32 weights 64/64/64 in
+    2 stages (the 128 tiles' fp32 buffers exceed shared memory)."""
     import torch
     if dtype == torch.float32:
         return 64, 64, 64, 4, 2
+    if rows > 16:
+        return 64, 128, 128, 8, 3
     return 128, 128, 128, 4, 3
 
 
@@ -239,7 +245,7 @@ def mlp_block(x: Any, w_gate_up: Any, w_down: Any, out: Any = None, lora: MlpLor
                          f"contiguous fp32 [{m}, {hidden}].")
     if lora is not None:
         check_lora(lora, m, hidden, inter, x.device)
-    bj, bk, bn, warps, stages = default_config(x.dtype)
+    bj, bk, bn, warps, stages = default_config(x.dtype, m)
     upcast = INTERPRETED or x.dtype == torch.float32
     lo = lora if lora is not None else MlpLora(out, out, out, 0.0, out, out)  # unused slots
     r_g, r_u = (lora.b_gate.shape[1], lora.b_up.shape[1]) if lora is not None else (0, 0)
@@ -248,7 +254,7 @@ def mlp_block(x: Any, w_gate_up: Any, w_down: Any, out: Any = None, lora: MlpLor
         x, w_gate_up, w_down, out, lo.xa, lo.b_gate, lo.b_up, lo.a_down, lo.xa_down, m, hidden,
         inter, x.stride(0), w_gate_up.stride(0), w_down.stride(0), out.stride(0),
         lo.xa.stride(0), lo.xa_down.stride(0), r_g, r_u, r_d, float(lo.scaling),
-        BLOCK_M=16, BLOCK_J=block_j or bj, BLOCK_K=block_k or bk, BLOCK_N=block_n or bn,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_J=block_j or bj, BLOCK_K=block_k or bk, BLOCK_N=block_n or bn,
         UPCAST=upcast, HAS_LORA=lora is not None,
         BLOCK_R=max(16, triton.next_power_of_2(max(r_g, r_u, r_d, 1))), RNE=lp.rne(x.dtype),
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl.launch_kwargs())

@@ -73,3 +73,28 @@ def fp32_interpreter_dots(monkeypatch: Any) -> None:
                 for x in (a, b))
         return original(self, a, b, *args)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def decode_step_launches(llm: Any, min_rows: int = 4) -> Any:
+    """``Counter`` of Triton kernel names launched by one eager decode step
+    (``bench.profile._count_step``) of ``llm``'s first batch bucket of at least ``min_rows``
+    rows, counted through the interpreter (``TRITON_INTERPRET=1``); call after a ``generate``
+    that built the bucket."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from nbhelpers.bench import profile
+    st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= min_rows)
+    count: Counter = Counter()
+    real = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        count[self.fn.__name__] += 1
+        return real(self, *a, **k)
+    InterpretedFunction.run = run
+    try:
+        profile._count_step(llm.runner, st)
+    finally:
+        InterpretedFunction.run = real
+    return count

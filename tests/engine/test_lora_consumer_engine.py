@@ -16,7 +16,13 @@ import torch
 
 pytest.importorskip("triton", reason="lora_expand='consumer' needs the triton package")
 
-from _kernels import DEV, inplace_lora_step, peft_tiny, skip_unless_runnable
+from _kernels import (
+    DEV,
+    decode_step_launches,
+    inplace_lora_step,
+    peft_tiny,
+    skip_unless_runnable,
+)
 from _tiny import random_prompts
 
 from nbhelpers.config import SamplingParams
@@ -277,28 +283,14 @@ def test_decode_step_triton_launch_count():
     through ``lora_act_mul``'s kernel instead of the plain one, the other launches the same."""
     from collections import Counter
 
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from nbhelpers.bench import profile
     model = peft_tiny(torch.float32)
     prompts = random_prompts(4, 5, 12, seed=2)
     launches: dict[str, Counter] = {}
-    real = InterpretedFunction.run
     for mode in ("triton", "consumer"):
         llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, lora_expand=mode,
                   fused_elementwise="triton")
         llm.generate(prompts, GREEDY)
-        st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= 4)
-        count = launches[mode] = Counter()
-
-        def run(self, *a, _count=count, **k):
-            _count[self.fn.__name__] += 1
-            return real(self, *a, **k)
-        InterpretedFunction.run = run
-        try:
-            profile._count_step(llm.runner, st)
-        finally:
-            InterpretedFunction.run = real
+        launches[mode] = decode_step_launches(llm)
     layers = len(model.get_base_model().model.layers)
     tri, con = launches["triton"], launches["consumer"]
     assert tri["_lora_expand_gemm"] == 4 * layers

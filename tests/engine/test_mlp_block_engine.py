@@ -19,7 +19,13 @@ import torch
 
 pytest.importorskip("triton", reason="mlp_block='triton' needs the triton package")
 
-from _kernels import DEV, inplace_lora_step, peft_tiny, skip_unless_runnable
+from _kernels import (
+    DEV,
+    decode_step_launches,
+    inplace_lora_step,
+    peft_tiny,
+    skip_unless_runnable,
+)
 from _tiny import random_prompts, tiny_model
 
 from nbhelpers.config import SamplingParams
@@ -244,27 +250,13 @@ def test_decode_step_triton_launches(lora):
     layer; the other Triton launches are unchanged."""
     from collections import Counter
 
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from nbhelpers.bench import profile
     model = peft_tiny(torch.float32) if lora else tiny_model("qwen3").to(DEV).eval()
     prompts = random_prompts(4, 5, 12, seed=2)
     launches: dict[str, Counter] = {}
-    real = InterpretedFunction.run
     for mode in ("off", "triton"):
         llm = _llm(model, mode, lora_expand="consumer")
         llm.generate(prompts, GREEDY)
-        st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= 4)
-        count = launches[mode] = Counter()
-
-        def run(self, *a, _count=count, **k):
-            _count[self.fn.__name__] += 1
-            return real(self, *a, **k)
-        InterpretedFunction.run = run
-        try:
-            profile._count_step(llm.runner, st)
-        finally:
-            InterpretedFunction.run = real
+        launches[mode] = decode_step_launches(llm)
     off, on = launches["off"], launches["triton"]
     act = "_act_mul_lora_kernel" if lora else "_act_mul_kernel"
     assert off[act] == on["_mlp_block_kernel"] == LAYERS and act not in on

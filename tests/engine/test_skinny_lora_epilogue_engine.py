@@ -17,7 +17,13 @@ import torch
 
 pytest.importorskip("triton", reason="lora_expand='epilogue' needs the triton package")
 
-from _kernels import DEV, inplace_lora_step, peft_tiny, skip_unless_runnable
+from _kernels import (
+    DEV,
+    decode_step_launches,
+    inplace_lora_step,
+    peft_tiny,
+    skip_unless_runnable,
+)
 from _tiny import random_prompts
 from test_skinny_gemm_engine import _force_kernel
 
@@ -130,28 +136,14 @@ def test_decode_step_launch_count_drops_one_per_group():
     launch, and each group's GEMM is the epilogue kernel; the LM head keeps the plain kernel."""
     from collections import Counter
 
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from nbhelpers.bench import profile
     model = peft_tiny(torch.float32, False)
     prompts = random_prompts(4, 5, 12, seed=2)
     launches: dict[str, Counter] = {}
-    real = InterpretedFunction.run
     for mode in ("triton", "epilogue"):
         llm = LLM(model, page_size=64, num_pages=8, max_model_len=64, skinny_gemm="triton",
                   lora_expand=mode)
         llm.generate(prompts, GREEDY)
-        st = next(s for (b, _), s in sorted(llm.runner.states.items()) if b >= 4)
-        count = launches[mode] = Counter()
-
-        def run(self, *a, _count=count, **k):
-            _count[self.fn.__name__] += 1
-            return real(self, *a, **k)
-        InterpretedFunction.run = run
-        try:
-            profile._count_step(llm.runner, st)
-        finally:
-            InterpretedFunction.run = real
+        launches[mode] = decode_step_launches(llm)
     tri, epi = launches["triton"], launches["epilogue"]
     groups = 4 * LAYERS
     assert tri["_lora_expand_gemm"] == groups and tri["_skinny_gemm"] == groups + 1

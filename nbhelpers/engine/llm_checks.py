@@ -115,9 +115,10 @@ def check_options(options: dict[str, Any]) -> None:
     in it first, and lists them all)."""
     known = option_names()
     if unknown := sorted(set(options) - known):
-        close = {u: _close(u, known | set(LLM_ARGS)) for u in unknown}
-        hint = "; ".join(kernel_option_hint(u) or f"{u!r}: did you mean {' or '.join(map(repr, c))}?"
-                         for u, c in close.items() if c or kernel_option_hint(u))
+        hints = [kernel_option_hint(u) or (c and f"{u!r}: did you mean "
+                                           f"{' or '.join(map(repr, c))}?")
+                 for u in unknown for c in [_close(u, known | set(LLM_ARGS))]]
+        hint = "; ".join(h for h in hints if h)
         raise TypeError(f"LLM: unknown option(s) {unknown}{' (' + hint + ')' if hint else ''}"
                         f". Options: {', '.join(LLM_ARGS)} and the RunnerOptions fields "
                         f"{sorted(known)}.")

@@ -272,12 +272,13 @@ adapters and fp32, consumer and triton) after the fix of the bf16 gap seen in ``
     the same session (``n14a``)."""
     mlp_block: str = "off"
     """``"off"`` (the default) or ``"triton"`` (opt-in): decode MLPs of at most 16 rows
-    (gate_up GEMM, SiLU x up, down GEMM; LoRA: none or PEFT fp32 adapters) as one Triton
-    launch, the down GEMM split over the intermediate columns into an fp32 accumulator that the
-    next add+RMSNorm rounds (``engine/mlp_block.py``, ``engine/kernels/mlp_block.py``). Needs
-    the Triton elementwise kernels (``fused_elementwise`` "triton", or "auto" on CUDA); serves
-    nothing with ``compile_decode``, above 16 rows, with 16-bit adapters or a non-SiLU MLP
-    (Gemma-4), where the unfused path runs. Why ask: the kernel alone ran 56.1 us against 64.3
+    (gate_up GEMM, SiLU x up, down GEMM; no LoRA or one adapter on gate, up and down: fp32,
+    its bf16 shadows, or 16-bit) as one Triton launch, the down GEMM split over the intermediate
+    columns into an fp32 accumulator that the next add+RMSNorm rounds (``engine/mlp_block.py``,
+    ``engine/kernels/mlp_block.py``). Needs the Triton elementwise kernels (``fused_elementwise``
+    "triton", or "auto" on CUDA); serves nothing with ``compile_decode``, above 16 rows or for a
+    non-SiLU MLP (Gemma-4), and warns once per reason for layers it cannot serve (partial LoRA
+    targets, an MLP bias, rank > 64), where the unfused path runs. Why ask: the kernel alone ran 56.1 us against 64.3
     (cuBLAS) and 65.2 (the skinny kernels) at Qwen3-4B's MLP, 4 rows, cold weights (H100,
     2026-12-08, ``scripts/device/ab_mlp_block.py``); the engine A/B is
     ``scripts/bench_flex.py --variants '{"name": "mlp_block", "options": {"mlp_block":

@@ -9,11 +9,12 @@ Llama/Qwen3 MLP in the weights' dtype rounds: gate and up outputs once to the dt
 once, the product once; the down GEMM's sum stays fp32 (the caller rounds it once, as a GEMM
 epilogue would). ``acc`` must be zero on entry (:func:`mlp_block` zeroes the one it allocates;
 pass ``out=`` a zeroed buffer to reuse one, e.g. under CUDA graphs). No bias. LoRA
-(:class:`MlpLora`, PEFT fp32 adapters): gate's and up's B added to their rounded outputs before
-the activation (``scaling * xa @ B^T`` in fp32, rounded once: :mod:`.lora_act_mul`'s order, B
-tiles ``[BLOCK_R, BLOCK_J]`` read once per column block), and down's A applied to each
-program's slice of the activation, ``h @ A_d^T`` added into ``xa_down`` with fp32 atomics (PEFT:
-``lora_A(h.to(fp32))``), so down's B follows in one expand launch. Works on CUDA and under
+(:class:`MlpLora`: fp32 or 16-bit adapters): gate's and up's B added to their rounded outputs
+before the activation (``scaling * xa @ B^T`` in fp32, rounded once: :mod:`.lora_act_mul`'s
+order, B tiles ``[BLOCK_R, BLOCK_J]`` read once per column block), and down's A applied to each
+program's slice of the activation, the unrounded ``h @ A_d^T`` added into ``xa_down`` with fp32
+atomics, so down's B follows in one expand launch (which rounds that sum to a 16-bit B's dtype
+first: PEFT's ``lora_A`` output dtype). Works on CUDA and under
 ``TRITON_INTERPRET=1``.
 
 Design: grid ``cdiv(I, BLOCK_J)``; program ``p`` owns intermediate columns ``[p BLOCK_J, (p+1)
